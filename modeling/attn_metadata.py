@@ -1,0 +1,133 @@
+"""Attention metadata: the per-step description of which tokens belong to which sequence.
+
+Built on the host from a batch of sequence slices, copied to the device once,
+and passed explicitly from the model to every layer and operator (never hidden
+in a global). Lifetime: one forward step. All tensors live on the step's device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+class MetadataError(ValueError):
+    """A batch description is inconsistent (lengths, block tables, capacity)."""
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention metadata.
+
+    is_decoding: every sequence contributes exactly one query token.
+    q_seqlens: int32 `[B]` new tokens per sequence in this step.
+    kv_seqlens: int32 `[B]` tokens in the cache after this step (history + new).
+    q_start_loc: int32 `[B]` offset of each sequence's first token in the flat batch.
+    block_tables: int32 `[B, max_blocks_per_seq]` physical block ids; unused entries 0
+        (block 0 is the reserved padding block, never given to a sequence).
+    slot_mapping: int64 `[num_tokens]` flat cache slot of each token; -1 = do not store.
+    last_token_index: int64 `[B]` flat index of each sequence's last token.
+    max_q_seqlen, max_kv_seqlen: host ints, upper bounds used for eager kernel grids.
+    """
+
+    is_decoding: bool
+    q_seqlens: torch.Tensor
+    kv_seqlens: torch.Tensor
+    q_start_loc: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    last_token_index: torch.Tensor
+    max_q_seqlen: int
+    max_kv_seqlen: int
+    block_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.q_seqlens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """One sequence's share of a step: `tokens` appended after `num_history` cached tokens.
+
+    block_table lists the physical blocks holding positions [0, num_history + len(tokens)).
+    """
+
+    tokens: Sequence[int]
+    num_history: int
+    block_table: Sequence[int]
+
+
+def build_step(
+    slices: Sequence[SequenceSlice],
+    block_size: int,
+    device: torch.device | str,
+    max_blocks_per_seq: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Flatten `slices` into (input_ids int64 [T], position_ids int64 [T], metadata).
+
+    Raises MetadataError when a slice is empty, its history is negative, or its
+    block table is too short for its tokens (nothing is written anywhere).
+    """
+    if not slices:
+        raise MetadataError("a step needs at least one sequence")
+    q_lens = np.empty(len(slices), dtype=np.int32)
+    kv_lens = np.empty(len(slices), dtype=np.int32)
+    for i, s in enumerate(slices):
+        if len(s.tokens) == 0:
+            raise MetadataError(f"sequence {i} has no new tokens")
+        if s.num_history < 0:
+            raise MetadataError(f"sequence {i} has negative history {s.num_history}")
+        q_lens[i] = len(s.tokens)
+        kv_lens[i] = s.num_history + len(s.tokens)
+        needed = -(-int(kv_lens[i]) // block_size)
+        if len(s.block_table) < needed:
+            raise MetadataError(
+                f"sequence {i} needs {needed} blocks for {kv_lens[i]} tokens, block table has {len(s.block_table)}"
+            )
+        if any(b <= 0 for b in s.block_table[:needed]):
+            raise MetadataError(f"sequence {i} uses block 0 or a negative block; block 0 is reserved for padding")
+    width = max_blocks_per_seq or max(len(s.block_table) for s in slices)
+    if max(len(s.block_table) for s in slices) > width:
+        raise MetadataError(f"a block table is wider than max_blocks_per_seq={width}")
+    tables = np.zeros((len(slices), width), dtype=np.int32)
+    for i, s in enumerate(slices):
+        tables[i, : len(s.block_table)] = s.block_table
+    total = int(q_lens.sum())
+    ids = np.empty(total, dtype=np.int64)
+    pos = np.empty(total, dtype=np.int64)
+    starts = np.zeros(len(slices), dtype=np.int32)
+    off = 0
+    for i, s in enumerate(slices):
+        n = int(q_lens[i])
+        starts[i] = off
+        ids[off : off + n] = s.tokens
+        pos[off : off + n] = np.arange(s.num_history, s.num_history + n)
+        off += n
+    slots = tables[np.repeat(np.arange(len(slices)), q_lens), pos // block_size].astype(np.int64) * block_size + (
+        pos % block_size
+    )
+    dev = torch.device(device)
+
+    def to_dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(dev, non_blocking=True)
+
+    meta = AttentionMetadata(
+        is_decoding=bool((q_lens == 1).all()),
+        q_seqlens=to_dev(q_lens),
+        kv_seqlens=to_dev(kv_lens),
+        q_start_loc=to_dev(starts),
+        block_tables=to_dev(tables),
+        slot_mapping=to_dev(slots),
+        last_token_index=to_dev((starts + q_lens - 1).astype(np.int64)),
+        max_q_seqlen=int(q_lens.max()),
+        max_kv_seqlen=int(kv_lens.max()),
+        block_size=block_size,
+    )
+    return to_dev(ids), to_dev(pos), meta

@@ -1,0 +1,98 @@
+"""Qwen3 and Qwen3-MoE causal language models on a paged KV cache.
+
+`forward(input_ids [T], position_ids [T], kv_caches, attn_metadata) -> hidden [T, H]`
+over flattened tokens; `compute_logits(hidden, last_token_index [B]) -> fp32 [B, V]`.
+The model implements the graph runner's buffer contract through `DecodeGraphBuffersMixin`
+and opts into piecewise prefill graphs by installing its operators' eager boundaries.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from modeling.attention import AttentionImpl
+from modeling.config import ModelConfig
+from modeling.cudagraph import DecodeGraphBuffersMixin
+from modeling.layers import Qwen3Attention, Qwen3MLP, RMSNorm, RotaryEmbedding
+from modeling.moe import SparseMoeBlock
+from modeling.ops import AttentionOps, get_attention_ops
+from parallel.context import ParallelContext
+from parallel.layers import ParallelLMHead, VocabParallelEmbedding
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, ctx: ParallelContext, attn: AttentionImpl, rope: RotaryEmbedding, device=None):
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, idx, ctx, attn, rope, device)
+        self.mlp = (
+            SparseMoeBlock(cfg, ctx, device) if cfg.layer_is_moe(idx)
+            else Qwen3MLP(cfg.hidden_size, cfg.intermediate_size, ctx, cfg.dtype, device)
+        )
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
+
+    def forward(self, positions, hidden, kv_caches, attn_metadata):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_caches, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
+    """Qwen3 dense or MoE (by `cfg.num_experts`). Parameters are created on `device` uninitialised;
+    fill them with `modeling.loader` (checkpoint) or `modeling.weights.init_random`."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext | None = None, device: torch.device | str = "cpu",
+                 attn_ops: AttentionOps | None = None):
+        super().__init__()
+        self.config = cfg
+        self.ctx = ctx or ParallelContext()
+        dev = torch.device(device)
+        self.attn_impl = AttentionImpl(attn_ops or get_attention_ops(dev))
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dev)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.ctx, cfg.dtype, dev)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(cfg, i, self.ctx, self.attn_impl, rope, dev) for i in range(cfg.num_layers)
+        )
+        self.rope = rope
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, dev)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.ctx, cfg.dtype, dev)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def attn_ops(self) -> AttentionOps:
+        return self.attn_impl.ops
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_caches: Sequence[Any], attn_metadata: Any,
+                **constants: Any) -> torch.Tensor:
+        if constants:
+            raise TypeError(f"Qwen3ForCausalLM.forward takes no extra arguments, got {sorted(constants)}")
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(position_ids, hidden, kv_caches, attn_metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
+        """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""
+        return self.lm_head.logits(hidden.index_select(0, last_token_index))
+
+    # ---- piecewise CUDA graph opt-in: every request-dependent operator installs its eager boundary, all or none
+    def _boundary_operators(self) -> list:
+        ops: list = [self.attn_impl]
+        ops += [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        return ops
+
+    def supports_piecewise_cuda_graph(self) -> bool:
+        return all(op.supports_piecewise_cuda_graph() for op in self._boundary_operators())
+
+    def enable_piecewise_cuda_graph(self) -> bool:
+        if not self.supports_piecewise_cuda_graph():
+            return False
+        for op in self._boundary_operators():
+            op.enable_piecewise_cuda_graph()
+        return True
