@@ -42,6 +42,9 @@ class ForwardStep:
     mrope_position_ids: optional `[3, num_tokens]` multimodal positions (graph input).
     chunked_prefill / micro_batch / adapter_ids / extras describe request features a
     plan cannot represent; the runner sends such steps eager before any side effect.
+    global_decode: False forces the prefill paths (token-bucket plan or eager) for a
+    locally decoding DP rank inside a global prefill; True/None allow the decode graph.
+    batch_bucket_hint / token_bucket_hint: the bucket is at least this (DP ranks agree).
     extras: extra forward keyword arguments. Immutable scalars (int, float, bool,
     str, None) are descriptor constants; anything else is dynamic and goes eager.
     """
@@ -56,6 +59,11 @@ class ForwardStep:
     micro_batch: bool = False
     adapter_ids: Optional[torch.Tensor] = None
     extras: Mapping[str, Any] = field(default_factory=dict)
+    # Set by the coordinator so every DP rank picks the same graph: the phase of the
+    # global step (None = decide locally), and lower bounds for the batch / token bucket.
+    global_decode: Optional[bool] = None
+    batch_bucket_hint: int = 0
+    token_bucket_hint: int = 0
 
     @property
     def is_decoding(self) -> bool:

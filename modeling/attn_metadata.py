@@ -99,35 +99,53 @@ def build_step(
     tables = np.zeros((len(slices), width), dtype=np.int32)
     for i, s in enumerate(slices):
         tables[i, : len(s.block_table)] = s.block_table
-    total = int(q_lens.sum())
-    ids = np.empty(total, dtype=np.int64)
-    pos = np.empty(total, dtype=np.int64)
-    starts = np.zeros(len(slices), dtype=np.int32)
-    off = 0
-    for i, s in enumerate(slices):
-        n = int(q_lens[i])
-        starts[i] = off
-        ids[off : off + n] = s.tokens
-        pos[off : off + n] = np.arange(s.num_history, s.num_history + n)
-        off += n
-    slots = tables[np.repeat(np.arange(len(slices)), q_lens), pos // block_size].astype(np.int64) * block_size + (
-        pos % block_size
-    )
+    ids = np.fromiter((t for s in slices for t in s.tokens), dtype=np.int64)
+    history = np.array([s.num_history for s in slices], dtype=np.int32)
+    return build_step_from_arrays(ids, q_lens, history, tables, block_size, device)
+
+
+def build_step_from_arrays(
+    token_ids: np.ndarray,
+    q_seqlens: np.ndarray,
+    num_history: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Vectorised builder from validated arrays (int64 `[T]`, int32 `[B]`, int32 `[B]`, int32 `[B, W]`).
+
+    All int64 fields travel in one host-to-device copy and all int32 fields in another.
+    """
+    b, width = block_tables.shape
+    total = int(token_ids.shape[0])
+    q_lens = q_seqlens.astype(np.int32, copy=False)
+    kv_lens = (num_history + q_lens).astype(np.int32)
+    starts = np.zeros(b, dtype=np.int32)
+    np.cumsum(q_lens[:-1], out=starts[1:])
+    seq_of = np.repeat(np.arange(b), q_lens)
+    pos = np.arange(total, dtype=np.int64) - np.repeat(starts, q_lens) + np.repeat(num_history, q_lens)
+    slots = block_tables[seq_of, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    last = (starts + q_lens - 1).astype(np.int64)
+    i64 = np.concatenate([token_ids.astype(np.int64, copy=False), pos, slots, last])
+    i32 = np.concatenate([q_lens, kv_lens, starts, block_tables.reshape(-1).astype(np.int32, copy=False)])
     dev = torch.device(device)
-
-    def to_dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(dev, non_blocking=True)
-
+    pin = dev.type == "cuda"
+    t64 = torch.from_numpy(i64)
+    t32 = torch.from_numpy(i32)
+    if pin:
+        t64, t32 = t64.pin_memory(), t32.pin_memory()
+    d64 = t64.to(dev, non_blocking=True)
+    d32 = t32.to(dev, non_blocking=True)
     meta = AttentionMetadata(
         is_decoding=bool((q_lens == 1).all()),
-        q_seqlens=to_dev(q_lens),
-        kv_seqlens=to_dev(kv_lens),
-        q_start_loc=to_dev(starts),
-        block_tables=to_dev(tables),
-        slot_mapping=to_dev(slots),
-        last_token_index=to_dev((starts + q_lens - 1).astype(np.int64)),
+        q_seqlens=d32[:b],
+        kv_seqlens=d32[b : 2 * b],
+        q_start_loc=d32[2 * b : 3 * b],
+        block_tables=d32[3 * b :].view(b, width),
+        slot_mapping=d64[2 * total : 3 * total],
+        last_token_index=d64[3 * total :],
         max_q_seqlen=int(q_lens.max()),
         max_kv_seqlen=int(kv_lens.max()),
         block_size=block_size,
     )
-    return to_dev(ids), to_dev(pos), meta
+    return d64[:total], d64[total : 2 * total], meta

@@ -55,12 +55,13 @@ def generate(
     longest = max(len(p) for p in prompts) + max_new_tokens
     if longest > cfg.max_position_embeddings:
         raise CacheCapacityError(f"a sequence of {longest} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}")
+    if kv_cache is not None:
+        block_size = kv_cache.spec.block_size
     per_seq = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]
     if kv_cache is None:
         need = sum(per_seq) + 1
         spec = KVCacheSpec.for_model(cfg, num_blocks or need, block_size, model.ctx.tp_size)
         kv_cache = PagedKVCache(spec, model.device)
-    block_size = kv_cache.spec.block_size
     alloc = BlockAllocator(kv_cache.spec.num_blocks)
     if sum(per_seq) > alloc.num_free:
         raise CacheCapacityError(f"the prompts need {sum(per_seq)} KV blocks, the cache has {alloc.num_free}")

@@ -1,6 +1,6 @@
 """Paged KV cache: one K and one V arena per layer, `[num_blocks, block_size, kv_heads, head_dim]`.
 
-Block 0 is the reserved padding block: it is zeroed, never handed to a sequence, and is
+Arenas start zeroed. Block 0 is the reserved padding block: never handed to a sequence, and is
 where padded rows of graph buckets point. Arenas live for the runtime's lifetime (until
 a reset resizes them); their addresses are captured by CUDA graphs.
 """
@@ -68,12 +68,9 @@ class PagedKVCache:
         self.spec = spec
         shape = (spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim)
         self.layers = [
-            (torch.empty(shape, dtype=spec.dtype, device=device), torch.empty(shape, dtype=spec.dtype, device=device))
+            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
             for _ in range(spec.num_layers)
         ]
-        for k, v in self.layers:
-            k[PADDING_BLOCK].zero_()
-            v[PADDING_BLOCK].zero_()
 
     @property
     def nbytes(self) -> int:

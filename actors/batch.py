@@ -1,0 +1,85 @@
+"""The step description that crosses the process boundary: plain numpy arrays, cheap to pickle.
+
+One `StepBatch` per DP rank per step, built by that rank's scheduler. Sequences are
+in batch order; `token_ids` is the flat concatenation of each sequence's new tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+class BatchError(ValueError):
+    """A step batch is malformed (shapes, lengths, ids)."""
+
+
+@dataclass
+class StepBatch:
+    """token_ids int64 `[T]`; q_seqlens int32 `[B]` (new tokens); num_history int32 `[B]` (cached tokens);
+    block_tables int32 `[B, W]` (blocks covering history + new tokens; block 0 never used);
+    temperature float32 `[B]` (0 = greedy), top_k int32 `[B]` (0 = off), top_p float32 `[B]`,
+    seeds int64 `[B]` (-1 = unseeded). The next token of each sequence is sampled at
+    position num_history + q_seqlen."""
+
+    token_ids: np.ndarray
+    q_seqlens: np.ndarray
+    num_history: np.ndarray
+    block_tables: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    seeds: np.ndarray
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.q_seqlens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool((self.q_seqlens == 1).all())
+
+    def validate(self, vocab_size: int, block_size: int) -> None:
+        b = self.batch_size
+        if b == 0:
+            raise BatchError("empty batch")
+        for name in ("num_history", "temperature", "top_k", "top_p", "seeds"):
+            if getattr(self, name).shape != (b,):
+                raise BatchError(f"{name} has shape {getattr(self, name).shape}, expected ({b},)")
+        if self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
+            raise BatchError(f"block_tables has shape {self.block_tables.shape}, expected ({b}, W)")
+        if (self.q_seqlens < 1).any() or int(self.q_seqlens.sum()) != self.num_tokens:
+            raise BatchError("q_seqlens must be >= 1 and sum to len(token_ids)")
+        if self.num_tokens and (self.token_ids.min() < 0 or self.token_ids.max() >= vocab_size):
+            raise BatchError(f"token ids must be in [0, {vocab_size})")
+        need = -(-(self.num_history + self.q_seqlens) // block_size)
+        if (need > self.block_tables.shape[1]).any():
+            raise BatchError("a block table is too short for its sequence")
+        cols = np.arange(self.block_tables.shape[1])[None, :] < need[:, None]
+        if (self.block_tables[cols] <= 0).any():
+            raise BatchError("a used block table entry is 0 (the reserved padding block) or negative")
+
+    @staticmethod
+    def from_sequences(tokens: Sequence[Sequence[int]], num_history: Sequence[int], block_tables: Sequence[Sequence[int]],
+                       temperature: Sequence[float] | None = None, top_k: Sequence[int] | None = None,
+                       top_p: Sequence[float] | None = None, seeds: Sequence[int] | None = None) -> "StepBatch":
+        b = len(tokens)
+        width = max(len(t) for t in block_tables)
+        tables = np.zeros((b, width), dtype=np.int32)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = t
+        return StepBatch(
+            token_ids=np.fromiter((x for t in tokens for x in t), dtype=np.int64),
+            q_seqlens=np.array([len(t) for t in tokens], dtype=np.int32),
+            num_history=np.asarray(num_history, dtype=np.int32),
+            block_tables=tables,
+            temperature=np.asarray(temperature if temperature is not None else [0.0] * b, dtype=np.float32),
+            top_k=np.asarray(top_k if top_k is not None else [0] * b, dtype=np.int32),
+            top_p=np.asarray(top_p if top_p is not None else [1.0] * b, dtype=np.float32),
+            seeds=np.asarray(seeds if seeds is not None else [-1] * b, dtype=np.int64),
+        )

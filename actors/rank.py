@@ -1,0 +1,221 @@
+"""`RankRuntime`: one rank's device, model shard, paged KV cache and graph runner. Ray-free.
+
+Executes one `StepBatch` per call (numpy in, next tokens out), runs start-up capture one
+bucket at a time (the coordinator drives buckets in lock-step), and resets. All device
+work runs on the runtime's forward stream (the current stream of the rank's device).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from actors.batch import StepBatch
+from graphrunner.config import GraphRunnerConfig
+from graphrunner.runner import CUDAGraphRunner
+from graphrunner.step import ForwardStep
+from modeling.attn_metadata import build_step_from_arrays
+from modeling.config import ModelConfig, get_preset, load_config, PRESETS
+from modeling.dummy import make_dummy_inputs
+from modeling.kv_cache import KVCacheSpec, PagedKVCache
+from modeling.loader import init_random, load_checkpoint
+from modeling.ops import get_attention_ops
+from modeling.qwen3 import Qwen3ForCausalLM
+from modeling.sampling import SamplingParams, sample
+from parallel.context import ParallelContext
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What every rank of a deployment is built from.
+
+    model: a preset name (random weights, `seed`) or an HF checkpoint directory.
+    dtype: override the model dtype ("float32" / "float16" / "bfloat16"); None keeps it
+        (presets on CPU run in float32).
+    num_kv_blocks: blocks per rank; None sizes from `kv_cache_memory_fraction` of the free
+        device memory after weights (CUDA) or uses 512 (CPU).
+    max_model_len: longest sequence (prompt + output); sets the block-table width.
+    """
+
+    model: str = "qwen3-tiny"
+    seed: int = 0
+    dtype: Optional[str] = None
+    device: str = "auto"
+    block_size: int = 64
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory_fraction: float = 0.5
+    max_model_len: int = 4096
+    attention_backend: str = "auto"
+    graph: GraphRunnerConfig = field(default_factory=GraphRunnerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size <= 0 or self.max_model_len <= 0:
+            raise ValueError("block_size and max_model_len must be positive")
+        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
+        if self.model not in PRESETS and not Path(self.model).is_dir():
+            get_preset(self.model)  # raises UnknownPresetError naming the known presets
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def model_config(self, device: torch.device) -> ModelConfig:
+        cfg = get_preset(self.model) if self.model in PRESETS else load_config(self.model)
+        if self.dtype is not None:
+            cfg = cfg.with_dtype(_DTYPES[self.dtype])
+        elif device.type == "cpu" and cfg.dtype != torch.float32:
+            cfg = cfg.with_dtype(torch.float32)
+        return cfg
+
+
+def resolve_device(spec: str, local_gpu: int = 0) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda", local_gpu) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(spec)
+
+
+class RankRuntime:
+    """Owns one rank's model shard, KV cache and graph runner (lifetime: the rank's process)."""
+
+    def __init__(self, cfg: RuntimeConfig, ctx: ParallelContext, device: torch.device):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.model_config = cfg.model_config(device)
+        self.model: Optional[Qwen3ForCausalLM] = None
+        self.kv_cache: Optional[PagedKVCache] = None
+        self.runner: Optional[CUDAGraphRunner] = None
+        self.timings: dict[str, float] = {}
+
+    # ---- start-up
+    def load_model(self) -> float:
+        t0 = time.perf_counter()
+        ops = get_attention_ops(self.device, self.cfg.attention_backend)
+        with torch.device(self.device):
+            model = Qwen3ForCausalLM(self.model_config, self.ctx, self.device, ops)
+        if self.cfg.model in PRESETS:
+            init_random(model, self.cfg.seed)
+        else:
+            load_checkpoint(model, self.cfg.model)
+        self.model = model.eval()
+        self._sync()
+        self.timings["weights_s"] = time.perf_counter() - t0
+        return self.timings["weights_s"]
+
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.model.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
+    def kv_blocks_for_budget(self) -> int:
+        if self.cfg.num_kv_blocks is not None:
+            return self.cfg.num_kv_blocks
+        if self.device.type != "cuda":
+            return 512
+        free, _ = torch.cuda.mem_get_info(self.device)
+        spec = KVCacheSpec.from_memory_budget(self.model_config, int(free * self.cfg.kv_cache_memory_fraction),
+                                              self.cfg.block_size, self.ctx.tp_size)
+        return spec.num_blocks
+
+    def allocate_kv_cache(self, num_blocks: Optional[int] = None) -> int:
+        """Allocate the arenas; the runner must be reset first if one exists (captured addresses)."""
+        if self.runner is not None and self.runner_has_graphs():
+            raise RuntimeError("reset the graph runner before reallocating the KV cache")
+        n = num_blocks if num_blocks is not None else self.kv_blocks_for_budget()
+        self.kv_cache = None
+        spec = KVCacheSpec.for_model(self.model_config, n, self.cfg.block_size, self.ctx.tp_size)
+        self.kv_cache = PagedKVCache(spec, self.device)
+        return n
+
+    def build_runner(self) -> None:
+        self.runner = CUDAGraphRunner(
+            self.model, self.cfg.graph, self.device, self._dummy_step, self.cfg.max_blocks_per_seq,
+        )
+
+    def runner_has_graphs(self) -> bool:
+        snap = self.runner.stats.snapshot()
+        return bool(snap.get("captured_decode") or snap.get("captured_prefill"))
+
+    def capture_sizes(self) -> tuple[list[int], list[int]]:
+        return list(self.runner.decode_capture_sizes()), list(self.runner.prefill_capture_sizes())
+
+    def capture_decode(self, batch: int) -> float:
+        return self.runner.capture_decode(batch)
+
+    def capture_prefill(self, tokens: int) -> float:
+        return self.runner.capture_prefill(tokens)
+
+    def _dummy_step(self, num_tokens: int, batch_size: int, is_decoding: bool) -> ForwardStep:
+        ids, pos, meta = make_dummy_inputs(num_tokens, batch_size, is_decoding, self.cfg.block_size,
+                                           self.cfg.max_blocks_per_seq, self.device)
+        return ForwardStep(ids, pos, self.kv_cache.layers, meta)
+
+    # ---- steps
+    @torch.inference_mode()
+    def execute(self, batch: Optional[StepBatch], global_decode: Optional[bool] = None, batch_bucket: int = 0,
+                token_bucket: int = 0) -> Optional[np.ndarray]:
+        """Run one forward step; returns int64 `[B]` next tokens, or None for an idle (dummy) step.
+
+        An idle rank runs a harmless dummy step of the global bucket so collectives pair up.
+        """
+        if batch is None:
+            decode = global_decode is not False
+            n = max(batch_bucket, 1) if decode else max(token_bucket, 1)
+            step = self._dummy_step(n, max(batch_bucket, 1) if decode else 1, decode)
+            step = dataclasses.replace(step, global_decode=global_decode, batch_bucket_hint=batch_bucket,
+                                       token_bucket_hint=token_bucket)
+            self.runner(step)
+            return None
+        batch.validate(self.model_config.vocab_size, self.cfg.block_size)
+        if batch.block_tables.shape[1] > self.cfg.max_blocks_per_seq:
+            raise ValueError(f"block tables of width {batch.block_tables.shape[1]} exceed max_model_len")
+        if int(batch.block_tables.max()) >= self.kv_cache.spec.num_blocks:
+            raise ValueError(f"a block id is >= num_kv_blocks {self.kv_cache.spec.num_blocks}")
+        ids, pos, meta = build_step_from_arrays(batch.token_ids, batch.q_seqlens, batch.num_history, batch.block_tables,
+                                                self.cfg.block_size, self.device)
+        step = ForwardStep(ids, pos, self.kv_cache.layers, meta, global_decode=global_decode,
+                           batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
+        hidden = self.runner(step)
+        logits = self.model.compute_logits(hidden, meta.last_token_index)
+        if not batch.temperature.any():
+            return logits.argmax(dim=-1).cpu().numpy()
+        params = [SamplingParams(float(t), int(k), float(p), None if s < 0 else int(s))
+                  for t, k, p, s in zip(batch.temperature, batch.top_k, batch.top_p, batch.seeds)]
+        positions = (batch.num_history + batch.q_seqlens).tolist()
+        return sample(logits, params, positions).cpu().numpy()
+
+    def reset(self) -> None:
+        """Drop every graph and plan (the runner's reset also runs its hooks, e.g. DeepEP teardown)."""
+        if self.runner is not None:
+            self.runner.reset()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"device": str(self.device), "timings": dict(self.timings)}
+        if self.runner is not None:
+            out["runner"] = self.runner.stats.snapshot()
+        if self.kv_cache is not None:
+            out["kv_blocks"] = self.kv_cache.spec.num_blocks
+            out["kv_bytes"] = self.kv_cache.nbytes
+        if self.device.type == "cuda":
+            out["memory_allocated"] = torch.cuda.memory_allocated(self.device)
+            out["memory_reserved"] = torch.cuda.memory_reserved(self.device)
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
