@@ -24,7 +24,7 @@ from modeling.config import ModelConfig, get_preset, load_config, PRESETS
 from modeling.dummy import make_dummy_inputs
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.loader import init_random, load_checkpoint
-from modeling.ops import get_attention_ops
+from modeling.ops import get_kernel_ops
 from modeling.qwen3 import Qwen3ForCausalLM
 from modeling.sampling import SamplingParams, sample
 from parallel.context import ParallelContext
@@ -52,7 +52,7 @@ class RuntimeConfig:
     num_kv_blocks: Optional[int] = None
     kv_cache_memory_fraction: float = 0.5
     max_model_len: int = 4096
-    attention_backend: str = "auto"
+    kernel_backend: str = "auto"
     graph: GraphRunnerConfig = field(default_factory=GraphRunnerConfig)
 
     def __post_init__(self) -> None:
@@ -102,7 +102,7 @@ class RankRuntime:
     # ---- start-up
     def load_model(self) -> float:
         t0 = time.perf_counter()
-        ops = get_attention_ops(self.device, self.cfg.attention_backend)
+        ops = get_kernel_ops(self.device, self.cfg.kernel_backend)
         with torch.device(self.device):
             model = Qwen3ForCausalLM(self.model_config, self.ctx, self.device, ops)
         if self.cfg.model in PRESETS:

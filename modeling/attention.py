@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from graphrunner.piecewise import OutputPolicy, eager_boundary
-from modeling.ops import AttentionOps
+from modeling.ops import KernelOps
 
 
 def paged_attention(
@@ -24,7 +24,7 @@ def paged_attention(
     layer_idx: int,
     attn_metadata: Any,
     scale: float,
-    ops: AttentionOps,
+    ops: KernelOps,
 ) -> torch.Tensor:
     """q `[T, Hq, D]`, k/v `[T, Hkv, D]` with T >= attn_metadata.num_tokens (bucket padding past it).
 
@@ -51,7 +51,7 @@ _paged_attention_boundary = eager_boundary(output=OutputPolicy.PADDED_TOKENS, to
 class AttentionImpl:
     """Per-model attention operator holder (shared by all layers). Not an nn.Module: no weights."""
 
-    def __init__(self, ops: AttentionOps):
+    def __init__(self, ops: KernelOps):
         self.ops = ops
         self._fn = paged_attention
 

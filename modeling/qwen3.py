@@ -17,25 +17,32 @@ from modeling.config import ModelConfig
 from modeling.cudagraph import DecodeGraphBuffersMixin
 from modeling.layers import Qwen3Attention, Qwen3MLP, RMSNorm, RotaryEmbedding
 from modeling.moe import SparseMoeBlock
-from modeling.ops import AttentionOps, get_attention_ops
+from modeling.ops import KernelOps, get_kernel_ops
 from parallel.context import ParallelContext
 from parallel.layers import ParallelLMHead, VocabParallelEmbedding
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, ctx: ParallelContext, attn: AttentionImpl, rope: RotaryEmbedding, device=None):
+    def __init__(self, cfg: ModelConfig, idx: int, ctx: ParallelContext, attn: AttentionImpl, rope: RotaryEmbedding,
+                 ops: KernelOps, device=None):
         super().__init__()
-        self.self_attn = Qwen3Attention(cfg, idx, ctx, attn, rope, device)
+        self.self_attn = Qwen3Attention(cfg, idx, ctx, attn, rope, ops, device)
         self.mlp = (
             SparseMoeBlock(cfg, ctx, device) if cfg.layer_is_moe(idx)
-            else Qwen3MLP(cfg.hidden_size, cfg.intermediate_size, ctx, cfg.dtype, device)
+            else Qwen3MLP(cfg.hidden_size, cfg.intermediate_size, ctx, cfg.dtype, ops, device)
         )
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops, device)
 
-    def forward(self, positions, hidden, kv_caches, attn_metadata):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_caches, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, kv_caches, attn_metadata):
+        """Returns (mlp output, residual stream before it); the next layer fuses their sum into its norm."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_caches, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
@@ -43,19 +50,20 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
     fill them with `modeling.loader` (checkpoint) or `modeling.weights.init_random`."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext | None = None, device: torch.device | str = "cpu",
-                 attn_ops: AttentionOps | None = None):
+                 ops: KernelOps | None = None):
         super().__init__()
         self.config = cfg
         self.ctx = ctx or ParallelContext()
         dev = torch.device(device)
-        self.attn_impl = AttentionImpl(attn_ops or get_attention_ops(dev))
+        self.kernels = ops or get_kernel_ops(dev)
+        self.attn_impl = AttentionImpl(self.kernels)
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dev)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.ctx, cfg.dtype, dev)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(cfg, i, self.ctx, self.attn_impl, rope, dev) for i in range(cfg.num_layers)
+            Qwen3DecoderLayer(cfg, i, self.ctx, self.attn_impl, rope, self.kernels, dev) for i in range(cfg.num_layers)
         )
         self.rope = rope
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, dev)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, self.kernels, dev)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.ctx, cfg.dtype, dev)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -65,17 +73,17 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
         return self.embed_tokens.weight.device
 
     @property
-    def attn_ops(self) -> AttentionOps:
-        return self.attn_impl.ops
+    def attn_ops(self) -> KernelOps:
+        return self.kernels
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_caches: Sequence[Any], attn_metadata: Any,
                 **constants: Any) -> torch.Tensor:
         if constants:
             raise TypeError(f"Qwen3ForCausalLM.forward takes no extra arguments, got {sorted(constants)}")
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(position_ids, hidden, kv_caches, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(position_ids, hidden, residual, kv_caches, attn_metadata)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""

@@ -1,41 +1,46 @@
-"""Operators behind one interface, picked by device: the torch reference (CPU and GPU)
-and Triton CUDA kernels (GPU). `get_attention_ops(device, prefer)` returns an
-`AttentionOps` whose three functions have identical signatures in both backends."""
+"""Operators behind one interface, picked by device: the torch reference (CPU and GPU) and
+Triton CUDA kernels (GPU). `get_kernel_ops(device, prefer)` returns a `KernelOps` whose
+functions have identical signatures in both backends (see `attention_ref.py`, `fused_ref.py`)."""
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from modeling.ops import attention_ref
+from modeling.ops import attention_ref, fused_ref
 
 
 @dataclass(frozen=True)
-class AttentionOps:
-    """name: "torch" or "triton". store_kv / prefill_attention / decode_attention: see attention_ref."""
+class KernelOps:
+    """name: "torch" or "triton". `capturable`: the decode-path kernels have static grids and no host sync."""
 
     name: str
     store_kv: Callable
     prefill_attention: Callable
     decode_attention: Callable
-    capturable: bool  # decode + store have static grids and no host sync
+    rms_norm: Callable
+    add_rms_norm: Callable
+    qk_norm_rope: Callable
+    silu_and_mul: Callable
+    capturable: bool
 
 
-def _from_module(name: str, mod: types.ModuleType, capturable: bool) -> AttentionOps:
-    return AttentionOps(name, mod.store_kv, mod.prefill_attention, mod.decode_attention, capturable)
+def _collect(name: str, attention, fused, capturable: bool) -> KernelOps:
+    return KernelOps(name, attention.store_kv, attention.prefill_attention, attention.decode_attention,
+                     fused.rms_norm, fused.add_rms_norm, fused.qk_norm_rope, fused.silu_and_mul, capturable)
 
 
-def get_attention_ops(device: torch.device | str, prefer: str = "auto") -> AttentionOps:
+def get_kernel_ops(device: torch.device | str, prefer: str = "auto") -> KernelOps:
     """prefer: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"."""
     dev = torch.device(device)
     if prefer not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown attention backend {prefer!r}; use auto, torch or triton")
+        raise ValueError(f"unknown kernel backend {prefer!r}; use auto, torch or triton")
     if prefer == "torch" or (prefer == "auto" and dev.type != "cuda"):
-        return _from_module("torch", attention_ref, capturable=False)
+        # The reference ops loop over sequences on the host: usable in graphs only on the full-graph-free paths.
+        return _collect("torch", attention_ref, fused_ref, capturable=False)
     if dev.type != "cuda":
-        raise ValueError("the triton attention backend needs a CUDA device")
-    from modeling.ops import triton_attention
+        raise ValueError("the triton kernel backend needs a CUDA device")
+    from modeling.ops import triton_attention, triton_fused
 
-    return _from_module("triton", triton_attention, capturable=True)
+    return _collect("triton", triton_attention, triton_fused, capturable=True)
