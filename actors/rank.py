@@ -6,6 +6,7 @@ work runs on the runtime's forward stream (the current stream of the rank's devi
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -91,24 +92,31 @@ class RankRuntime:
         self.cfg = cfg
         self.ctx = ctx
         self.device = device
+        # All device work runs on one forward stream (capture is illegal on the legacy default stream);
+        # each entry point enters it, so whichever thread Ray calls from, the runner sees its own stream.
+        self.stream = None
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            self.stream = torch.cuda.Stream(device)
         self.model_config = cfg.model_config(device)
         self.model: Optional[Qwen3ForCausalLM] = None
         self.kv_cache: Optional[PagedKVCache] = None
         self.runner: Optional[CUDAGraphRunner] = None
         self.timings: dict[str, float] = {}
 
+    def on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
     # ---- start-up
     def load_model(self) -> float:
         t0 = time.perf_counter()
         ops = get_kernel_ops(self.device, self.cfg.kernel_backend)
-        with torch.device(self.device):
+        with torch.device(self.device), self.on_stream():
             model = Qwen3ForCausalLM(self.model_config, self.ctx, self.device, ops)
-        if self.cfg.model in PRESETS:
-            init_random(model, self.cfg.seed)
-        else:
-            load_checkpoint(model, self.cfg.model)
+            if self.cfg.model in PRESETS:
+                init_random(model, self.cfg.seed)
+            else:
+                load_checkpoint(model, self.cfg.model)
         self.model = model.eval()
         self._sync()
         self.timings["weights_s"] = time.perf_counter() - t0
@@ -139,12 +147,14 @@ class RankRuntime:
         n = num_blocks if num_blocks is not None else self.kv_blocks_for_budget()
         self.kv_cache = None
         spec = KVCacheSpec.for_model(self.model_config, n, self.cfg.block_size, self.ctx.tp_size)
-        self.kv_cache = PagedKVCache(spec, self.device)
+        with self.on_stream():
+            self.kv_cache = PagedKVCache(spec, self.device)
+        self._sync()
         return n
 
     def build_runner(self) -> None:
         self.runner = CUDAGraphRunner(
-            self.model, self.cfg.graph, self.device, self._dummy_step, self.cfg.max_blocks_per_seq,
+            self.model, self.cfg.graph, self.device, self._dummy_step, self.cfg.max_blocks_per_seq, stream=self.stream,
         )
 
     def runner_has_graphs(self) -> bool:
@@ -155,10 +165,12 @@ class RankRuntime:
         return list(self.runner.decode_capture_sizes()), list(self.runner.prefill_capture_sizes())
 
     def capture_decode(self, batch: int) -> float:
-        return self.runner.capture_decode(batch)
+        with self.on_stream():
+            return self.runner.capture_decode(batch)
 
     def capture_prefill(self, tokens: int) -> float:
-        return self.runner.capture_prefill(tokens)
+        with self.on_stream():
+            return self.runner.capture_prefill(tokens)
 
     def _dummy_step(self, num_tokens: int, batch_size: int, is_decoding: bool) -> ForwardStep:
         ids, pos, meta = make_dummy_inputs(num_tokens, batch_size, is_decoding, self.cfg.block_size,
@@ -173,6 +185,10 @@ class RankRuntime:
 
         An idle rank runs a harmless dummy step of the global bucket so collectives pair up.
         """
+        with self.on_stream():
+            return self._execute(batch, global_decode, batch_bucket, token_bucket)
+
+    def _execute(self, batch, global_decode, batch_bucket, token_bucket):
         if batch is None:
             decode = global_decode is not False
             n = max(batch_bucket, 1) if decode else max(token_bucket, 1)
@@ -202,7 +218,8 @@ class RankRuntime:
     def reset(self) -> None:
         """Drop every graph and plan (the runner's reset also runs its hooks, e.g. DeepEP teardown)."""
         if self.runner is not None:
-            self.runner.reset()
+            with self.on_stream():
+                self.runner.reset()
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"device": str(self.device), "timings": dict(self.timings)}

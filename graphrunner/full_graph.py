@@ -1,0 +1,144 @@
+"""Full CUDA graphs for decode steps: one graph per key (batch bucket, query length 1, model extra key).
+
+Lifecycle of one `DecodeGraph` (seed):
+    model-owned static buffers (made once per runner lifetime, shared by every decode graph)
+    -> fill buffers + redirect the context (`update_context`) -> eager warm-up
+    -> capture the complete model call into the shared pool on the rank stream
+    -> keep the output buffer -> later: fill, redirect, replay, slice.
+The first capture returns the WARM-UP output: capture executes nothing, and replaying
+right after the warm-up would apply a stateful model's state update twice.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .capture import KeepOriginalErrorGraph
+from .errors import GraphCaptureError
+from .forward_args import model_kwargs, scalar_constants
+from .step import ForwardStep, GraphMeta
+
+
+@dataclass(frozen=True)
+class DecodeGraphKey:
+    batch: int
+    query_len: int = 1
+    extra: tuple = ()
+
+
+def decode_graph_key(model: Any, step: ForwardStep, padded_batch: int) -> DecodeGraphKey:
+    """Key of the graph serving `step` at `padded_batch` (scalar extras are part of it: they are
+    baked into the captured call)."""
+    constants = scalar_constants(step.extras) or ()
+    return DecodeGraphKey(padded_batch, 1, tuple(model.graph_extra_key(step)) + constants)
+
+
+class DecodeGraph:
+    """One captured decode graph and its output buffer (graph-pool storage it owns)."""
+
+    __slots__ = ("key", "graph", "output", "pool_bytes", "capture_seconds")
+
+    def __init__(self, key: DecodeGraphKey, graph: Any, output: torch.Tensor, pool_bytes: int, seconds: float):
+        self.key = key
+        self.graph = graph
+        self.output = output
+        self.pool_bytes = pool_bytes
+        self.capture_seconds = seconds
+
+
+class FullGraphRunner:
+    """Owns every decode graph of one runner, the model's static buffers and the shared graph pool."""
+
+    def __init__(self, model: Any, graph_meta: GraphMeta, stream: Any):
+        self.model = model
+        self.graph_meta = graph_meta
+        self.device = graph_meta.device
+        self.stream = stream
+        self._graphs: dict[DecodeGraphKey, DecodeGraph] = {}
+        self._buffers: Optional[dict[str, torch.Tensor]] = None
+        self._pool: Optional[Any] = None
+
+    # ---- queries
+    def has_graph(self, key: DecodeGraphKey) -> bool:
+        return key in self._graphs
+
+    def keys(self) -> list[DecodeGraphKey]:
+        return list(self._graphs)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(g.pool_bytes for g in self._graphs.values())
+
+    @property
+    def buffer_bytes(self) -> int:
+        if not self._buffers:
+            return 0
+        return sum(b.numel() * b.element_size() for b in self._buffers.values() if isinstance(b, torch.Tensor))
+
+    def _ensure_buffers(self) -> dict[str, torch.Tensor]:
+        if self._buffers is None:
+            self._buffers = self.model.make_buffers(self.graph_meta)
+        return self._buffers
+
+    # ---- start-up
+    def capture(self, step: ForwardStep, padded_batch: int) -> tuple[DecodeGraphKey, torch.Tensor]:
+        """Warm up and capture the graph for `step` at `padded_batch`; returns (key, warm-up output sliced).
+
+        Runs on the current stream, which must be the rank's forward stream.
+        """
+        if padded_batch > self.graph_meta.max_batch_size or padded_batch < step.batch_size:
+            raise GraphCaptureError(
+                f"padded batch {padded_batch} must be in [{step.batch_size}, {self.graph_meta.max_batch_size}]"
+            )
+        key = decode_graph_key(self.model, step, padded_batch)
+        if key in self._graphs:
+            raise GraphCaptureError(f"decode graph {key} is already captured")
+        t0 = time.perf_counter()
+        buffers = self._ensure_buffers()
+        self.model.fill_buffers(buffers, step, padded_batch)
+        ctx = self.model.update_context(buffers, step, padded_batch)
+        kwargs = model_kwargs(ctx)
+        warm = self.model(**kwargs)  # one eager warm-up before each capture
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with KeepOriginalErrorGraph(graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"):
+                output = self.model(**kwargs)
+        except BaseException:
+            # a failed capture may leave its pool id unusable: later captures get a fresh pool
+            self._pool = None
+            raise
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved_before)
+        self._graphs[key] = DecodeGraph(key, graph, output, pool_bytes, time.perf_counter() - t0)
+        return key, self.model.get_outputs(warm, step.num_tokens)
+
+    # ---- serving
+    def replay(self, key: DecodeGraphKey, step: ForwardStep) -> torch.Tensor:
+        """Fill the static buffers from the live step, redirect the context, replay, slice the output."""
+        g = self._graphs[key]
+        buffers = self._buffers
+        self.model.fill_buffers(buffers, step, key.batch)
+        self.model.update_context(buffers, step, key.batch)
+        g.graph.replay()
+        return self.model.get_outputs(g.output, step.num_tokens)
+
+    # ---- invalidation
+    def reset(self) -> None:
+        """Drop every graph, the static buffers and the shared pool (caller synchronizes first)."""
+        self._graphs.clear()
+        self._buffers = None
+        self._pool = None
+

@@ -1,0 +1,295 @@
+"""`CUDAGraphRunner`: one rank's graph selection, start-up capture, replay and invalidation.
+
+The coordinator drives start-up one bucket at a time (same buckets, same order on
+every rank): `decode_capture_sizes()` / `capture_decode(b)`, then
+`prefill_capture_sizes()` / `capture_prefill(t)`. On CPU or in eager mode those calls
+run one eager warm-up forward of the bucket, so the lock-step protocol is identical.
+Serving (`__call__`) never captures and never evicts. `reset()` is the only
+invalidation owner.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from .config import GraphRunnerConfig
+from .dispatch import Decision, DispatchPolicy, Path
+from .errors import GraphCaptureError
+from .forward_args import model_kwargs
+from .full_graph import FullGraphRunner, decode_graph_key
+from .piecewise import PiecewiseGraphManager
+from .standard import REQUEST_LIFETIME_FRAME_NAMES, StandardPiecewiseRuntime
+from .stats import EagerReason, ExecPath, RunnerStats
+from .step import ForwardStep, GraphMeta
+
+DummyStepFactory = Callable[[int, int, bool], ForwardStep]
+
+
+class CUDAGraphRunner:
+    """Per-rank CUDA graph runner (model- and operator-blind).
+
+    model: the standard decoder contract (see graphrunner/README.md).
+    dummy_step_factory(num_tokens, batch_size, is_decoding): a harmless bucket-shaped step.
+    max_blocks_per_seq: block-table width of the decode graph buffers.
+    stream: the rank's forward stream (default: current stream at construction). Capture
+        is illegal on the legacy default stream, so if that is what we get the runner
+        owns a side stream and brackets every call with stream waits both ways.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        config: GraphRunnerConfig,
+        device: torch.device | str,
+        dummy_step_factory: DummyStepFactory,
+        max_blocks_per_seq: int,
+        stream: Optional[Any] = None,
+    ):
+        self.model = model
+        self.config = config
+        self.device = torch.device(device)
+        self.dummy_step_factory = dummy_step_factory
+        self.stats = RunnerStats()
+        self._cuda = self.device.type == "cuda"
+        self._decode_buckets = config.decode_buckets()
+        self._prefill_buckets = config.prefill_buckets()
+        self._reset_hooks: list[Callable[[], None]] = []
+        self._preparing = 0
+        self.stream: Optional[Any] = None
+        if self._cuda:
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            self.stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+            if self.stream == torch.cuda.default_stream(self.device):
+                self.stream = torch.cuda.Stream(self.device)
+        max_batch = self._decode_buckets[-1] if self._decode_buckets else 0
+        max_tokens = max(max_batch, self._prefill_buckets[-1] if self._prefill_buckets else 0, 1)
+        self.graph_meta = GraphMeta(max_batch, max_tokens, max_blocks_per_seq, self.device)
+        graphs = self._cuda and not config.eager_mode
+        self._full: Optional[FullGraphRunner] = (
+            FullGraphRunner(model, self.graph_meta, self.stream) if graphs and self._decode_buckets else None
+        )
+        self._pcg: Optional[StandardPiecewiseRuntime] = None
+        off_reason = EagerReason.PCG_DISABLED
+        if graphs and self._prefill_buckets:
+            off_reason = self._enable_piecewise()
+        self._policy = DispatchPolicy(
+            model=model,
+            eager_mode=config.eager_mode,
+            cuda=self._cuda,
+            decode_buckets=self._decode_buckets,
+            has_decode_graph=self._full.has_graph if self._full is not None else (lambda key: False),
+            piecewise=self._pcg,
+            piecewise_off_reason=off_reason,
+        )
+
+    def _enable_piecewise(self) -> EagerReason:
+        supports = getattr(self.model, "supports_piecewise_cuda_graph", None)
+        enable = getattr(self.model, "enable_piecewise_cuda_graph", None)
+        if supports is None or enable is None or not supports():
+            return EagerReason.PCG_UNSUPPORTED_BY_MODEL
+        if not enable():  # the model installs its operators' boundaries all-or-none
+            return EagerReason.PCG_UNSUPPORTED_BY_MODEL
+        manager = PiecewiseGraphManager(
+            self.device, self.stream, capture_guard=self.config.pcg_capture_guard,
+            request_owned=REQUEST_LIFETIME_FRAME_NAMES,
+        )
+        self._pcg = StandardPiecewiseRuntime(self.model, manager, self._prefill_buckets)
+        return EagerReason.PCG_DISABLED
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def piecewise_enabled(self) -> bool:
+        return self._pcg is not None
+
+    @property
+    def piecewise_manager(self) -> Optional[PiecewiseGraphManager]:
+        return self._pcg.manager if self._pcg is not None else None
+
+    @property
+    def full_graphs(self) -> Optional[FullGraphRunner]:
+        return self._full
+
+    @property
+    def num_decode_graphs(self) -> int:
+        return self._full.num_graphs if self._full is not None else 0
+
+    @property
+    def num_plans(self) -> int:
+        return self._pcg.manager.num_plans if self._pcg is not None else 0
+
+    def decide(self, step: ForwardStep) -> Decision:
+        """The path `step` would take now (no side effects)."""
+        return self._policy.decide(step, self._preparing > 0)
+
+    # ------------------------------------------------------------------ serving
+    def __call__(self, step: ForwardStep) -> torch.Tensor:
+        """Run one forward step; returns hidden states `[num_tokens, H]`.
+
+        The path is decided before any side effect. A graph output is a view of
+        reusable storage: consume it before the next call.
+        """
+        with torch.inference_mode():
+            if self._cuda and torch.cuda.current_stream(self.device) != self.stream:
+                with self._on_rank_stream():
+                    return self._execute(step, self._policy.decide(step, self._preparing > 0), serving=True)
+            return self._execute(step, self._policy.decide(step, self._preparing > 0), serving=True)
+
+    def _execute(self, step: ForwardStep, decision: Decision, serving: bool) -> torch.Tensor:
+        path = decision.path
+        if path is Path.FULL_GRAPH:
+            out = self._full.replay(decision.decode_key, step)
+            self.stats.record_step(ExecPath.FULL_GRAPH, step.num_tokens, decision.decode_key.batch)
+            return out
+        if path is Path.PIECEWISE:
+            out = self._pcg.replay(decision.descriptor, step)
+            if serving:
+                self.stats.record_step(ExecPath.PIECEWISE, step.num_tokens, decision.descriptor.token_bucket)
+            return out
+        if path is Path.BUILD:
+            t0 = time.perf_counter()
+            out = self._pcg.prepare(decision.descriptor, step)
+            torch.cuda.synchronize(self.device)
+            self.stats.record_capture("prefill", decision.descriptor.token_bucket, time.perf_counter() - t0, True)
+            self._refresh_memory_stats()
+            return out
+        out = self.model(**model_kwargs(step))
+        if serving:
+            self.stats.record_step(ExecPath.EAGER, step.num_tokens, step.num_tokens, decision.reason)
+        return out
+
+    @contextlib.contextmanager
+    def _on_rank_stream(self) -> Iterator[None]:
+        if not self._cuda:
+            yield
+            return
+        current = torch.cuda.current_stream(self.device)
+        if current == self.stream:
+            yield
+            return
+        self.stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            current.wait_stream(self.stream)
+
+    # ------------------------------------------------------------------ start-up
+    def decode_capture_sizes(self) -> list[int]:
+        """Decode buckets in capture order (largest first)."""
+        return sorted(self._decode_buckets, reverse=True)
+
+    def prefill_capture_sizes(self) -> list[int]:
+        """Piecewise token buckets in capture order (largest first)."""
+        return sorted(self._prefill_buckets, reverse=True)
+
+    @contextlib.contextmanager
+    def preparing_prefill(self) -> Iterator[None]:
+        """Start-up preparation context: inside it a prefill step without a plan builds one."""
+        self._preparing += 1
+        try:
+            yield
+        finally:
+            self._preparing -= 1
+
+    def capture_decode(self, batch: int) -> float:
+        """Warm up and capture the decode graph of bucket `batch`; returns seconds (0.0 if already captured).
+
+        CPU / eager mode / unsupported by the model: one eager warm-up forward instead.
+        """
+        if batch not in self._decode_buckets:
+            raise GraphCaptureError(f"{batch} is not a decode bucket {list(self._decode_buckets)}")
+        step = self.dummy_step_factory(batch, batch, True)
+        with torch.inference_mode(), self._on_rank_stream():
+            t0 = time.perf_counter()
+            as_graph = self._full is not None and bool(self.model.supports_cuda_graph(step))
+            if as_graph:
+                if self._full.has_graph(decode_graph_key(self.model, step, batch)):
+                    return 0.0
+                self._full.capture(step, batch)
+            else:
+                self.model(**model_kwargs(step))
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - t0
+        self.stats.record_capture("decode", batch, seconds, as_graph)
+        self._refresh_memory_stats()
+        return seconds
+
+    def capture_prefill(self, tokens: int) -> float:
+        """Build and publish the piecewise plan of token bucket `tokens`; returns seconds (0.0 if present).
+
+        CPU / eager mode / PCG off: one eager warm-up forward of the bucket instead.
+        """
+        if tokens not in self._prefill_buckets:
+            raise GraphCaptureError(f"{tokens} is not a piecewise token bucket {list(self._prefill_buckets)}")
+        step = self.dummy_step_factory(tokens, 1, False)
+        with torch.inference_mode(), self._on_rank_stream(), self.preparing_prefill():
+            decision = self._policy.decide(step, preparing=True)
+            if decision.path is Path.PIECEWISE:
+                return 0.0
+            if decision.path is Path.BUILD:
+                t0 = time.perf_counter()
+                self._execute(step, decision, serving=False)
+                return time.perf_counter() - t0
+            if decision.path is Path.FULL_GRAPH:
+                raise GraphCaptureError("the prefill dummy step was dispatched to a decode graph")
+            t0 = time.perf_counter()
+            self._execute(step, decision, serving=False)
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - t0
+        self.stats.record_capture("prefill", tokens, seconds, False)
+        return seconds
+
+    # ------------------------------------------------------------------ invalidation
+    def add_reset_hook(self, fn: Callable[[], None]) -> None:
+        """Run `fn()` at the end of every `reset()` (e.g. collective DeepEP buffer destroy + barrier)."""
+        self._reset_hooks.append(fn)
+
+    def reset(self) -> None:
+        """Drop every full graph, plan, bridge, static buffer and graph pool, then run the reset hooks.
+
+        Call before weights, KV arenas or any other captured address change; re-capture after.
+        Every hook runs even if one fails (collective hooks must pair up); the first error is raised.
+        """
+        if self._cuda:
+            torch.cuda.synchronize(self.device)  # no replay may still be reading what we drop
+        if self._full is not None:
+            self._full.reset()
+        if self._pcg is not None:
+            self._pcg.reset()
+        gc.collect()
+        if self._cuda:
+            # A cuBLAS workspace first used during a capture lives in that graph's private pool
+            # and would pin it; workspaces are re-created lazily (outside capture) on next use.
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
+            torch.cuda.empty_cache()
+        self.stats.on_reset()
+        first_error: Optional[BaseException] = None
+        for hook in self._reset_hooks:
+            try:
+                hook()
+            except BaseException as e:  # noqa: BLE001 - run every hook, re-raise the first
+                if first_error is None:
+                    first_error = e
+        if first_error is not None:
+            raise first_error
+
+    def _refresh_memory_stats(self) -> None:
+        s = self.stats
+        s.decode_graph_pool_bytes = self._full.pool_bytes if self._full is not None else 0
+        s.static_buffer_bytes = self._full.buffer_bytes if self._full is not None else 0
+        if self._pcg is not None:
+            m = self._pcg.manager
+            s.piecewise_graph_pool_bytes = m.pool_bytes
+            s.bridge_bytes = m.bridge_bytes
+            s.static_buffer_bytes += sum(
+                b.numel() * b.element_size() for d in m.descriptors() for b in m.plan(d).inputs.values()
+            )
