@@ -152,7 +152,7 @@ def main() -> None:
                       iters=10)
         prefill_rows.append({"tokens": t, "eager": e, "pcg": p, "eager_over_pcg": e["wall_s"] / p["wall_s"]})
         print(f"{t:6d} {e['wall_s'] * 1e3:9.3f} {p['wall_s'] * 1e3:9.3f} {e['wall_s'] / p['wall_s']:9.2f}")
-    paths = rt.runner.stats.snapshot()["steps_per_path"]
+    paths = rt.runner.stats.snapshot()["steps"]
     print("paths:", paths)
     write_json(args.out, {
         "machine": machine(), "model": args.model, "context": args.context, "copy_bandwidth_Bps": bw,

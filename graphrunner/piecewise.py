@@ -78,6 +78,10 @@ class PiecewiseGraphManager:
         self.request_owned = tuple(request_owned)
         self.bridge_pool = ReusableBridgePool()
         self._plans: dict[Hashable, PiecewisePlan] = {}
+        # One graph memory pool for every plan: plans replay one at a time and a plan's
+        # intermediates are dead between replays (its outputs are non-owning views), so
+        # plans built largest-first reuse the same blocks (as vLLM shares one pool).
+        self._graph_pool: Optional[Any] = None
 
     # ---- queries
     def has_plan(self, descriptor: Hashable) -> bool:
@@ -128,10 +132,12 @@ class PiecewiseGraphManager:
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
         pool_bridges_before = self.bridge_pool.nbytes
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
         builder = _CaptureBuilder(
             device=self.device,
             stream=stream,
-            pool=torch.cuda.graph_pool_handle(),
+            pool=self._graph_pool,
             frame=frame,
             request_owned=self.request_owned,
             token_capacity=token_capacity,
@@ -139,7 +145,11 @@ class PiecewiseGraphManager:
             inputs=inputs,
             guard=self.capture_guard,
         )
-        plan, out = builder.build(forward)
+        try:
+            plan, out = builder.build(forward)
+        except BaseException:
+            self._graph_pool = None  # a failed capture's pool is never captured into again
+            raise
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         grown = torch.cuda.memory_reserved(self.device) - reserved_before
@@ -163,4 +173,5 @@ class PiecewiseGraphManager:
         for plan in self._plans.values():
             plan.release()
         self._plans.clear()
+        self._graph_pool = None
         self.bridge_pool.clear()

@@ -41,11 +41,13 @@ def paged_attention(
         return ops.decode_attention(q, k_cache, v_cache, attn_metadata.block_tables, attn_metadata.kv_seqlens, scale)
     return ops.prefill_attention(
         q, k_cache, v_cache, attn_metadata.q_start_loc, attn_metadata.q_seqlens, attn_metadata.kv_seqlens,
-        attn_metadata.block_tables, scale,
+        attn_metadata.block_tables, scale, max_q_seqlen=attn_metadata.max_q_seqlen,
     )
 
 
-_paged_attention_boundary = eager_boundary(output=OutputPolicy.PADDED_TOKENS, token_axis=0)(paged_attention)
+# The output feeds only the next captured piece (o_proj), so its bridge storage is recycled after it.
+_paged_attention_boundary = eager_boundary(output=OutputPolicy.PADDED_TOKENS, token_axis=0,
+                                           reuse_bridge_after_next_step=True)(paged_attention)
 
 
 class AttentionImpl:

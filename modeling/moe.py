@@ -145,4 +145,5 @@ class SparseMoeBlock(nn.Module):
         return self._experts(hidden, self.gate(hidden))
 
 
-_moe_boundary = eager_boundary(SparseMoeBlock.experts)
+# The output feeds only the next captured piece (residual add + norm), so its bridge storage is recycled after it.
+_moe_boundary = eager_boundary(reuse_bridge_after_next_step=True)(SparseMoeBlock.experts)

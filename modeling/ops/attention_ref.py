@@ -54,11 +54,13 @@ def prefill_attention(
     kv_seqlens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_q_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached history and themselves.
 
     KV for the new tokens must already be stored. Returns `[T, Hq, D]`; rows past
-    the real tokens (bucket padding) are zero.
+    the real tokens (bucket padding) are zero. `max_q_seqlen` (a grid hint for the
+    kernels) is not needed here.
     """
     out = torch.zeros_like(q)
     starts, qlens, kvlens = q_start_loc.tolist(), q_seqlens.tolist(), kv_seqlens.tolist()

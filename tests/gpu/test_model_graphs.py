@@ -38,9 +38,9 @@ def test_decode_graph_equals_bucket_eager_exactly_and_raw_eager_closely(decode_r
         seqs = Seqs(rt)
         prompts, tables = _prefill(seqs, rng, b)
         step = seqs.step([[7] for _ in prompts], [len(p) for p in prompts], tables)
-        before = rt.runner.stats.snapshot()["steps_per_path"].get("full_graph", 0)
+        before = rt.runner.stats.snapshot()["steps"].get("full_graph", 0)
         graph_out = rt.runner(step).clone()
-        assert rt.runner.stats.snapshot()["steps_per_path"]["full_graph"] == before + 1
+        assert rt.runner.stats.snapshot()["steps"]["full_graph"] == before + 1
         padded = min(x for x in buckets if x >= b)
         bufs = rt.model.make_buffers(rt.runner.graph_meta)
         rt.model.fill_buffers(bufs, step, padded)
@@ -90,7 +90,7 @@ def test_continuous_batching_128_steps_graphs_equal_eager():
     graphs = make_runtime(max_decode_batch=32, pcg_max_tokens=1024)
     eager = make_runtime(eager_mode=True, capture=False)
     got, want = _continuous_batching(graphs), _continuous_batching(eager)
-    paths = graphs.runner.stats.snapshot()["steps_per_path"]
+    paths = graphs.runner.stats.snapshot()["steps"]
     assert paths.get("full_graph", 0) > 50, paths
     assert got == want
     del graphs, eager
@@ -120,9 +120,9 @@ def test_pcg_replay_equals_bucket_eager(pcg_rt, partition, history):
         rt.model(s.input_ids, s.position_ids, s.kv_caches, s.attn_metadata)
     chunks = [random_tokens(rng, n, vocab) for n in partition]
     step = seqs.step(chunks, [history] * len(partition), tables)
-    before = rt.runner.stats.snapshot()["steps_per_path"].get("piecewise", 0)
+    before = rt.runner.stats.snapshot()["steps"].get("piecewise", 0)
     out = rt.runner(step).clone()
-    assert rt.runner.stats.snapshot()["steps_per_path"]["piecewise"] == before + 1
+    assert rt.runner.stats.snapshot()["steps"]["piecewise"] == before + 1
     ref = eager_bucket(rt, step, 512 if sum(partition) <= 512 else 1024)
     assert torch.equal(out, ref)
 
