@@ -50,7 +50,13 @@ def _prefill_step(rt: RankRuntime, tokens: int) -> ForwardStep:
 
 
 def _compiled_decode(rt: RankRuntime):
+    """torch.compile's own CUDA graphs over the same model. The KV arenas are marked static so the
+    store kernel's in-place cache writes do not make cudagraph trees skip the graph."""
     model = rt.model
+    for k, v in rt.kv_cache.layers:
+        torch._dynamo.mark_static_address(k)
+        torch._dynamo.mark_static_address(v)
+    torch._logging.set_logs(graph_breaks=True, recompiles=True, perf_hints=True)
 
     def fwd(ids, pos, kv, meta):
         return model.compute_logits(model(ids, pos, kv, meta), meta.last_token_index).argmax(-1)

@@ -67,6 +67,9 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.ctx, cfg.dtype, dev)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        for m in self.modules():  # dense projections and the LM head use the backend's GEMM
+            if hasattr(type(m), "gemm"):
+                m.gemm = self.kernels.linear
 
     @property
     def device(self) -> torch.device:

@@ -35,6 +35,8 @@ def _divide(n: int, d: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split along the output dim; output stays sharded. x: `[T, in]` -> `[T, out/tp]`."""
 
+    gemm = staticmethod(F.linear)  # the model may install a faster `(x, w) -> x @ w.T` (e.g. a skinny decode GEMM)
+
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, dtype: torch.dtype, device=None):
         super().__init__()
         self.ctx = ctx
@@ -49,7 +51,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(full[r * self.out_per_rank : (r + 1) * self.out_per_rank])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.gemm(x, self.weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -106,6 +108,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W split along the input dim, then summed over the TP group. x: `[T, in/tp]` -> `[T, out]`."""
 
+    gemm = staticmethod(F.linear)
+
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, dtype: torch.dtype, device=None,
                  reduce_results: bool = True):
         super().__init__()
@@ -122,7 +126,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(full[:, r * self.in_per_rank : (r + 1) * self.in_per_rank])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.gemm(x, self.weight)
         return comm.all_reduce(y, self.ctx.tp_group) if self.reduce_results else y
 
 
@@ -160,8 +164,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """LM head with the vocabulary split over TP ranks: hidden `[B, H]` -> fp32 logits `[B, vocab]`."""
 
+    gemm = staticmethod(F.linear)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = self.gemm(hidden, self.weight)
         if self.ctx.tp_size > 1:
             local = comm.all_gather(local.contiguous(), self.ctx.tp_group, dim=-1)
         return local[..., : self.vocab].float()

@@ -253,6 +253,51 @@ def _qk_norm_rope_kernel(
                         eps, D, HALF, BLOCK)
 
 
+@triton.jit
+def _norm_rope_heads(X, OUT, W, COS, SIN, x_tok, stride_h, out_tok, cos_off, sin_off, eps,
+                     H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """All H heads of one token as one [HB, BLOCK] tile: same math and rounding as `_norm_rope_head`."""
+    hs = tl.arange(0, HB)
+    offs = tl.arange(0, BLOCK)
+    mask = (hs[:, None] < H) & (offs[None, :] < HALF)
+    base = X + x_tok + hs[:, None] * stride_h + offs[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+    w1 = tl.load(W + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(W + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+    in_ty = X.dtype.element_ty
+    out_ty = OUT.dtype.element_ty
+    y1 = ((x1 * rstd).to(in_ty).to(tl.float32) * w1).to(out_ty).to(tl.float32)
+    y2 = ((x2 * rstd).to(in_ty).to(tl.float32) * w2).to(out_ty).to(tl.float32)
+    hm = offs < HALF
+    c1 = tl.load(COS + cos_off + offs, mask=hm, other=0.0).to(out_ty).to(tl.float32)[None, :]
+    c2 = tl.load(COS + cos_off + HALF + offs, mask=hm, other=0.0).to(out_ty).to(tl.float32)[None, :]
+    s1 = tl.load(SIN + sin_off + offs, mask=hm, other=0.0).to(out_ty).to(tl.float32)[None, :]
+    s2 = tl.load(SIN + sin_off + HALF + offs, mask=hm, other=0.0).to(out_ty).to(tl.float32)[None, :]
+    o1 = (y1 * c1).to(out_ty).to(tl.float32) + (-y2 * s1).to(out_ty).to(tl.float32)
+    o2 = (y2 * c2).to(out_ty).to(tl.float32) + (y1 * s2).to(out_ty).to(tl.float32)
+    obase = OUT + out_tok + hs[:, None] * D + offs[None, :]
+    tl.store(obase, o1.to(out_ty), mask=mask)
+    tl.store(obase + HALF, o2.to(out_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_token_kernel(Q, K, QO, KO, QW, KW, COS, SIN, POS, stride_qt, stride_qh, stride_kt, stride_kh,
+                               stride_cos, stride_sin, eps, HQ: tl.constexpr, HKV: tl.constexpr, HQB: tl.constexpr,
+                               HKB: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (T,): one program per token, all q and k heads (prefill: T x (HQ + HKV) tiny programs cost more)."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + t).to(tl.int64)
+    _norm_rope_heads(Q, QO, QW, COS, SIN, t * stride_qt, stride_qh, t * HQ * D, pos * stride_cos, pos * stride_sin,
+                     eps, HQ, HQB, D, HALF, BLOCK)
+    _norm_rope_heads(K, KO, KW, COS, SIN, t * stride_kt, stride_kh, t * HKV * D, pos * stride_cos, pos * stride_sin,
+                     eps, HKV, HKB, D, HALF, BLOCK)
+
+
+_TOKEN_KERNEL_MIN_T = 64  # below this, one program per head keeps more SMs busy (decode)
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, positions: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q `[T, Hq, D]` and k `[T, Hkv, D]` then neox rotary at `positions` `[T]`
@@ -281,6 +326,13 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
         return q_out, k_out
     half = d // 2
     block = triton.next_power_of_2(half)
+    if t >= _TOKEN_KERNEL_MIN_T and hq * block <= 8192:
+        _qk_norm_rope_token_kernel[(t,)](
+            q, k, q_out, k_out, q_weight, k_weight, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), cos.stride(0), sin.stride(0), eps, HQ=hq, HKV=hkv, HQB=triton.next_power_of_2(hq),
+            HKB=triton.next_power_of_2(hkv), D=d, HALF=half, BLOCK=block, num_warps=4,
+        )
+        return q_out, k_out
     _qk_norm_rope_kernel[(t, hq + hkv)](
         q,
         k,
