@@ -42,5 +42,5 @@ def run_demo(args: argparse.Namespace) -> int:
     steps = result.step_seconds
     print(f"prefill {steps[0] * 1e3:.2f} ms; decode {np.mean(steps[1:]) * 1e3:.3f} ms/step "
           f"(median {np.median(steps[1:]) * 1e3:.3f} ms over {len(steps) - 1} steps)")
-    print("runner:", ex.runtime.runner.stats.snapshot().get("steps_per_path"))
+    print("runner steps per path:", ex.runtime.runner.stats.snapshot().get("steps"))
     return 0

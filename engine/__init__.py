@@ -1,0 +1,16 @@
+"""graphline engine: requests, continuous-batching schedulers (one per DP rank), the offline
+`LLMEngine.generate` API and the streaming `AsyncLLMEngine`. See engine/README.md."""
+from engine.async_engine import AsyncLLMEngine, EngineFailedError, EngineObserver, RequestStream
+from engine.executor import Executor, LocalEngineExecutor
+from engine.llm_engine import EngineConfig, EngineStepError, LLMEngine, StepInfo
+from engine.request import FinishReason, ModelLimits, Request, RequestError, RequestOutput, validate_request
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerError
+from engine.sequence import Sequence, SeqStatus
+from modeling.sampling import SamplingParams
+
+__all__ = [
+    "AsyncLLMEngine", "EngineFailedError", "EngineObserver", "RequestStream", "Executor", "LocalEngineExecutor",
+    "EngineConfig", "EngineStepError", "LLMEngine", "StepInfo", "FinishReason", "ModelLimits", "Request",
+    "RequestError", "RequestOutput", "validate_request", "Scheduler", "SchedulerConfig", "SchedulerError",
+    "Sequence", "SeqStatus", "SamplingParams",
+]

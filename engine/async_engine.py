@@ -1,0 +1,306 @@
+"""`AsyncLLMEngine`: the step loop in a background thread, tokens streamed to asyncio callers.
+
+One thread owns the `LLMEngine` and the executor (executor calls are blocking and the
+coordinator is not re-entrant): it applies queued submissions, aborts and commands
+(`call`: reset, status ...) between steps, runs steps while work exists and sleeps on a
+condition otherwise. Outputs go back to the event loop once per step
+(`loop.call_soon_threadsafe`) into one `RequestStream` per request.
+
+Requests are validated in the caller's thread (`submit` raises `RequestError`) before
+anything reaches the engine thread. An executor failure fails every in-flight request
+(their streams raise `EngineFailedError`), then the executor is rebuilt when it can be;
+if that fails too the engine is dead and refuses new requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+from engine.llm_engine import EngineStepError, LLMEngine, StepInfo
+from engine.request import FinishReason, Request, RequestError, RequestOutput
+from modeling.sampling import SamplingParams
+
+
+class EngineFailedError(RuntimeError):
+    """The request could not complete because the executor failed (or the engine is dead/stopped)."""
+
+
+class EngineObserver:
+    """Hooks called from the engine thread (metrics). Override what you need."""
+
+    def on_step(self, info: StepInfo) -> None: ...
+
+    def on_request_finished(self, out: RequestOutput) -> None: ...
+
+    def on_reset(self, result: dict) -> None: ...
+
+    def on_failure(self, message: str) -> None: ...
+
+
+class RequestStream:
+    """Async iterator of one request's `RequestOutput`s (deltas in `new_token_ids`) until finished."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def _put(self, item: Any) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        return self._unwrap(item)
+
+    def drain_nowait(self) -> list[RequestOutput]:
+        """Outputs already queued (to coalesce several steps into one write)."""
+        items = []
+        while not self.finished and not self._queue.empty():
+            items.append(self._unwrap(self._queue.get_nowait()))
+        return items
+
+    def _unwrap(self, item: Any) -> RequestOutput:
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+            if item.finish_reason is FinishReason.ERROR:
+                raise EngineFailedError(item.error or "the executor failed")
+        return item
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, observer: Optional[EngineObserver] = None):
+        self.engine = engine
+        self.observer = observer or EngineObserver()
+        engine.on_step = self._on_step
+        self._cv = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stop = False
+        self.dead: Optional[str] = None
+        self.last_step_time: Optional[float] = None
+        self.started_time = time.time()
+        self._status_cache: tuple[float, dict] = (0.0, {})
+        self.reset_log: collections.deque[dict] = collections.deque(maxlen=50)  # {time, figures...}
+        self.failure_log: collections.deque[dict] = collections.deque(maxlen=50)  # {time, message, rebuilt}
+
+    # ---- life cycle
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="graphline-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    # ---- requests (event-loop thread)
+    def make_request(self, prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,
+                     max_tokens: Optional[int] = 16, stop_token_ids: Sequence[int] = (),
+                     request_id: Optional[str] = None) -> Request:
+        return self.engine.make_request(prompt_token_ids, sampling, max_tokens, stop_token_ids, request_id)
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queue a validated request; raises `RequestError` (bad request) or `EngineFailedError` (dead)."""
+        from engine.request import validate_request
+
+        validate_request(request, self.engine.limits)
+        if self.dead is not None or self._stop:
+            raise EngineFailedError(f"the engine is not serving: {self.dead or 'shutting down'}")
+        if request.request_id in self._streams:
+            raise RequestError(f"request id {request.request_id!r} is already in flight", "request_id")
+        stream = RequestStream(request)
+        self._streams[request.request_id] = stream
+        self._post(("add", request))
+        return stream
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; aborts it if the consumer stops early (client disconnect)."""
+        stream = self.submit(request)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self._post(("abort", request_id))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` in the engine thread between steps (it may use the executor)."""
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineFailedError("the engine thread is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("call", fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def reset(self, recapture: bool = True, num_kv_blocks: Optional[int] = None,
+                    reload_weights: bool = False) -> dict:
+        """Drain (finish the step in flight), preempt running sequences, reset + re-capture every rank, resume."""
+        t0 = time.perf_counter()
+
+        def run() -> dict:
+            try:
+                return self.engine.reset(recapture, num_kv_blocks, reload_weights)
+            except Exception as exc:  # a rank failed during the reset: fail in-flight requests, rebuild
+                self._on_failure(f"reset failed: {type(exc).__name__}: {exc}")
+                raise EngineFailedError(f"reset failed: {exc}") from exc
+
+        result = await self.call(run)
+        result = {**result, "wall_s": time.perf_counter() - t0}
+        self.reset_log.append({"time": time.time(), **{k: v for k, v in result.items()
+                                                       if isinstance(v, (int, float, str, bool))}})
+        self.observer.on_reset(result)
+        self._status_cache = (0.0, {})
+        return result
+
+    async def executor_status(self, max_age_s: float = 0.5) -> dict:
+        """The executor's status (fetched in the engine thread, cached for `max_age_s`)."""
+        at, cached = self._status_cache
+        if cached and time.monotonic() - at < max_age_s:
+            return cached
+        if self.dead is not None:
+            return {**cached, "error": self.dead}
+        status = await self.call(self.engine.executor.status)
+        self._status_cache = (time.monotonic(), status)
+        return status
+
+    def stats(self) -> dict:
+        s = self.engine.stats()
+        s["in_flight"] = len(self._streams)
+        s["dead"] = self.dead
+        s["last_step_age_s"] = None if self.last_step_time is None else time.monotonic() - self.last_step_time
+        return s
+
+    # ---- engine thread
+    def _post(self, item: tuple) -> None:
+        with self._cv:
+            self._inbox.append(item)
+            self._cv.notify()
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self._cv:
+                while not self._inbox and not (eng.has_unfinished() and self.dead is None) and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    break
+                inbox, self._inbox = self._inbox, []
+            self._apply(inbox)
+            if self.dead is not None or not eng.has_unfinished():
+                continue
+            try:
+                outs = eng.step()
+            except EngineStepError as exc:
+                self._on_failure(str(exc))
+                continue
+            except Exception as exc:  # a scheduler/engine bug: fail everything, keep the process alive
+                self._on_failure(f"engine error: {type(exc).__name__}: {exc}")
+                continue
+            self.last_step_time = time.monotonic()
+            if outs:
+                self._deliver(outs)
+        self._fail_streams("the engine stopped")
+
+    def _apply(self, inbox: list[tuple]) -> None:
+        errors: list[tuple[str, BaseException]] = []
+        for item in inbox:
+            kind = item[0]
+            if kind == "add":
+                try:
+                    self.engine.add_request(item[1])
+                except Exception as exc:  # e.g. limits changed by a reset since submit()
+                    errors.append((item[1].request_id, exc))
+            elif kind == "abort":
+                self.engine.abort(item[1])
+            elif kind == "call":
+                fn, fut = item[1], item[2]
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(exc)
+        if errors:
+            self._loop.call_soon_threadsafe(self._deliver_errors, errors)
+
+    def _on_step(self, info: StepInfo) -> None:
+        try:
+            self.observer.on_step(info)
+        except Exception:  # noqa: BLE001 - metrics never break serving
+            pass
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            if out.finished:
+                try:
+                    self.observer.on_request_finished(out)
+                except Exception:  # noqa: BLE001 - metrics never break serving
+                    pass
+        self._loop.call_soon_threadsafe(self._dispatch, outs)
+
+    def _dispatch(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream._put(out)
+
+    def _deliver_errors(self, errors: list[tuple[str, BaseException]]) -> None:
+        for rid, exc in errors:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._put(exc)
+
+    def _on_failure(self, message: str) -> None:
+        self.observer.on_failure(message)
+        outs = self.engine.fail_all(message)
+        try:  # rebuild before telling the clients, so a retry meets the rebuilt (or dead) engine
+            self.engine.rebuild()
+        except Exception as exc:  # noqa: BLE001
+            self.dead = f"{message}; rebuild failed: {type(exc).__name__}: {exc}"
+        self._deliver(outs)
+        self.failure_log.append({"time": time.time(), "message": message, "rebuilt": self.dead is None})
+        if self.dead is not None:
+            self._fail_streams(self.dead)
+
+    def _fail_streams(self, message: str) -> None:
+        if self._loop is None or self._loop.is_closed():
+            return
+
+        def fail() -> None:
+            for rid in list(self._streams):
+                self._streams.pop(rid)._put(EngineFailedError(message))
+
+        try:
+            self._loop.call_soon_threadsafe(fail)
+        except RuntimeError:
+            pass

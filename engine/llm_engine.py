@@ -1,0 +1,234 @@
+"""`LLMEngine`: one scheduler per DP rank driving one executor, synchronously.
+
+`add_request` validates (raising `RequestError` before anything is scheduled) and places
+the request on the least loaded DP rank; `step()` schedules every DP rank, runs one
+executor step for all of them (`None` for idle ranks) and returns the progress of every
+request that advanced or finished. Not thread-safe: `AsyncLLMEngine` owns it from one thread.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from engine.executor import executor_max_model_len
+from engine.request import FinishReason, ModelLimits, Request, RequestError, RequestOutput, validate_request
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.sequence import Sequence as Seq
+from modeling.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """max_num_seqs / max_num_batched_tokens per DP rank; max_model_len None = the executor's."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    max_model_len: Optional[int] = None
+    watermark_blocks: int = 1
+
+
+@dataclass
+class StepInfo:
+    """What one engine step did (for metrics): seconds in the executor, phase per DP rank, token counts."""
+
+    seconds: float
+    kinds: list[Optional[str]]  # "prefill" / "decode" / None (idle) per DP rank
+    num_tokens: int
+    num_seqs: int
+
+    @property
+    def kind(self) -> str:
+        ks = {k for k in self.kinds if k}
+        return ks.pop() if len(ks) == 1 else "mixed"
+
+
+class LLMEngine:
+    def __init__(self, executor: Any, config: EngineConfig = EngineConfig()):
+        self.executor = executor
+        self.config = config
+        mcfg = executor.model_config
+        max_len = config.max_model_len or executor_max_model_len(executor) or mcfg.max_position_embeddings
+        self.limits = ModelLimits(mcfg.vocab_size, int(max_len), int(executor.block_size), int(executor.num_kv_blocks))
+        budget = config.max_num_batched_tokens or max(self.limits.max_model_len, 2048)
+        self.sched_config = SchedulerConfig(config.max_num_seqs, budget, self.limits.max_model_len,
+                                            config.watermark_blocks)
+        self.schedulers = [Scheduler(self.sched_config, self.limits.num_kv_blocks, self.limits.block_size)
+                           for _ in range(int(executor.dp_size))]
+        self._seqs: dict[str, Seq] = {}
+        self._pending: list[RequestOutput] = []  # finished outside a step (reset), reported by the next step
+        self.on_step: Optional[Callable[[StepInfo], None]] = None
+        self.counters = {"requests_added": 0, "requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
+                         "generated_tokens": 0, "prompt_tokens": 0, "steps": 0, "resets": 0, "executor_failures": 0}
+
+    # ---- requests
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    def make_request(self, prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,
+                     max_tokens: Optional[int] = 16, stop_token_ids: Sequence[int] = (),
+                     request_id: Optional[str] = None) -> Request:
+        """Build and validate a request (raises `RequestError`); schedules nothing."""
+        req = Request.make(prompt_token_ids, sampling, max_tokens, stop_token_ids, request_id)
+        validate_request(req, self.limits)
+        return req
+
+    def add_request(self, request: Request) -> str:
+        validate_request(request, self.limits)
+        if request.request_id in self._seqs:
+            raise RequestError(f"request id {request.request_id!r} is already in flight", "request_id")
+        rank = min(range(len(self.schedulers)), key=lambda r: self._load(r))
+        seq = Seq(request, rank)
+        self._seqs[request.request_id] = seq
+        self.schedulers[rank].add(seq)
+        self.counters["requests_added"] += 1
+        self.counters["prompt_tokens"] += len(request.prompt_token_ids)
+        return request.request_id
+
+    def _load(self, rank: int) -> tuple[int, int]:
+        s = self.schedulers[rank]
+        return len(s.waiting) + len(s.running), -s.allocator.num_free
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.schedulers[seq.dp_rank].abort(request_id)
+        self.counters["requests_aborted"] += 1
+        return seq.take_output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or any(s.has_unfinished for s in self.schedulers)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    # ---- steps
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        scheduled: list[Optional[ScheduledBatch]] = [s.schedule() for s in self.schedulers]
+        if all(b is None for b in scheduled):
+            if not outputs and any(s.waiting for s in self.schedulers):  # validation makes this unreachable
+                raise EngineStepError("scheduler stalled: waiting requests fit no KV cache even when it is empty")
+            return outputs
+        t0 = time.perf_counter()
+        try:
+            results = self.executor.step([None if b is None else b.batch for b in scheduled])
+        except Exception as exc:
+            for s, b in zip(self.schedulers, scheduled):
+                if b is not None:
+                    s.cancel(b)
+            self.counters["executor_failures"] += 1
+            raise EngineStepError(f"executor step failed: {type(exc).__name__}: {exc}") from exc
+        seconds = time.perf_counter() - t0
+        now = time.monotonic()
+        for s, b, toks in zip(self.schedulers, scheduled, results):
+            if b is None:
+                continue
+            if toks is None:
+                s.cancel(b)
+                raise EngineStepError("the executor returned no tokens for a scheduled DP rank")
+            for seq in s.update(b, toks, now):
+                out = seq.take_output()
+                self.counters["generated_tokens"] += len(out.new_token_ids)
+                if seq.is_finished:
+                    self._seqs.pop(seq.request_id, None)
+                    self.counters["requests_finished"] += 1
+                outputs.append(out)
+        self.counters["steps"] += 1
+        if self.on_step is not None:
+            self.on_step(StepInfo(seconds, [None if b is None else ("prefill" if b.is_prefill else "decode")
+                                            for b in scheduled],
+                                  sum(b.num_tokens for b in scheduled if b is not None),
+                                  sum(len(b.seqs) for b in scheduled if b is not None)))
+        return outputs
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every in-flight request with an error (after an executor failure)."""
+        outs = []
+        for s in self.schedulers:
+            for seq in s.fail_all(message):
+                outs.append(seq.take_output())
+        self.counters["requests_failed"] += len(outs)
+        self._seqs.clear()
+        return outs
+
+    def reset(self, recapture: bool = True, num_kv_blocks: Optional[int] = None,
+              reload_weights: bool = False) -> dict:
+        """Preempt every running sequence (they are recomputed afterwards with identical output), reset and
+        re-capture every rank, resize the block pools if the KV cache changed. Call between steps only."""
+        preempted = sum(s.preempt_all() for s in self.schedulers)
+        out = dict(self.executor.reset(recapture=recapture, num_kv_blocks=num_kv_blocks,
+                                       reload_weights=reload_weights) or {})
+        n = int(self.executor.num_kv_blocks)
+        if n != self.limits.num_kv_blocks:
+            self.limits = ModelLimits(self.limits.vocab_size, self.limits.max_model_len, self.limits.block_size, n)
+            for s in self.schedulers:
+                s.reset_blocks(n)
+            too_big = [seq for s in self.schedulers for seq in s.waiting if _needs(seq, self.limits)]
+            for seq in too_big:
+                self.schedulers[seq.dp_rank].waiting.remove(seq)
+                seq.error = "the KV cache shrank below what this request needs"
+                self.schedulers[seq.dp_rank]._finish(seq, FinishReason.ERROR)
+                self._seqs.pop(seq.request_id, None)
+                self._pending.append(seq.take_output())
+                self.counters["requests_failed"] += 1
+        self.counters["resets"] += 1
+        out["preempted"] = preempted
+        return out
+
+    def rebuild(self) -> None:
+        """Restart the executor after a failure (every request has been failed, no block is held)."""
+        if hasattr(self.executor, "rebuild"):
+            self.executor.rebuild()
+        n = int(self.executor.num_kv_blocks)
+        self.limits = ModelLimits(self.limits.vocab_size, self.limits.max_model_len, self.limits.block_size, n)
+        for s in self.schedulers:
+            s.reset_blocks(n)
+
+    def stats(self) -> dict:
+        ranks = [s.stats() for s in self.schedulers]
+        return {
+            "dp_ranks": ranks,
+            "waiting": sum(r["waiting"] for r in ranks),
+            "running": sum(r["running"] for r in ranks),
+            "preemptions": sum(r["preemptions"] for r in ranks),
+            "limits": {"vocab_size": self.limits.vocab_size, "max_model_len": self.limits.max_model_len,
+                       "block_size": self.limits.block_size, "num_kv_blocks": self.limits.num_kv_blocks,
+                       "max_num_seqs": self.sched_config.max_num_seqs,
+                       "max_num_batched_tokens": self.sched_config.max_num_batched_tokens},
+            **self.counters,
+        }
+
+    # ---- offline API
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Optional[SamplingParams] = None,
+                 max_tokens: Optional[int] = 16, stop_token_ids: Sequence[int] = ()) -> list[RequestOutput]:
+        """Generate for every prompt (continuous batching); outputs in prompt order. Every request is
+        validated before any is scheduled."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
+            raise RequestError("prompts must be a list of token id lists", "prompt")
+        reqs = [self.make_request(p, sampling, max_tokens, stop_token_ids) for p in prompts]
+        return self.run_to_completion(reqs)
+
+    def run_to_completion(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        ids = [self.add_request(r) for r in requests]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+
+class EngineStepError(RuntimeError):
+    """The executor failed during a step (a rank died or timed out); in-flight requests must be failed."""
+
+
+def _needs(seq: Seq, limits: ModelLimits) -> bool:
+    req = seq.request
+    total = len(req.prompt_token_ids) + (req.max_tokens or limits.max_model_len - len(req.prompt_token_ids))
+    return -(-total // limits.block_size) > limits.max_blocks_per_request

@@ -1,0 +1,169 @@
+"""Requests, their validation, and what the engine hands back per step.
+
+A `Request` is immutable once validated: prompt token ids, sampling parameters, stop
+conditions. Validation (`validate_request`) runs in the caller's thread before anything
+is scheduled, so a bad request never touches a scheduler, a block or a rank.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from modeling.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class RequestError(ValueError):
+    """A request is malformed or can never be served (raised before it is scheduled).
+
+    `param` names the offending field (OpenAI-style), `code` is a short machine-readable tag."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token id was generated (not included in the output)
+    LENGTH = "length"  # max_tokens reached, or the sequence reached max_model_len
+    ABORT = "abort"  # aborted by the client (disconnect) or the operator
+    ERROR = "error"  # the executor failed while the request was in flight
+
+
+def new_request_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex[:16]}-{next(_ids)}"
+
+
+@dataclass(frozen=True)
+class Request:
+    """prompt_token_ids: the prompt; max_tokens None = generate until max_model_len.
+    stop_token_ids: generation ends when one is sampled (the stop token is not returned)."""
+
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    max_tokens: Optional[int] = 16
+    stop_token_ids: frozenset[int] = frozenset()
+    request_id: str = field(default_factory=new_request_id)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @staticmethod
+    def make(prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,
+             max_tokens: Optional[int] = 16, stop_token_ids: Sequence[int] = (),
+             request_id: Optional[str] = None) -> "Request":
+        """Build a request from loose inputs; type errors become `RequestError` (nothing is validated
+        against the model here: see `validate_request`)."""
+        if isinstance(prompt_token_ids, np.ndarray):
+            prompt_token_ids = prompt_token_ids.tolist() if prompt_token_ids.ndim == 1 else None
+        if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+            raise RequestError("prompt token ids must be a list of ints", "prompt", "invalid_type")
+        for t in prompt_token_ids:
+            if not _is_int(t):
+                raise RequestError(f"prompt token ids must be ints, got {t!r}", "prompt", "invalid_type")
+        if max_tokens is not None and not _is_int(max_tokens):
+            raise RequestError(f"max_tokens must be an int, got {max_tokens!r}", "max_tokens", "invalid_type")
+        if isinstance(stop_token_ids, np.ndarray):
+            stop_token_ids = stop_token_ids.tolist()
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, set, frozenset)):
+            raise RequestError("stop_token_ids must be a list of ints", "stop_token_ids", "invalid_type")
+        for t in stop_token_ids:
+            if not _is_int(t):
+                raise RequestError(f"stop_token_ids must be ints, got {t!r}", "stop_token_ids", "invalid_type")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise RequestError("sampling must be a SamplingParams", "sampling", "invalid_type")
+        kw = {} if request_id is None else {"request_id": str(request_id)}
+        return Request(tuple(int(t) for t in prompt_token_ids), sampling or SamplingParams(),
+                       None if max_tokens is None else int(max_tokens),
+                       frozenset(int(t) for t in stop_token_ids), **kw)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is validated against: vocabulary, longest sequence, KV capacity of one DP rank."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int  # per DP rank, block 0 included (it is reserved)
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        return self.num_kv_blocks - 1
+
+
+def validate_request(req: Request, limits: ModelLimits) -> None:
+    """Raise `RequestError` if the request is malformed or could never complete alone on one DP rank."""
+    n = len(req.prompt_token_ids)
+    if n == 0:
+        raise RequestError("the prompt is empty", "prompt", "empty_prompt")
+    lo, hi = min(req.prompt_token_ids), max(req.prompt_token_ids)
+    if lo < 0 or hi >= limits.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise RequestError(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", "prompt",
+                           "invalid_token_id")
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {req.max_tokens}", "max_tokens", "invalid_value")
+    for t in req.stop_token_ids:
+        if not 0 <= t < limits.vocab_size:
+            raise RequestError(f"stop token id {t} is outside the vocabulary [0, {limits.vocab_size})",
+                               "stop_token_ids", "invalid_token_id")
+    if n >= limits.max_model_len:
+        raise RequestError(f"the prompt has {n} tokens; this model's maximum context length is "
+                           f"{limits.max_model_len} tokens (prompt + at least one new token)", "prompt",
+                           "context_length_exceeded")
+    total = n + (req.max_tokens if req.max_tokens is not None else limits.max_model_len - n)
+    if total > limits.max_model_len:
+        raise RequestError(f"this model's maximum context length is {limits.max_model_len} tokens; you requested "
+                           f"{total} ({n} in the prompt + {req.max_tokens} max_tokens)", "max_tokens",
+                           "context_length_exceeded")
+    need = math.ceil(total / limits.block_size)
+    if need > limits.max_blocks_per_request:
+        raise RequestError(f"the request needs {need} KV blocks of {limits.block_size} tokens; one DP rank holds "
+                           f"{limits.max_blocks_per_request}", "max_tokens", "kv_capacity_exceeded")
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress after a step. `new_token_ids` are the tokens since the previous output
+    (streaming); `token_ids` all generated tokens, filled in the final output (`finished`) only;
+    `num_generated` counts them at any time. Times are `time.monotonic()` seconds."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    new_token_ids: list[int]
+    token_ids: list[int]
+    num_generated: int = 0
+    finished: bool = False
+    finish_reason: Optional[FinishReason] = None
+    arrival_time: float = 0.0
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    num_preemptions: int = 0
+    error: Optional[str] = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def time_to_first_token(self) -> Optional[float]:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> Optional[float]:
+        """Mean decode interval after the first token (None below two tokens or before the end)."""
+        if self.finish_time is None or self.first_token_time is None or self.num_generated < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_generated - 1)

@@ -1,0 +1,273 @@
+"""Continuous batching for one DP rank: FCFS admission, decode of every running sequence,
+paged KV blocks, preemption by recompute.
+
+Policy per step (vLLM-v0 style, prefill and decode are separate steps):
+1. If the head of the waiting queue fits (sequence slots, token budget, free blocks),
+   admit waiting sequences in FCFS order while they fit and run one prefill step for them.
+2. Otherwise decode every running sequence; a sequence that needs a new block and finds
+   none preempts the newest running sequence (possibly itself): its blocks are freed and
+   it goes back to the front of the waiting queue to be recomputed from its prompt and
+   generated tokens. Sampling is position-keyed, so the output is unchanged.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from actors.batch import StepBatch
+from engine.request import FinishReason, Request
+from engine.sequence import Sequence, SeqStatus
+from modeling.kv_cache import BlockAllocator
+
+
+class SchedulerError(RuntimeError):
+    """The scheduler was driven out of order (e.g. an update without a scheduled batch)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """max_num_seqs: running sequences per DP rank (decode batch); max_num_batched_tokens: tokens of one
+    prefill step (a single longer sequence is still admitted alone); watermark_blocks: free blocks kept
+    back when admitting next to running sequences (damps admit/preempt ping-pong)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 4096
+    watermark_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.watermark_blocks < 0:
+            raise ValueError("watermark_blocks must be >= 0")
+
+
+@dataclass
+class ScheduledBatch:
+    """The sequences of one step, in batch order, and their `StepBatch`."""
+
+    seqs: list[Sequence]
+    batch: StepBatch
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, num_kv_blocks: int, block_size: int):
+        self.cfg = cfg
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_kv_blocks)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._in_flight: Optional[ScheduledBatch] = None
+
+    # ---- queue management
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Optional[Sequence]:
+        """Remove a request wherever it is; returns its finished sequence (None if unknown)."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return self._finish(seq, FinishReason.ABORT)
+        for seq in self.running:
+            if seq.request_id == request_id:
+                if self._in_flight is not None and seq in self._in_flight.seqs:
+                    raise SchedulerError("abort while a step is in flight")
+                self.running.remove(seq)
+                return self._finish(seq, FinishReason.ABORT)
+        return None
+
+    def preempt_all(self) -> int:
+        """Return every running sequence to the waiting queue (blocks freed, recompute later). Used by resets."""
+        n = len(self.running)
+        while self.running:
+            self._preempt(self.running.pop())
+        return n
+
+    def reset_blocks(self, num_kv_blocks: int) -> None:
+        """Rebuild the allocator (after a KV cache resize); only when no sequence holds blocks."""
+        if self.running or any(s.block_table for s in self.waiting):
+            raise SchedulerError("reset_blocks with sequences holding blocks; preempt_all first")
+        self.allocator = BlockAllocator(num_kv_blocks)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- one step
+    def schedule(self) -> Optional[ScheduledBatch]:
+        if self._in_flight is not None:
+            raise SchedulerError("schedule() called twice without update()")
+        admitted = self._admit()
+        if not admitted:
+            self._reserve_decode_blocks()
+            if not self.running:  # everything was preempted (or nothing ran): admit from a freed cache
+                admitted = self._admit()
+                if not admitted:
+                    return None
+        if admitted:
+            self.running.extend(admitted)
+            sched = ScheduledBatch(admitted, self._build(admitted), True)
+        else:
+            sched = ScheduledBatch(list(self.running), self._build(self.running), False)
+        self._in_flight = sched
+        return sched
+
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        budget = self.cfg.max_num_batched_tokens
+        while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = seq.num_new_tokens
+            if admitted and n > budget:
+                break
+            need = self.blocks_for(seq.num_tokens) - len(seq.block_table)
+            keep = self.cfg.watermark_blocks if (self.running or admitted) else 0
+            if need + keep > self.allocator.num_free:
+                break
+            seq.block_table.extend(self.allocator.allocate(need))
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            admitted.append(seq)
+            budget -= n
+        return admitted
+
+    def _reserve_decode_blocks(self) -> None:
+        i = 0
+        bs = self.block_size
+        while i < len(self.running):
+            seq = self.running[i]
+            if len(seq.token_ids) <= len(seq.block_table) * bs:  # fast path: room in the last block
+                i += 1
+                continue
+            need = self.blocks_for(seq.num_tokens) - len(seq.block_table)
+            while need > self.allocator.num_free:
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                if need:
+                    seq.block_table.extend(self.allocator.allocate(need))
+                i += 1
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _build(self, seqs: list[Sequence]) -> StepBatch:
+        width = max(len(s.block_table) for s in seqs)
+        tokens: list[int] = []
+        q: list[int] = []
+        hist: list[int] = []
+        rows: list[list[int]] = []
+        for s in seqs:
+            n0 = s.num_computed
+            if len(s.token_ids) - n0 == 1:
+                tokens.append(s.token_ids[-1])
+            else:
+                tokens.extend(s.token_ids[n0:])
+            q.append(len(s.token_ids) - n0)
+            hist.append(n0)
+            bt = s.block_table
+            rows.append(bt if len(bt) == width else bt + [0] * (width - len(bt)))
+        sp = [s.request.sampling for s in seqs]
+        return StepBatch(
+            token_ids=np.array(tokens, dtype=np.int64), q_seqlens=np.array(q, dtype=np.int32),
+            num_history=np.array(hist, dtype=np.int32), block_tables=np.array(rows, dtype=np.int32),
+            temperature=np.array([p.temperature for p in sp], dtype=np.float32),
+            top_k=np.array([p.top_k for p in sp], dtype=np.int32),
+            top_p=np.array([p.top_p for p in sp], dtype=np.float32),
+            seeds=np.array([-1 if p.seed is None else p.seed for p in sp], dtype=np.int64),
+        )
+
+    def update(self, sched: ScheduledBatch, next_tokens: np.ndarray, now: Optional[float] = None) -> list[Sequence]:
+        """Apply one step's sampled tokens; returns the sequences of the step (finished ones freed)."""
+        if sched is not self._in_flight:
+            raise SchedulerError("update() for a batch that is not in flight")
+        self._in_flight = None
+        if len(next_tokens) != len(sched.seqs):
+            raise SchedulerError(f"{len(next_tokens)} tokens for {len(sched.seqs)} sequences")
+        now = time.monotonic() if now is None else now
+        finished = False
+        for seq, tok in zip(sched.seqs, next_tokens.tolist()):
+            seq.num_computed = seq.num_tokens
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            req = seq.request
+            if tok in req.stop_token_ids:
+                seq.finish_reason = FinishReason.STOP
+            else:
+                seq.token_ids.append(tok)
+                if (req.max_tokens is not None and seq.num_output_tokens >= req.max_tokens) \
+                        or seq.num_tokens >= self.cfg.max_model_len:
+                    seq.finish_reason = FinishReason.LENGTH
+            if seq.finish_reason is not None:
+                finished = True
+        if finished:
+            keep = []
+            for seq in self.running:
+                if seq.finish_reason is not None:
+                    self._finish(seq, seq.finish_reason)
+                else:
+                    keep.append(seq)
+            self.running = keep
+        return sched.seqs
+
+    def cancel(self, sched: ScheduledBatch) -> None:
+        """Forget an in-flight batch whose step failed (its sequences are then failed by the engine)."""
+        if sched is self._in_flight:
+            self._in_flight = None
+
+    def fail_all(self, message: str) -> list[Sequence]:
+        """Finish every sequence with an error (the executor failed); returns them."""
+        self._in_flight = None
+        out = []
+        for seq in list(self.running) + list(self.waiting):
+            seq.error = message
+            out.append(self._finish(seq, FinishReason.ERROR))
+        self.running, self.waiting = [], collections.deque()
+        return out
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> Sequence:
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        return seq
+
+    def stats(self) -> dict:
+        return {
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "free_kv_blocks": self.allocator.num_free,
+            "num_kv_blocks": self.allocator.num_blocks,
+            "kv_usage": 1.0 - self.allocator.num_free / max(1, self.allocator.num_blocks - 1),
+            "preemptions": self.num_preemptions,
+        }
+
+
+def make_sequence(request: Request, dp_rank: int = 0) -> Sequence:
+    return Sequence(request, dp_rank)

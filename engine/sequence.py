@@ -1,0 +1,84 @@
+"""`Sequence`: the scheduler's mutable state of one request (tokens, KV blocks, status).
+
+Invariant: positions [0, num_computed) of `token_ids` have their K/V in the blocks of
+`block_table`; a step feeds `token_ids[num_computed:]` and samples the token at position
+`len(token_ids)`. Preemption by recompute frees the blocks and sets `num_computed` to 0,
+so the prompt and every generated token are fed again as one prefill.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+from engine.request import FinishReason, Request, RequestOutput
+
+
+class SeqStatus(str, enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    __slots__ = ("request", "token_ids", "prompt_len", "block_table", "num_computed", "status", "finish_reason",
+                 "num_preemptions", "first_token_time", "last_token_time", "_emitted", "dp_rank", "error")
+
+    def __init__(self, request: Request, dp_rank: int = 0):
+        self.request = request
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.prompt_len = len(request.prompt_token_ids)
+        self.block_table: list[int] = []
+        self.num_computed = 0
+        self.status = SeqStatus.WAITING
+        self.finish_reason: Optional[FinishReason] = None
+        self.num_preemptions = 0
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self._emitted = 0  # generated tokens already reported in a RequestOutput
+        self.dp_rank = dp_rank
+        self.error: Optional[str] = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the next step feeds (the whole sequence after a preemption, else one)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def take_output(self) -> RequestOutput:
+        """The progress since the last call (marks the new tokens as reported). `token_ids` (every generated
+        token) is filled in the final output only: copying it every step would cost O(length) per step."""
+        start = self.prompt_len + self._emitted
+        new = self.token_ids[start:]
+        self._emitted += len(new)
+        done = self.status is SeqStatus.FINISHED
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=self.request.prompt_token_ids, new_token_ids=new,
+            token_ids=self.token_ids[self.prompt_len:] if done else [], num_generated=self._emitted,
+            finished=done, finish_reason=self.finish_reason,
+            arrival_time=self.request.arrival_time, first_token_time=self.first_token_time,
+            finish_time=self.last_token_time if done else None, num_preemptions=self.num_preemptions,
+            error=self.error,
+        )
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed}, blocks={len(self.block_table)})")

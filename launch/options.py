@@ -1,0 +1,167 @@
+"""Command-line options shared by `serve`, `generate` and `bench`, and what they build:
+the `RuntimeConfig` of every rank, the deployment (Ray coordinator or local executor),
+and the engine configuration."""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+EXECUTORS = ("ray", "local", "auto")
+
+
+def add_model_args(p: argparse.ArgumentParser, executor_default: str = "ray") -> None:
+    g = p.add_argument_group("model and deployment")
+    g.add_argument("--model", default="qwen3-tiny", help="HF checkpoint directory (config.json + safetensors) "
+                   "or a random-weight preset: qwen3-tiny, qwen3-moe-tiny, qwen3-0.6b, qwen3-moe-small")
+    g.add_argument("--seed", type=int, default=0, help="weight seed of a preset")
+    g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
+    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP group")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel groups (one scheduler each)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE; = world size when enabled)")
+    g.add_argument("--ep-backend", choices=("allgather", "deepep"), default="allgather")
+    g.add_argument("--address", default=None, help="an existing Ray cluster (e.g. HEAD_IP:6379); default: start one")
+    g.add_argument("--num-cpus", type=int, default=None, help="CPUs of a Ray cluster started here")
+    g.add_argument("--executor", choices=EXECUTORS, default=executor_default,
+                   help="ray: the Ray coordinator (one actor per rank); local: one rank in this process, no Ray; "
+                        "auto: local for one rank without --address, else ray")
+    g.add_argument("--step-timeout-s", type=float, default=30.0)
+    g.add_argument("--collective-timeout-s", type=float, default=60.0)
+    c = p.add_argument_group("KV cache and scheduling")
+    c.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 64, 16 on CPU)")
+    c.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per rank (default: from free memory)")
+    c.add_argument("--kv-cache-memory-fraction", type=float, default=0.5)
+    c.add_argument("--max-model-len", type=int, default=4096, help="longest sequence (prompt + output)")
+    c.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per DP rank "
+                   "(default: --max-decode-batch, so every decode batch has a graph)")
+    c.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per prefill step per DP rank")
+    r = p.add_argument_group("graph runner")
+    r.add_argument("--eager", action="store_true", help="never capture CUDA graphs")
+    r.add_argument("--max-decode-batch", type=int, default=None,
+                   help="largest decode batch with a full graph, 0 = off (default 256; 16 on CPU, where start-up "
+                        "only warms the buckets up eagerly)")
+    r.add_argument("--pcg-max-tokens", type=int, default=None,
+                   help="largest piecewise prefill bucket, 0 = off (default 4096; 512 on CPU)")
+    r.add_argument("--pcg-token-stride", type=int, default=512)
+    r.add_argument("--pcg-min-tokens", type=int, default=None, help="finer power-of-two prefill buckets from here")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar during start-up capture")
+
+
+def _on_cpu(args: argparse.Namespace) -> bool:
+    if args.device == "cpu":
+        return True
+    if args.device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return False
+
+
+def resolve_graph_defaults(args: argparse.Namespace) -> None:
+    """Fill graph options left unset: GPU-sized by default, small on CPU (eager warm-up of every bucket)."""
+    cpu = _on_cpu(args)
+    if args.max_decode_batch is None:
+        args.max_decode_batch = 16 if cpu else 256
+    if args.pcg_max_tokens is None:
+        args.pcg_max_tokens = min(512 if cpu else 4096, args.max_model_len)
+    elif args.pcg_max_tokens > args.max_model_len:
+        raise LaunchError(f"--pcg-max-tokens {args.pcg_max_tokens} exceeds --max-model-len {args.max_model_len} "
+                          "(the start-up prefill of the largest bucket is one sequence)")
+
+
+def runtime_config(args: argparse.Namespace):
+    from actors.rank import RuntimeConfig
+    from graphrunner.config import GraphRunnerConfig
+
+    resolve_graph_defaults(args)
+    graph = GraphRunnerConfig(eager_mode=args.eager, max_decode_batch=args.max_decode_batch,
+                              pcg_max_tokens=args.pcg_max_tokens or None, pcg_token_stride=args.pcg_token_stride,
+                              pcg_min_tokens=args.pcg_min_tokens)
+    block = args.block_size or (16 if _on_cpu(args) else 64)
+    return RuntimeConfig(model=args.model, seed=args.seed, dtype=args.dtype, device=args.device, block_size=block,
+                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                         max_model_len=args.max_model_len, graph=graph)
+
+
+def executor_kind(args: argparse.Namespace) -> str:
+    if args.executor != "auto":
+        return args.executor
+    return "local" if args.tp * args.dp * args.ep == 1 and args.address is None else "ray"
+
+
+class LaunchError(RuntimeError):
+    """The command line describes a deployment that cannot be built."""
+
+
+def build_executor(args: argparse.Namespace) -> tuple[Any, str]:
+    """Create (not start) the executor the arguments describe; returns (executor, kind)."""
+    try:
+        rt = runtime_config(args)
+    except (ValueError, KeyError) as exc:  # config validation names the bad option
+        raise LaunchError(f"bad deployment options: {exc}") from exc
+    kind = executor_kind(args)
+    if kind == "local":
+        if args.tp * args.dp * args.ep != 1 or args.address:
+            raise LaunchError("--executor local runs one rank in this process: drop --tp/--dp/--ep/--address "
+                              "or use --executor ray")
+        from engine.executor import LocalEngineExecutor
+
+        return LocalEngineExecutor(rt), kind
+    try:
+        from actors.coordinator import Coordinator, DeploymentConfig
+    except ImportError as exc:  # pragma: no cover - only while the coordinator is missing
+        raise LaunchError(f"the Ray coordinator is unavailable ({exc}); use --executor local") from exc
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        dep = DeploymentConfig(runtime=rt, tp=args.tp, dp=args.dp, ep=args.ep, ep_backend=args.ep_backend,
+                               address=args.address, num_cpus=args.num_cpus,
+                               collective_timeout_s=args.collective_timeout_s, step_timeout_s=args.step_timeout_s)
+    except (ValueError, KeyError) as exc:
+        raise LaunchError(f"bad deployment options: {exc}") from exc
+    return Coordinator(dep), kind
+
+
+def start_executor(executor: Any, args: argparse.Namespace) -> dict:
+    return dict(executor.start(progress=not args.no_progress) or {})
+
+
+def engine_config(args: argparse.Namespace):
+    from engine.llm_engine import EngineConfig
+
+    resolve_graph_defaults(args)
+    seqs = args.max_num_seqs or (args.max_decode_batch if args.max_decode_batch > 0 else 256)
+    return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len)
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    name = getattr(args, "served_model_name", None)
+    if name:
+        return name
+    p = Path(args.model)
+    return p.name if p.is_dir() else args.model
+
+
+def load_tokenizer(model: str) -> Optional[Any]:
+    """The checkpoint's tokenizer (transformers AutoTokenizer, local files only), or None."""
+    p = Path(model)
+    if not p.is_dir() or not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                           "vocab.json", "tokenizer.model")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - a broken tokenizer must not stop token-id serving
+        print(f"graphline: no tokenizer loaded from {p}: {type(exc).__name__}: {exc}", flush=True)
+        return None
+
+
+def deployment_summary(args: argparse.Namespace, kind: str) -> dict:
+    return {"executor": kind, "model": args.model, "tp": args.tp, "dp": args.dp, "ep": args.ep,
+            "ep_backend": args.ep_backend, "address": args.address, "device": args.device, "eager": args.eager,
+            "max_decode_batch": args.max_decode_batch, "pcg_max_tokens": args.pcg_max_tokens,
+            "pcg_token_stride": args.pcg_token_stride, "max_model_len": args.max_model_len,
+            "num_kv_blocks": args.num_kv_blocks}

@@ -1,0 +1,92 @@
+"""`graphline serve`: start the executor (start-up capture with a progress bar), then the HTTP server.
+
+Prints `graphline: serving MODEL on http://HOST:PORT` once requests are accepted (with
+`--port 0` the line carries the port the OS chose). SIGINT/SIGTERM stop it cleanly.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+
+from launch.options import (add_model_args, build_executor, deployment_summary, engine_config, load_tokenizer,
+                            served_model_name, start_executor)
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve OpenAI-compatible completions over HTTP (+ /metrics, /status, /dashboard)")
+    add_model_args(p, executor_default="ray")
+    s = p.add_argument_group("HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 = any free port (printed on start)")
+    s.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: preset or dir name)")
+    s.add_argument("--admin-token", default=None, help="require 'Authorization: Bearer TOKEN' on /admin/*")
+    s.add_argument("--metrics-interval-s", type=float, default=5.0,
+                   help="refresh of status-derived Ray metrics (ray.util.metrics) when Ray is up")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from engine.async_engine import AsyncLLMEngine
+    from engine.llm_engine import LLMEngine
+    from launch.metrics import ServerMetrics
+    from launch.server import ServerState
+
+    t0 = time.perf_counter()
+    executor, kind = build_executor(args)
+    try:
+        timings = start_executor(executor, args)
+        engine = LLMEngine(executor, engine_config(args))
+        metrics = ServerMetrics()  # after start: Ray is initialised by then (ray.util.metrics mirror)
+        state = ServerState(
+            engine=AsyncLLMEngine(engine, metrics), metrics=metrics, model_name=served_model_name(args),
+            model_aliases=(args.model,) if args.model != served_model_name(args) else (),
+            tokenizer=load_tokenizer(args.model), deployment=deployment_summary(args, kind),
+            startup={"executor": timings, "engine_ready_s": time.perf_counter() - t0}, admin_token=args.admin_token,
+        )
+        asyncio.run(_serve(state, args, t0))
+    finally:
+        shutdown = getattr(executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+    return 0
+
+
+async def _serve(state, args: argparse.Namespace, t0: float) -> None:
+    from aiohttp import web
+
+    from launch.server import build_app, current_status
+
+    state.engine.start()
+    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    state.ready_at = time.time()
+    state.startup["ready_s"] = time.perf_counter() - t0
+    lim = state.engine.engine.limits
+    print(f"graphline: serving {state.model_name} on http://{args.host}:{port} "
+          f"(executor {state.deployment['executor']}, tp={args.tp} dp={args.dp} ep={args.ep}, "
+          f"{lim.num_kv_blocks} KV blocks x {lim.block_size} per DP rank, ready in {state.startup['ready_s']:.1f} s)",
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def refresh_ray_metrics() -> None:
+        while state.metrics.ray is not None:
+            await asyncio.sleep(args.metrics_interval_s)
+            await current_status(state)
+
+    refresher = asyncio.create_task(refresh_ray_metrics())
+    try:
+        await stop.wait()
+    finally:
+        print("graphline: shutting down", file=sys.stderr, flush=True)
+        refresher.cancel()
+        await runner.cleanup()
+        state.engine.shutdown()

@@ -1,0 +1,86 @@
+"""End-to-end helpers: `graphline serve` as a real subprocess on 127.0.0.1 (port chosen by the OS,
+read from the start-up line), stopped by signalling its own process group."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "artifacts"
+# Small CPU deployment: qwen3-tiny, few buckets, a KV cache small enough that 32 concurrent clients preempt.
+TINY_ARGS = ["--model", "qwen3-tiny", "--device", "cpu", "--max-model-len", "128", "--block-size", "16",
+             "--num-kv-blocks", "16", "--max-decode-batch", "8", "--pcg-max-tokens", "32", "--pcg-token-stride", "32",
+             "--max-num-seqs", "16", "--no-progress"]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: list[str] = field(default_factory=list)
+    startup_s: float = 0.0
+    kind: str = ""
+
+    def output(self) -> str:
+        return "".join(self.log)
+
+    def stop(self, timeout: float = 60.0) -> Optional[int]:
+        """SIGTERM to the leader (it shuts down in order: server, ranks, Ray head), then to its process group
+        (its own session: start_new_session), then SIGKILL."""
+        t0 = time.monotonic()
+        for sig, target, wait_s in ((signal.SIGTERM, "leader", timeout), (signal.SIGTERM, "group", 20),
+                                    (signal.SIGKILL, "group", 10)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                if target == "leader":
+                    self.proc.send_signal(sig)
+                else:
+                    os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                self.log.append(f"[e2e] no exit {wait_s} s after {sig.name} to the {target}\n")
+        self.log.append(f"[e2e] stopped in {time.monotonic() - t0:.1f} s, exit code {self.proc.returncode}\n")
+        return self.proc.returncode
+
+
+def start_server(cmd: list[str], timeout: float = 240.0, env: Optional[dict] = None) -> Server:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1", **(env or {})}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    srv = Server(proc, "")
+    found = threading.Event()
+
+    def reader() -> None:
+        for line in proc.stdout:
+            srv.log.append(line)
+            m = re.search(r"graphline: serving \S+ on (http://\S+)", line)
+            if m and not found.is_set():
+                srv.url = m.group(1)
+                found.set()
+        found.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    found.wait(timeout)
+    srv.startup_s = time.monotonic() - t0
+    if not srv.url:
+        srv.stop(10)
+        raise RuntimeError(f"graphline serve did not start within {timeout} s:\n{srv.output()[-5000:]}")
+    return srv
+
+
+def graphline(*args: str) -> list[str]:
+    return [sys.executable, "-m", "launch", *args]

@@ -1,0 +1,188 @@
+"""Scheduler policies: FCFS admission under a token budget and a sequence cap, decode of every running
+sequence, block accounting, preemption by recompute (identical tokens), stop conditions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import EngineConfig, FinishReason, LLMEngine, Request, SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerError
+from engine.sequence import Sequence, SeqStatus
+from engine.testing import PagedToyExecutor, ToyExecutorError
+
+
+def _prompts(n: int, lo: int = 3, hi: int = 12, vocab: int = 97, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def _seq(n_prompt: int, max_tokens: int = 8, **kw) -> Sequence:
+    return Sequence(Request.make(list(range(1, n_prompt + 1)), max_tokens=max_tokens, **kw))
+
+
+def test_fcfs_admission_respects_token_budget_and_seq_cap():
+    s = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=20, max_model_len=64), 100, 4)
+    seqs = [_seq(8), _seq(8), _seq(8), _seq(2), _seq(2)]
+    for q in seqs:
+        s.add(q)
+    b = s.schedule()
+    assert b.is_prefill and b.seqs == seqs[:2]  # 8 + 8 fits 20, the third 8 does not
+    assert list(b.batch.q_seqlens) == [8, 8] and list(b.batch.num_history) == [0, 0]
+    s.update(b, np.array([5, 6]))
+    b = s.schedule()  # the head (8 tokens) fits now; the cap of 3 running stops there (FCFS, no skipping)
+    assert b.is_prefill and b.seqs == [seqs[2]]
+    s.update(b, np.array([7]))
+    b = s.schedule()
+    assert not b.is_prefill and b.seqs == seqs[:3] and b.batch.is_decoding
+    assert list(b.batch.num_history) == [8, 8, 8] and list(b.batch.token_ids) == [5, 6, 7]
+
+
+def test_single_prompt_larger_than_budget_is_admitted_alone():
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=4, max_model_len=64), 100, 4)
+    a, b = _seq(10), _seq(2)
+    s.add(a)
+    s.add(b)
+    first = s.schedule()
+    assert first.seqs == [a]
+
+
+def test_blocks_allocated_lazily_and_freed_on_finish():
+    s = Scheduler(SchedulerConfig(max_model_len=64), 10, 4)
+    q = _seq(4, max_tokens=3)
+    s.add(q)
+    b = s.schedule()
+    assert len(q.block_table) == 1 and s.allocator.num_free == 8
+    s.update(b, np.array([1]))
+    b = s.schedule()  # decode feeds position 4: a second block
+    assert len(q.block_table) == 2 and b.batch.block_tables.shape == (1, 2)
+    s.update(b, np.array([2]))
+    b = s.schedule()
+    s.update(b, np.array([3]))
+    assert q.is_finished and q.finish_reason is FinishReason.LENGTH and q.output_token_ids == [1, 2, 3]
+    assert s.allocator.num_free == 9 and not s.has_unfinished
+    assert 0 not in q.block_table
+
+
+def test_preemption_frees_newest_and_requeues_it_first():
+    s = Scheduler(SchedulerConfig(max_model_len=64, watermark_blocks=0), 3, 4)  # 2 usable blocks
+    a, b = _seq(4, max_tokens=8), _seq(4, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    step = s.schedule()
+    assert step.seqs == [a, b] and s.allocator.num_free == 0
+    s.update(step, np.array([1, 2]))
+    step = s.schedule()  # both need a second block: b (newest) is preempted, a decodes
+    assert step.seqs == [a] and not step.is_prefill
+    assert b.status is SeqStatus.WAITING and b.num_computed == 0 and b.block_table == [] and b.num_preemptions == 1
+    assert s.waiting[0] is b and b.token_ids == [1, 2, 3, 4, 2]  # recomputed with its generated token
+    assert s.num_preemptions == 1
+
+
+def test_a_lone_sequence_that_cannot_grow_preempts_itself():
+    s = Scheduler(SchedulerConfig(max_model_len=64, watermark_blocks=0), 2, 4)  # 1 usable block
+    a = _seq(4, max_tokens=8)
+    s.add(a)
+    s.update(s.schedule(), np.array([1]))
+    assert s.schedule() is None and a.status is SeqStatus.WAITING
+
+
+def test_schedule_update_protocol_errors():
+    s = Scheduler(SchedulerConfig(max_model_len=64), 10, 4)
+    s.add(_seq(3))
+    b = s.schedule()
+    with pytest.raises(SchedulerError):
+        s.schedule()
+    with pytest.raises(SchedulerError):
+        s.update(b, np.array([1, 2]))
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=7)])
+def test_preemption_under_memory_pressure_gives_identical_tokens(dp, sampling):
+    prompts = _prompts(24, seed=dp)
+    roomy = LLMEngine(PagedToyExecutor(num_kv_blocks=400, block_size=4, dp_size=dp), EngineConfig(max_num_seqs=32))
+    tight = LLMEngine(PagedToyExecutor(num_kv_blocks=14, block_size=4, dp_size=dp), EngineConfig(max_num_seqs=32))
+    a = roomy.generate(prompts, sampling, max_tokens=24)
+    b = tight.generate(prompts, sampling, max_tokens=24)
+    assert roomy.stats()["preemptions"] == 0
+    assert tight.stats()["preemptions"] > 0
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    ref = roomy.executor.reference
+    assert [o.token_ids for o in a] == [ref(p, 24, temperature=sampling.temperature, seed=sampling.seed or -1)
+                                        for p in prompts]
+    assert all(s.allocator.num_free == 13 for s in tight.schedulers)
+
+
+def test_stop_token_ends_without_returning_it():
+    ex = PagedToyExecutor()
+    eng = LLMEngine(ex, EngineConfig())
+    prompt = [1, 2, 3]
+    free = ex.reference(prompt, 10)
+    stop = free[4]
+    out = eng.generate([prompt], max_tokens=10, stop_token_ids=[stop])[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.token_ids == free[: free.index(stop)]
+
+
+def test_max_tokens_and_max_model_len_stop_with_length():
+    ex = PagedToyExecutor(max_model_len=20)
+    eng = LLMEngine(ex, EngineConfig())
+    out = eng.generate([[1, 2, 3]], max_tokens=5)[0]
+    assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 5
+    out = eng.generate([[1, 2, 3]], max_tokens=None)[0]  # until max_model_len
+    assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 17
+    assert out.token_ids == ex.reference([1, 2, 3], 17)
+
+
+def test_abort_frees_blocks_and_other_requests_continue():
+    ex = PagedToyExecutor(num_kv_blocks=32)
+    eng = LLMEngine(ex, EngineConfig())
+    r1 = eng.add_request(eng.make_request([1, 2, 3], max_tokens=20))
+    r2 = eng.add_request(eng.make_request([4, 5, 6], max_tokens=6))
+    eng.step()
+    eng.step()
+    out = eng.abort(r1)
+    assert out.request_id == r1 and len(out.token_ids) == 2
+    assert eng.abort(r1) is None
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            final[o.request_id] = o
+    assert list(final) == [r2] and final[r2].token_ids == ex.reference([4, 5, 6], 6)
+    assert eng.schedulers[0].allocator.num_free == 31
+
+
+def test_continuous_batching_admits_new_requests_while_others_decode():
+    ex = PagedToyExecutor(num_kv_blocks=64)
+    eng = LLMEngine(ex, EngineConfig())
+    a = eng.add_request(eng.make_request([1, 2, 3], max_tokens=10))
+    for _ in range(3):
+        eng.step()
+    b = eng.add_request(eng.make_request([7, 8], max_tokens=4))
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert ("decode", 2) in [s[0] for s in ex.steps]  # a and b decoded together
+    assert outs[b] == ex.reference([7, 8], 4)
+    assert len(outs[a]) == 7  # 3 tokens were returned before b arrived
+
+
+def test_toy_executor_catches_a_wrong_history():
+    ex = PagedToyExecutor()
+    s = Scheduler(SchedulerConfig(max_model_len=64), 64, 4)
+    q = _seq(5)
+    s.add(q)
+    b = s.schedule()
+    b.batch.num_history[:] = 1  # claims one cached token nobody wrote
+    b.batch.block_tables[:] = [[1, 2]]
+    with pytest.raises(ToyExecutorError, match="unwritten"):
+        ex.step([b.batch])
+
+
+def test_dp_ranks_share_the_load():
+    ex = PagedToyExecutor(num_kv_blocks=64, dp_size=2)
+    eng = LLMEngine(ex, EngineConfig())
+    outs = eng.generate(_prompts(6), max_tokens=4)
+    assert len(outs) == 6
+    assert any(s[0] is not None and s[1] is not None for s in ex.steps)  # both ranks busy in one step
