@@ -1,0 +1,312 @@
+"""`Coordinator`: the driver-side owner of a deployment's rank group (the engine programs against it).
+
+start():  Ray (init or connect) -> placement group + one `RankWorker` per rank, ranks ordered
+          by (node, GPU) -> process groups (rank 0 serves the TCPStore on port 0) -> weights
+          -> KV cache (min over ranks of each rank's budget) -> runners -> lock-step capture:
+          every rank captures the same decode buckets, then the same piecewise token
+          buckets, in the same order, one bucket at a time (all ranks, then the next), with
+          a progress bar and per-bucket timing. A failure on any rank resets every rank
+          (nothing published) and raises StartupCaptureError.
+step():   decides the global phase (`actors.protocol.plan_step`), fans the plan out, returns
+          the TP-rank-0 tokens per DP rank. Failures (dead or hung rank, an exception in a
+          rank) tear the whole group down and raise RankFailureError; `rebuild()` restarts.
+reset():  every rank: runner.reset() (graphs, plans) -> DeepEP buffer -> barrier; then
+          optional weight reload / KV resize and re-capture.
+The step path is a Ray compiled graph on GPU clusters and plain actor calls on CPU-only
+ones (compiled-graph actors poll their input channel: on a 2-core CI box that costs a
+core); `GRAPHLINE_STEP_PATH=plain|compiled` overrides.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from actors.batch import BatchError, StepBatch
+from actors.errors import CoordinatorStateError, RankFailureError, StartupCaptureError
+from actors.protocol import plan_step
+from actors.rank import RuntimeConfig
+from actors.rankset import CompiledStepper, PlainStepper, RankCallError, RankSet
+from actors.startup import capture_all, launch_ranks, summarize_status
+from parallel.dispatch import KINDS
+from parallel.topology import Topology
+
+__all__ = ["DeploymentConfig", "Coordinator", "RankFailureError", "StartupCaptureError", "CoordinatorStateError"]
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    runtime: RuntimeConfig = RuntimeConfig()
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    ep_backend: str = "allgather"  # or "deepep"
+    address: Optional[str] = None  # existing Ray cluster; None = ray.init locally
+    num_cpus: Optional[int] = None  # for a local ray.init
+    use_gpu: Optional[bool] = None  # None = auto (GPUs present)
+    collective_timeout_s: float = 60.0
+    step_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        Topology.of(tp=self.tp, dp=self.dp, ep=self.ep)  # TopologyError names the bad field
+        if self.ep_backend not in KINDS:
+            raise ValueError(f"ep_backend must be one of {KINDS}, got {self.ep_backend!r}")
+        if self.collective_timeout_s <= 0 or self.step_timeout_s <= 0:
+            raise ValueError("collective_timeout_s and step_timeout_s must be positive")
+
+    @property
+    def topology(self) -> Topology:
+        return Topology.of(tp=self.tp, dp=self.dp, ep=self.ep)
+
+
+@dataclass
+class _Counters:
+    steps: int = 0
+    resets: int = 0
+    failures: int = 0
+    last_phase: Optional[str] = None
+    last_failure: Optional[str] = None
+    driver_s: float = 0.0
+    in_rank_s: float = 0.0
+    phases: dict[str, int] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(self, cfg: DeploymentConfig) -> None:
+        self.cfg = cfg
+        self.topo = cfg.topology
+        self._state = "new"  # new | starting | serving | failed | shutdown
+        self._ranks: Optional[RankSet] = None
+        self._stepper: Any = None
+        self._model_config: Any = None
+        self._num_kv_blocks: Optional[int] = None
+        self._sizes: tuple[list[int], list[int]] = ([], [])
+        self._owns_ray = False
+        self._use_gpu = False
+        self._startup: dict[str, Any] = {}
+        self._last_reset_events: dict[int, list[dict]] = {}
+        self._c = _Counters()
+        self._test_faults: dict[int, dict] = {}  # tests only: rank -> fault options, applied at start()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def model_config(self):
+        self._require("serving", "failed")
+        return self._model_config
+
+    @property
+    def num_kv_blocks(self) -> int:
+        self._require("serving")
+        return int(self._num_kv_blocks)
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.runtime.block_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.topo.dp
+
+    @property
+    def step_path(self) -> Optional[str]:
+        return self._stepper.name if self._stepper is not None else None
+
+    # ------------------------------------------------------------------ start-up
+    def start(self, progress: bool = True) -> dict:
+        self._require("new")
+        self._state = "starting"
+        try:
+            launched = launch_ranks(self.cfg, self.topo, self._test_faults)
+        except RankCallError as e:
+            self._state = "failed"
+            self._c.failures += 1
+            self._c.last_failure = f"start-up failed: {e}"
+            raise RankFailureError(self._c.last_failure) from None
+        except BaseException:
+            self._state = "failed"  # launch_ranks already killed every actor
+            raise
+        self._ranks, self._owns_ray = launched.ranks, launched.owns_ray or self._owns_ray
+        self._use_gpu, self._model_config = launched.use_gpu, launched.model_config
+        self._num_kv_blocks, self._sizes = launched.num_kv_blocks, launched.sizes
+        timings = dict(launched.timings)
+        t0 = time.perf_counter()
+        per_bucket = self._capture(progress)
+        timings["capture_s"] = time.perf_counter() - t0
+        timings["per_bucket"] = per_bucket
+        self._stepper = self._make_stepper()
+        timings["step_path"] = self._stepper.name
+        self._startup = timings
+        self._state = "serving"
+        return timings
+
+    def _capture(self, progress: bool) -> dict[str, float]:
+        try:
+            return capture_all(self._ranks, *self._sizes, timeout_s=self._capture_timeout(), progress=progress)
+        except StartupCaptureError:
+            self._state = "failed"
+            self._c.failures += 1
+            raise
+
+    def _capture_timeout(self) -> float:
+        return self.cfg.collective_timeout_s + 300.0
+
+    def _make_stepper(self, path: Optional[str] = None):
+        path = path or os.environ.get("GRAPHLINE_STEP_PATH", "auto")
+        if path not in ("auto", "plain", "compiled"):
+            raise ValueError(f"GRAPHLINE_STEP_PATH must be auto, plain or compiled, got {path!r}")
+        if path == "compiled" or (path == "auto" and self._use_gpu):
+            return CompiledStepper(self._ranks)
+        return PlainStepper(self._ranks)
+
+    # ------------------------------------------------------------------ steps
+    def step(self, batches: list[StepBatch | None]) -> list[np.ndarray | None]:
+        self._require("serving")
+        if len(batches) != self.topo.dp:
+            raise ValueError(f"step needs one batch (or None) per DP rank: got {len(batches)}, dp = {self.topo.dp}")
+        for d, b in enumerate(batches):
+            if b is not None:
+                self._validate(d, b)
+        decode_sizes, prefill_sizes = self._sizes
+        plan = plan_step(batches, cross_dp=self.topo.collectives_cross_dp, decode_buckets=decode_sizes,
+                         token_buckets=prefill_sizes)
+        if plan is None:
+            return [None] * self.topo.dp
+        t0 = time.perf_counter()
+        try:
+            outs = self._stepper.run(plan, self.cfg.step_timeout_s)
+        except RankCallError as e:
+            raise self._fail(e) from None
+        dt = time.perf_counter() - t0
+        c = self._c
+        c.steps += 1
+        c.last_phase = plan.phase
+        c.phases[plan.phase] = c.phases.get(plan.phase, 0) + 1
+        c.driver_s += dt
+        c.in_rank_s += max(t for _, t in outs)
+        return [outs[r][0] if batches[d] is not None else None for d, r in enumerate(self.topo.dp_leaders())]
+
+    def _validate(self, dp_rank: int, b: StepBatch) -> None:
+        rt = self.cfg.runtime
+        try:
+            b.validate(self._model_config.vocab_size, rt.block_size)
+            if b.block_tables.shape[1] > rt.max_blocks_per_seq:
+                raise BatchError(f"block tables of width {b.block_tables.shape[1]} exceed max_model_len")
+            if int(b.block_tables.max()) >= self._num_kv_blocks:
+                raise BatchError(f"a block id is >= num_kv_blocks {self._num_kv_blocks}")
+        except BatchError as e:
+            raise BatchError(f"DP rank {dp_rank}: {e}") from None
+
+    def _fail(self, e: RankCallError, during: str = "step") -> RankFailureError:
+        """Tear every rank down (communicators are not repairable) and build the caller's error."""
+        self._c.failures += 1
+        msg = f"{during} failed: " + "; ".join(str(f) for f in e.faults)
+        if sum(f.kind == "hung" for f in e.faults) > 1:
+            msg += " (a rank waiting in a collective for a stuck peer shows as hung too)"
+        msg += "; every rank was torn down, call rebuild() to serve again"
+        self._c.last_failure = msg
+        self._teardown()
+        self._state = "failed"
+        return RankFailureError(msg)
+
+    def rank_step_times(self, clear: bool = False) -> list[list[float]]:
+        """Per rank, the in-rank seconds of its recent `execute` calls (benchmarks: coordinator overhead)."""
+        self._require("serving")
+        return self._ranks.call("step_times", (clear,), timeout_s=30.0, what="step times")
+
+    def _switch_step_path(self, path: str) -> None:
+        """Benchmarks/tests: replace the step path ("plain" | "compiled") on the live rank group."""
+        self._require("serving")
+        if self._stepper is not None:
+            self._stepper.teardown()
+        self._stepper = self._make_stepper(path)
+
+    # ------------------------------------------------------------------ reset
+    def reset(self, recapture: bool = True, num_kv_blocks: int | None = None, reload_weights: bool = False) -> dict:
+        self._require("serving")
+        if num_kv_blocks is not None and num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {num_kv_blocks}")
+        ranks, out = self._ranks, {}
+        timeout = self.cfg.collective_timeout_s + 60.0
+        t0 = time.perf_counter()
+        try:
+            events = ranks.call("reset", timeout_s=timeout, what="reset")
+            self._last_reset_events = {r: ev for r, ev in enumerate(events)}
+            out["reset_s"] = time.perf_counter() - t0
+            if reload_weights:
+                t1 = time.perf_counter()
+                ranks.call("reload_weights", timeout_s=timeout + 600.0, what="weight reload")
+                out["weights_s"] = time.perf_counter() - t1
+            if num_kv_blocks is not None:
+                t1 = time.perf_counter()
+                ranks.call("allocate_kv_cache", (num_kv_blocks,), timeout_s=timeout, what="KV resize")
+                self._num_kv_blocks = num_kv_blocks
+                out["kv_s"] = time.perf_counter() - t1
+            ranks.call("prepare_dispatcher", timeout_s=timeout, what="dispatcher prepare")
+        except RankCallError as e:
+            raise self._fail(e, "reset") from None
+        self._c.resets += 1
+        if recapture:
+            t1 = time.perf_counter()
+            out["per_bucket"] = self._capture(progress=False)
+            out["capture_s"] = time.perf_counter() - t1
+        out["events"] = {r: [ev["kind"] for ev in evs] for r, evs in self._last_reset_events.items()}
+        return out
+
+    # ------------------------------------------------------------------ status / life cycle
+    def status(self) -> dict:
+        infos = self._ranks.probe() if self._ranks is not None else []
+        return summarize_status(self, infos)
+
+    def event_logs(self) -> dict[int, list[dict]]:
+        """Every rank's protocol event log (captures, resets) with timestamps; {} when not running."""
+        if self._ranks is None or self._ranks.killed:
+            return {}
+        return {r: ev for r, ev in enumerate(self._ranks.probe(method="event_log")) if ev is not None}
+
+    def rebuild(self) -> None:
+        """Tear everything down (whatever state) and start again with the same config."""
+        self._teardown()
+        self._state = "new"
+        self.start(progress=False)
+
+    def shutdown(self) -> None:
+        if self._state == "shutdown":
+            return
+        if self._ranks is not None and not self._ranks.killed and self._state == "serving":
+            if self._stepper is not None:
+                self._stepper.teardown()
+                self._stepper = None
+            try:
+                self._ranks.call("shutdown", timeout_s=min(30.0, self.cfg.collective_timeout_s), what="shutdown")
+            except RankCallError:
+                pass
+        self._teardown()
+        self._state = "shutdown"
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
+            self._owns_ray = False
+
+    def _teardown(self) -> None:
+        if self._ranks is not None:
+            self._ranks.kill()
+        if self._stepper is not None:
+            self._stepper.teardown()
+        self._stepper = None
+        self._ranks = None
+
+    def _require(self, *states: str) -> None:
+        if self._state not in states:
+            hint = {"new": "call start()", "failed": "call rebuild()", "shutdown": "the coordinator was shut down",
+                    "starting": "start() is running"}.get(self._state, "")
+            raise CoordinatorStateError(f"coordinator is {self._state!r}, needs {' or '.join(states)}: {hint}")
+
+    def __enter__(self) -> "Coordinator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,192 @@
+"""Start-up of a rank group (Ray, placement, groups, weights, KV, runners), the lock-step capture
+protocol, and the JSON status summary. Helpers of `actors.coordinator`, which owns the state."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import ray
+
+from actors.errors import StartupCaptureError
+from actors.placement import ActorPlace, bundle_strategy, cluster_has_gpus, create_placement_group, describe_places, \
+    order_ranks
+from actors.rankset import RankCallError, RankSet
+from actors.worker import RankWorker
+from parallel.topology import Topology
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Launched:
+    ranks: RankSet
+    owns_ray: bool
+    use_gpu: bool
+    model_config: Any
+    num_kv_blocks: int
+    sizes: tuple[list[int], list[int]]
+    timings: dict[str, float]
+
+
+def ensure_ray(address: Optional[str], num_cpus: Optional[int]) -> bool:
+    """Connect to `address` or start a local Ray; returns True when this call started it."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if address is not None:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    else:
+        path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    return True
+
+
+def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Launched:
+    """Everything of start-up before capture. On failure every actor is killed, then the error propagates."""
+    t0 = time.perf_counter()
+    owns = ensure_ray(cfg.address, cfg.num_cpus)
+    ray_init_s = time.perf_counter() - t0
+    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else cluster_has_gpus()
+    timeout = cfg.collective_timeout_s + 120.0
+    pg = create_placement_group(topo.world, use_gpu, timeout_s=timeout)
+    workers = [RankWorker.options(num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=bundle_strategy(pg, i))
+               .remote(i) for i in range(topo.world)]
+    ranks = RankSet(workers, [], pg)
+    try:
+        places: list[ActorPlace] = ranks.call("place", timeout_s=timeout, what="actor start")
+        order = order_ranks(places)
+        ranks = RankSet([workers[i] for i in order], [places[i] for i in order], pg)
+        for r, faults in test_faults.items():
+            ray.get(ranks.workers[r]._test_set_faults.remote(**faults), timeout=30)
+        timings: dict[str, Any] = {"ray_s": time.perf_counter() - t0, "ray_init_s": ray_init_s}
+        t1 = time.perf_counter()
+        coll = cfg.collective_timeout_s
+        rv = ranks.call("serve_rendezvous", (topo.world, coll), ranks=[0], timeout_s=timeout)[0]
+        ranks.call("init_groups", [(r, topo, rv, use_gpu, cfg.runtime.device, coll) for r in range(topo.world)],
+                   per_rank=True, timeout_s=timeout, what="process groups")
+        infos = ranks.call("build_runtime", (cfg.runtime, cfg.ep_backend), timeout_s=timeout, what="build runtime")
+        timings["groups_s"] = time.perf_counter() - t1
+        model_config = infos[0]["model_config"]
+        if topo.ep_enabled and not model_config.is_moe:
+            raise ValueError(f"ep={topo.ep} needs a MoE model; {cfg.runtime.model!r} is dense")
+        t1 = time.perf_counter()
+        ranks.call("load_model", timeout_s=timeout + 1200.0, what="weight load")
+        timings["weights_s"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        budgets = ranks.call("kv_blocks_for_budget", timeout_s=timeout, what="KV budget")
+        n_blocks = min(budgets)
+        ranks.call("allocate_kv_cache", (n_blocks,), timeout_s=timeout, what="KV allocation")
+        timings["kv_s"] = time.perf_counter() - t1
+        ranks.call("build_runner", timeout_s=timeout, what="runner")
+        sizes = ranks.call("capture_sizes", timeout_s=timeout, what="capture sizes")
+        if any(tuple(map(tuple, s)) != tuple(map(tuple, sizes[0])) for s in sizes):
+            raise StartupCaptureError(f"ranks disagree on capture buckets: {sizes}")
+    except BaseException:
+        ranks.kill()
+        if owns:
+            ray.shutdown()
+        raise
+    return Launched(ranks, owns, use_gpu, model_config, n_blocks, (list(sizes[0][0]), list(sizes[0][1])), timings)
+
+
+def capture_all(ranks: RankSet, decode: Sequence[int], prefill: Sequence[int], *, timeout_s: float,
+                progress: bool) -> dict[str, float]:
+    """Lock-step capture: every rank captures bucket i before any rank starts bucket i + 1.
+
+    Returns wall seconds per bucket ("decode:8", "prefill:512", ...). On a failure every
+    surviving rank resets its runner (nothing stays published) and StartupCaptureError is
+    raised; a rank that is dead or stuck makes the whole group be torn down instead.
+    """
+    from tqdm.auto import tqdm
+
+    buckets = [("decode", b) for b in decode] + [("prefill", t) for t in prefill]
+    per_bucket: dict[str, float] = {}
+    bar = tqdm(total=len(buckets), desc=f"capture x{len(ranks)} ranks", unit="bucket", disable=not progress,
+               leave=False)
+    try:
+        for kind, b in buckets:
+            t0 = time.perf_counter()
+            try:
+                ranks.call("capture", (kind, b), timeout_s=timeout_s, what=f"capture {kind}:{b}", fail_fast=False)
+            except RankCallError as e:
+                raise _abort(ranks, e) from None
+            per_bucket[f"{kind}:{b}"] = time.perf_counter() - t0
+            bar.update(1)
+            bar.set_postfix_str(f"{kind}:{b} {per_bucket[f'{kind}:{b}']:.2f}s")
+    finally:
+        bar.close()
+    return per_bucket
+
+
+def _abort(ranks: RankSet, e: RankCallError) -> StartupCaptureError:
+    what = f"{e.what} failed: " + "; ".join(str(f) for f in e.faults)
+    if any(f.kind in ("died", "hung") for f in e.faults):
+        ranks.kill()
+        return StartupCaptureError(f"{what}; a rank is dead or stuck, so every rank was torn down; nothing published")
+    try:
+        ranks.call("abort_capture", timeout_s=120.0, what="capture abort", fail_fast=False)
+    except RankCallError as e2:
+        ranks.kill()
+        return StartupCaptureError(f"{what}; aborting failed too ({e2}), every rank was torn down")
+    return StartupCaptureError(f"{what}; all {len(ranks)} ranks reset their runners, nothing published")
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if hasattr(x, "item") and callable(x.item):
+        try:
+            return x.item()
+        except (ValueError, TypeError):
+            pass
+    return str(x)
+
+
+def summarize_status(coord: Any, infos: Sequence[Optional[dict]]) -> dict:
+    """The coordinator's JSON status: global counters plus one entry per rank."""
+    c, topo = coord._c, coord.topo
+    ranks = coord._ranks
+    places = describe_places(ranks.places, range(len(ranks.places))) if ranks is not None else []
+    per_rank = []
+    for r in range(topo.world):
+        co = topo.coords(r)
+        entry: dict[str, Any] = {"rank": r, "dp_rank": co.dp_rank, "tp_rank": co.tp_rank, "ep_rank": co.ep_rank,
+                                 "alive": bool(r < len(infos) and infos[r] is not None)}
+        if r < len(places):
+            entry.update({k: places[r][k] for k in ("node_id", "node_ip", "gpu_ids", "pid")})
+        info = infos[r] if r < len(infos) else None
+        if info:
+            rt = info.get("runtime", {})
+            entry.update(device=info.get("device"), phase=info.get("phase"), steps=info.get("steps"),
+                         in_rank_step_ms_mean=info.get("in_rank_step_ms_mean"), runner=rt.get("runner"),
+                         capture=(rt.get("runner") or {}).get("capture"), timings=rt.get("timings"),
+                         kv_blocks=rt.get("kv_blocks"), kv_bytes=rt.get("kv_bytes"),
+                         memory={k: rt[k] for k in ("memory_allocated", "memory_reserved") if k in rt})
+        per_rank.append(entry)
+    steps = max(c.steps, 1)
+    out = {
+        "state": coord._state,
+        "topology": {"world": topo.world, "tp": topo.tp, "dp": topo.dp, "ep": topo.ep,
+                     "ep_backend": coord.cfg.ep_backend},
+        "step_path": coord.step_path,
+        "last_phase": c.last_phase,
+        "phases": dict(c.phases),
+        "steps": c.steps,
+        "resets": c.resets,
+        "failures": c.failures,
+        "last_failure": c.last_failure,
+        "num_kv_blocks": coord._num_kv_blocks,
+        "startup": coord._startup,
+        "overhead": {"driver_step_ms_mean": 1e3 * c.driver_s / steps, "in_rank_step_ms_mean": 1e3 * c.in_rank_s / steps,
+                     "coordinator_ms_mean": 1e3 * (c.driver_s - c.in_rank_s) / steps},
+        "last_reset_events": {str(r): [e["kind"] for e in ev] for r, ev in coord._last_reset_events.items()},
+        "ranks": per_rank,
+    }
+    return _jsonable(out)

@@ -1,0 +1,324 @@
+"""`RankWorker`: the thin `@ray.remote` shell around one rank's `RankRuntime`.
+
+One actor per rank, placed on its own placement-group bundle. Concurrency:
+- default group (one thread): set-up, capture, reset, plain-path steps: the rank's
+  device work is serialised here;
+- "health" group: `health()` / `info()` answer while a step or a capture runs (the
+  coordinator's sentinel for hung ranks);
+- Ray's "_ray_system" group runs the compiled-graph step loop (`execute_step`), when the
+  coordinator uses compiled graphs; the coordinator never overlaps it with set-up calls.
+Every method first binds the rank's CUDA device (current device is per thread).
+
+The worker keeps an event log (start-up captures and reset phases with timestamps) that
+the coordinator and tests use to check the lock-step and reset ordering protocols.
+`_test_*` options inject faults for the CPU tests only.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections import deque
+from typing import Any, Optional
+
+import ray
+
+from actors.placement import ActorPlace
+
+class _TestFault(RuntimeError):
+    """An injected failure (tests only)."""
+
+
+@ray.remote(concurrency_groups={"health": 2})
+class RankWorker:
+    def __init__(self, bundle: int, test_faults: Optional[dict] = None):
+        import torch
+
+        self.bundle = bundle
+        self.rank: Optional[int] = None
+        self.coords: Any = None
+        self.runtime: Any = None
+        self.groups: Any = None
+        self.device: Any = None
+        self._store: Any = None
+        self._cfg: Any = None
+        self._ep_backend = "allgather"
+        self.events: list[dict[str, Any]] = []
+        self.phase, self.phase_since = "created", time.time()
+        self._steps = 0
+        self._step_times: deque[float] = deque(maxlen=4096)
+        self._captures = 0
+        self._faults = dict(test_faults or {})
+        self._threads_set: set[int] = set()
+        self._gpu = bool(ray.get_gpu_ids())
+        if not self._gpu:
+            torch.set_num_threads(1)
+
+    # ------------------------------------------------------------------ helpers
+    def _enter(self, phase: str) -> None:
+        import torch
+
+        self.phase, self.phase_since = phase, time.time()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        elif threading.get_ident() not in self._threads_set:
+            torch.set_num_threads(1)  # per thread: the compiled-graph loop runs on its own thread
+            self._threads_set.add(threading.get_ident())
+
+    def _leave(self) -> None:
+        self.phase, self.phase_since = "idle", time.time()
+
+    def _log(self, kind: str, **detail: Any) -> None:
+        self.events.append({"t": time.time(), "kind": kind, **detail})
+
+    # ------------------------------------------------------------------ placement + groups
+    def place(self) -> ActorPlace:
+        ctx = ray.get_runtime_context()
+        return ActorPlace(bundle=self.bundle, node_id=ctx.get_node_id(), node_ip=ray.util.get_node_ip_address(),
+                          gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()), pid=os.getpid())
+
+    def serve_rendezvous(self, world: int, timeout_s: float):
+        """Rank 0 only: start the TCPStore on port 0 and report (host, port)."""
+        from parallel.groups import serve_rendezvous
+
+        self._store, rv = serve_rendezvous(world, timeout_s, host=ray.util.get_node_ip_address())
+        return rv
+
+    def init_groups(self, rank: int, topo: Any, rendezvous: Any, use_gpu: bool, device: str,
+                    timeout_s: float) -> float:
+        import torch
+
+        from actors.rank import resolve_device
+        from parallel.groups import RankGroups
+
+        t0 = time.perf_counter()
+        self.rank, self.coords = rank, topo.coords(rank)
+        self.device = resolve_device(device) if use_gpu else torch.device("cpu")
+        self._enter("init_groups")
+        self.groups = RankGroups(topo, rank, self.device, timeout_s)
+        self.groups.init(rendezvous, store=self._store)
+        self._leave()
+        return time.perf_counter() - t0
+
+    def build_runtime(self, cfg: Any, ep_backend: str) -> dict[str, Any]:
+        """Build the context (EP dispatcher included) and the Ray-free runtime; returns model facts."""
+        from actors.rank import RankRuntime
+
+        self._enter("build_runtime")
+        self._cfg, self._ep_backend = cfg, ep_backend
+        model_cfg = cfg.model_config(self.device)
+        g = cfg.graph
+        max_decode = max(g.decode_buckets(), default=0)
+        ctx = self.groups.build_context(ep_backend, model_cfg, max_decode_tokens=max_decode)
+        self.runtime = RankRuntime(cfg, ctx, self.device)
+        self._leave()
+        return {"model_config": self.runtime.model_config, "device": str(self.device)}
+
+    # ------------------------------------------------------------------ start-up
+    def load_model(self) -> float:
+        self._enter("load_model")
+        try:
+            return self.runtime.load_model()
+        finally:
+            self._leave()
+
+    def kv_blocks_for_budget(self) -> int:
+        self._enter("kv_budget")
+        try:
+            return int(self.runtime.kv_blocks_for_budget())
+        finally:
+            self._leave()
+
+    def allocate_kv_cache(self, num_blocks: int) -> int:
+        self._enter("allocate_kv")
+        try:
+            return int(self.runtime.allocate_kv_cache(num_blocks))
+        finally:
+            self._leave()
+
+    def build_runner(self) -> None:
+        self._enter("build_runner")
+        try:
+            self.runtime.build_runner()
+            self.runtime.runner.add_reset_hook(self._on_runner_reset)
+            disp = self.runtime.ctx.ep_dispatcher
+            if disp is not None:
+                disp.prepare()  # e.g. the DeepEP buffer: allocated before any capture
+        finally:
+            self._leave()
+
+    def capture_sizes(self) -> tuple[list[int], list[int]]:
+        return self.runtime.capture_sizes()
+
+    def capture(self, kind: str, bucket: int) -> float:
+        """Capture one bucket (the coordinator calls every rank for the same bucket, in lock-step)."""
+        self._enter(f"capture {kind}:{bucket}")
+        self._captures += 1
+        self._log("capture_start", bucket=f"{kind}:{bucket}")
+        try:
+            if self._faults.get("fail_capture_at") == self._captures:
+                raise _TestFault(f"injected failure in capture #{self._captures} ({kind}:{bucket})")
+            disp = self.runtime.ctx.ep_dispatcher
+            static = disp.static_tokens(bucket) if (disp is not None and kind == "decode") else contextlib.nullcontext()
+            with static:
+                s = self.runtime.capture_decode(bucket) if kind == "decode" else self.runtime.capture_prefill(bucket)
+            self._log("capture_end", bucket=f"{kind}:{bucket}", seconds=s)
+            return s
+        except BaseException as e:
+            self._log("capture_failed", bucket=f"{kind}:{bucket}", error=repr(e))
+            raise
+        finally:
+            self._leave()
+
+    # ------------------------------------------------------------------ steps
+    def execute_step(self, plan: Any) -> tuple[Any, float]:
+        """Run this rank's part of `plan`; returns (next tokens on TP rank 0 else None, in-rank seconds)."""
+        args = plan.rank_args(self.coords.dp_rank)
+        if args is None:
+            return None, 0.0
+        self._enter("execute")
+        t0 = time.perf_counter()
+        try:
+            self._steps += 1
+            self._maybe_fault_in_step()
+            disp = self.runtime.ctx.ep_dispatcher
+            cm = disp.static_tokens(plan.static_tokens) if disp is not None else contextlib.nullcontext()
+            with cm:
+                out = self.runtime.execute(*args)
+            dt = time.perf_counter() - t0
+            self._step_times.append(dt)
+            return (out if self.coords.tp_rank == 0 else None), dt
+        finally:
+            self._leave()
+
+    def _maybe_fault_in_step(self) -> None:
+        f = self._faults
+        if f.get("step_delay_s"):
+            time.sleep(float(f["step_delay_s"]))
+        if f.get("exit_in_step") == self._steps:
+            os._exit(17)
+        if f.get("hang_in_step") == self._steps:
+            while True:
+                time.sleep(3600)
+
+    def step_times(self, clear: bool = False) -> list[float]:
+        out = list(self._step_times)
+        if clear:
+            self._step_times.clear()
+        return out
+
+    # ------------------------------------------------------------------ reset
+    def _on_runner_reset(self) -> None:
+        """Reset hook: runs inside `runner.reset()` after every graph and plan was dropped, so the
+        DeepEP buffer (whose addresses the graphs captured) is destroyed strictly after them."""
+        snap = self.runtime.runner.stats.snapshot()
+        self._log("reset_graphs", decode_graphs=snap["captured_decode"], prefill_plans=snap["captured_prefill"])
+        from parallel.deepep import destroy_deepep_buffer
+
+        self._log("reset_deepep", status=destroy_deepep_buffer())  # collective destroy + barrier, or skipped
+
+    def reset(self) -> list[dict[str, Any]]:
+        """graphs (runner.reset) -> DeepEP buffer (its reset hook) -> barrier; returns this reset's events."""
+        self._enter("reset")
+        try:
+            n0 = len(self.events)
+            self.runtime.reset()
+            if not any(e["kind"] == "reset_graphs" for e in self.events[n0:]):  # no runner yet
+                self._on_runner_reset_fallback()
+            self.groups.barrier()
+            self._log("reset_barrier")
+            self._captures = 0
+            return self.events[n0:]
+        finally:
+            self._leave()
+
+    def _on_runner_reset_fallback(self) -> None:
+        from parallel.deepep import destroy_deepep_buffer
+
+        self._log("reset_graphs", decode_graphs=0, prefill_plans=0, note="no runner")
+        self._log("reset_deepep", status=destroy_deepep_buffer())
+
+    def abort_capture(self) -> dict[str, Any]:
+        """Start-up capture failed somewhere: drop whatever this rank captured (no barrier: the
+        group may be out of step). Returns the runner stats afterwards."""
+        self._enter("abort_capture")
+        try:
+            if self.runtime is not None and self.runtime.runner is not None:
+                self.runtime.reset()
+            self._log("capture_aborted")
+            self._captures = 0
+            return self.runtime.runner.stats.snapshot() if self.runtime.runner is not None else {}
+        finally:
+            self._leave()
+
+    def reload_weights(self) -> float:
+        """After a reset: load the weights again and rebuild the runner around the new model."""
+        self._enter("reload_weights")
+        try:
+            s = self.runtime.load_model()
+            self.runtime.build_runner()
+            self.runtime.runner.add_reset_hook(self._on_runner_reset)
+            return s
+        finally:
+            self._leave()
+
+    def prepare_dispatcher(self) -> None:
+        disp = self.runtime.ctx.ep_dispatcher
+        if disp is not None:
+            disp.prepare()
+
+    def shutdown(self) -> None:
+        self._enter("shutdown")
+        if self.groups is not None:
+            self.groups.destroy()
+        self._store = None
+
+    # ------------------------------------------------------------------ health (answers during steps)
+    @ray.method(concurrency_group="health")
+    def health(self) -> dict[str, Any]:
+        return {"rank": self.rank, "phase": self.phase, "phase_s": time.time() - self.phase_since,
+                "pid": os.getpid(), "steps": self._steps}
+
+    @ray.method(concurrency_group="health")
+    def info(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": self.rank, "bundle": self.bundle, "pid": os.getpid(), "phase": self.phase,
+                               "steps": self._steps, "device": str(self.device) if self.device else None}
+        if self.coords is not None:
+            c = self.coords
+            out.update(dp_rank=c.dp_rank, tp_rank=c.tp_rank, ep_rank=c.ep_rank)
+        if self.runtime is not None:
+            for _ in range(3):  # the step thread may mutate counters meanwhile
+                try:
+                    out["runtime"] = self.runtime.stats()
+                    break
+                except RuntimeError:
+                    time.sleep(0.01)
+        times = list(self._step_times)
+        out["in_rank_step_ms_mean"] = 1e3 * sum(times) / len(times) if times else None
+        return out
+
+    @ray.method(concurrency_group="health")
+    def event_log(self) -> list[dict[str, Any]]:
+        return list(self.events)
+
+    @ray.method(concurrency_group="health")
+    def _test_set_faults(self, **faults: Any) -> None:
+        """Tests only: fail_capture_at=N (raise in the N-th capture), exit_in_step=N (os._exit in the
+        N-th step), hang_in_step=N (sleep forever in the N-th step), step_delay_s=x (sleep in each step)."""
+        self._faults.update(faults)
+
+    def _test_record_logits(self) -> None:
+        """Tests only: keep the logits of every execute (wraps this rank's `model.compute_logits`)."""
+        model = self.runtime.model
+        inner = type(model).compute_logits.__get__(model)
+
+        def recording(hidden, last_token_index):
+            out = inner(hidden, last_token_index)
+            self._last_logits = out.detach().float().cpu().numpy()
+            return out
+
+        model.compute_logits = recording
+
+    def _test_last_logits(self) -> Any:
+        return getattr(self, "_last_logits", None)

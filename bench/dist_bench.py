@@ -1,0 +1,157 @@
+"""Distributed benchmark: coordinator overhead per decode step, TP=2 vs TP=1, start-up split.
+
+    python -m bench.dist_bench --out artifacts/dist_bench.json                     # qwen3-0.6b, GPUs
+    python -m bench.dist_bench --model qwen3-tiny --device cpu --out /tmp/d.json   # CPU smoke check
+
+For each TP size: start a coordinator (timings: Ray, process groups, weights, KV, capture),
+then for each step path (compiled graph, plain actor calls) and each batch size run decode
+steps through `Coordinator.step` (inputs in, next tokens back on the driver). Each rank
+records the time of its `execute` call (host-to-device, forward or graph replay, LM head,
+sampling, device-to-host); the coordinator overhead of a step is the driver's end-to-end
+time minus the slowest rank's in-rank time of that step. Medians are reported.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from actors.batch import StepBatch
+from actors.coordinator import Coordinator, DeploymentConfig
+from actors.rank import RuntimeConfig
+from bench.common import write_json
+from graphrunner.config import GraphRunnerConfig
+
+
+def decode_batch(batch: int, context: int, block_size: int, num_blocks: int, vocab: int) -> StepBatch:
+    """`batch` sequences with `context` cached tokens each, one new token (KV content is irrelevant here)."""
+    per = -(-(context + 1) // block_size)
+    tables = np.zeros((batch, per), dtype=np.int32)
+    for i in range(batch):  # distinct blocks while the cache is large enough, then shared (timing only)
+        tables[i] = 1 + (np.arange(per) + i * per) % (num_blocks - 1)
+    rng = np.random.default_rng(batch)
+    return StepBatch(token_ids=rng.integers(0, vocab, batch, dtype=np.int64), q_seqlens=np.ones(batch, np.int32),
+                     num_history=np.full(batch, context, np.int32), block_tables=tables,
+                     temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32),
+                     top_p=np.ones(batch, np.float32), seeds=np.full(batch, -1, np.int64))
+
+
+def measure(coord: Coordinator, batch: StepBatch, steps: int, warmup: int) -> dict[str, float]:
+    for _ in range(warmup):
+        coord.step([batch])
+    coord.rank_step_times(clear=True)
+    e2e = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        coord.step([batch])
+        e2e.append(time.perf_counter() - t0)
+    per_rank = [t[-steps:] for t in coord.rank_step_times(clear=True)]
+    in_rank = [max(ts) for ts in zip(*per_rank)]
+    over = [a - b for a, b in zip(e2e, in_rank)]
+    med = statistics.median
+    return {"e2e_ms": 1e3 * med(e2e), "in_rank_ms": 1e3 * med(in_rank), "overhead_ms": 1e3 * med(over),
+            "overhead_pct": 100.0 * med(over) / med(in_rank), "e2e_p90_ms": 1e3 * sorted(e2e)[int(0.9 * len(e2e))]}
+
+
+def run_tp(args: Any, tp: int) -> dict[str, Any]:
+    cpu = args.device == "cpu"
+    graph = GraphRunnerConfig(max_decode_batch=args.max_decode_batch, pcg_max_tokens=args.pcg_max_tokens)
+    rt = RuntimeConfig(model=args.model, device=args.device, graph=graph,
+                       num_kv_blocks=args.kv_blocks if args.kv_blocks else None)
+    cfg = DeploymentConfig(runtime=rt, tp=tp, use_gpu=False if cpu else None, num_cpus=args.num_cpus)
+    coord = Coordinator(cfg)
+    t0 = time.perf_counter()
+    startup = coord.start(progress=not args.quiet)
+    startup["total_s"] = time.perf_counter() - t0
+    out: dict[str, Any] = {"tp": tp, "startup": startup, "default_step_path": coord.step_path, "decode": {}}
+    try:
+        mc = coord.model_config
+        for path in args.paths.split(","):
+            coord._switch_step_path(path)
+            for b in (int(x) for x in args.batches.split(",")):
+                batch = decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks, mc.vocab_size)
+                r = measure(coord, batch, args.steps, args.warmup)
+                out["decode"][f"{path}:b{b}"] = r
+                if not args.quiet:
+                    print(f"  tp={tp} {path:8s} batch {b:3d}: e2e {r['e2e_ms']:.3f} ms, in-rank {r['in_rank_ms']:.3f}"
+                          f" ms, overhead {r['overhead_ms']:.3f} ms ({r['overhead_pct']:.1f}%)", flush=True)
+        out["status_overhead"] = coord.status()["overhead"]
+    finally:
+        coord.shutdown()
+    return out
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = ["tp  path      batch   e2e ms  in-rank ms  overhead ms  overhead %"]
+    for run in res["runs"]:
+        for key, r in run["decode"].items():
+            path, b = key.split(":b")
+            lines.append(f"{run['tp']:<3d} {path:9s} {int(b):5d} {r['e2e_ms']:8.3f} {r['in_rank_ms']:11.3f} "
+                         f"{r['overhead_ms']:12.3f} {r['overhead_pct']:10.1f}")
+    lines.append("")
+    lines.append(f"ray.init: {res['ray_init_s']:.2f} s (once); ray_s = placement + actor start-up")
+    lines.append("tp  ray_s  groups_s  weights_s  kv_s  capture_s  total_s")
+    for run in res["runs"]:
+        s = run["startup"]
+        lines.append(f"{run['tp']:<3d} {s['ray_s']:5.2f} {s['groups_s']:9.2f} "
+                     f"{s['weights_s']:10.2f} {s['kv_s']:5.2f} {s['capture_s']:10.2f} {s['total_s']:8.2f}")
+    for k, v in res.get("tp2_vs_tp1", {}).items():
+        lines.append(f"TP=2 / TP=1 decode step ({k}): {v:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--device", default="auto", help="auto (GPUs when the cluster has them) or cpu")
+    p.add_argument("--tp", default="1,2", help="TP sizes to run (comma list)")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--paths", default="compiled,plain", help="step paths to measure (comma list)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per point (default 300 GPU / 30 CPU)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
+    p.add_argument("--max-decode-batch", type=int, default=256)
+    p.add_argument("--pcg-max-tokens", type=int, default=4096)
+    p.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per rank (0 = from the memory budget)")
+    p.add_argument("--num-cpus", type=int, default=None, help="for a local ray.init")
+    p.add_argument("--out", default=None)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 30 if args.device == "cpu" else 300
+    if args.device == "cpu" and args.num_cpus is None:
+        args.num_cpus = 4
+    import ray
+
+    from actors.startup import ensure_ray
+
+    res: dict[str, Any] = {"model": args.model, "device": args.device, "args": vars(args), "runs": []}
+    t0 = time.perf_counter()
+    ensure_ray(None, args.num_cpus)  # once for every run; the coordinators reuse it
+    res["ray_init_s"] = time.perf_counter() - t0
+    try:
+        for tp in (int(x) for x in args.tp.split(",")):
+            if args.device != "cpu":
+                import torch
+
+                if tp > torch.cuda.device_count():
+                    res.setdefault("skipped", []).append(f"tp={tp}: {torch.cuda.device_count()} GPU(s) here")
+                    continue
+            res["runs"].append(run_tp(args, tp))
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    by_tp = {r["tp"]: r for r in res["runs"]}
+    if 1 in by_tp and 2 in by_tp:
+        res["tp2_vs_tp1"] = {k: by_tp[2]["decode"][k]["in_rank_ms"] / v["in_rank_ms"]
+                             for k, v in by_tp[1]["decode"].items() if k in by_tp[2]["decode"]}
+    print(table(res))
+    write_json(args.out, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

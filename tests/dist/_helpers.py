@@ -1,0 +1,126 @@
+"""Shared pieces of the Ray + gloo tests: small configs, a Ray session, and a scripted
+multi-DP-rank scenario that runs on a coordinator and on one in-process reference rank."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from actors.batch import StepBatch
+from actors.rank import RuntimeConfig
+from graphrunner.config import GraphRunnerConfig
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+GRAPH = GraphRunnerConfig(max_decode_batch=4, pcg_max_tokens=64, pcg_token_stride=32)
+BLOCK, BLOCKS_PER_SEQ = 16, 4
+
+
+def runtime_cfg(model: str = "qwen3-tiny", **kw) -> RuntimeConfig:
+    base = dict(model=model, device="cpu", block_size=BLOCK, num_kv_blocks=64, max_model_len=BLOCK * BLOCKS_PER_SEQ,
+                graph=GRAPH)
+    base.update(kw)
+    return RuntimeConfig(**base)
+
+
+def ray_session(num_gpus: Optional[int] = None):
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    kw = {} if num_gpus is None else {"num_gpus": num_gpus}
+    ray.init(num_cpus=4, include_dashboard=False, **kw)
+    return ray
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    table: list[int]
+    cached: int = 0  # tokens already in the KV cache
+
+
+@dataclass
+class Scenario:
+    """Sequences per DP rank; an action is ("new", name, prompt) or ("dec", name)."""
+
+    seqs: dict[str, Seq] = field(default_factory=dict)
+    next_block: int = 1
+    blocks_per_seq: int = BLOCKS_PER_SEQ
+
+    def batch(self, actions: Optional[Sequence[tuple]]) -> Optional[StepBatch]:
+        if actions is None:
+            return None
+        toks, hist, tables, names = [], [], [], []
+        for a in actions:
+            if a[0] == "new":
+                self.seqs[a[1]] = Seq(list(a[2]), list(range(self.next_block, self.next_block + self.blocks_per_seq)))
+                self.next_block += self.blocks_per_seq
+            s = self.seqs[a[1]]
+            toks.append(s.tokens[s.cached:])
+            hist.append(s.cached)
+            tables.append(s.table)
+            names.append(a[1])
+        self._pending = names
+        return StepBatch.from_sequences(toks, hist, tables)
+
+    def advance(self, names: Sequence[str], out: np.ndarray) -> None:
+        for n, t in zip(names, out.tolist()):
+            s = self.seqs[n]
+            s.cached = len(s.tokens)
+            s.tokens.append(int(t))
+
+
+def run_scenario(coord, reference, script: Sequence[Sequence[Optional[Sequence[tuple]]]]) -> list[list]:
+    """Run every step of `script` (one entry per DP rank per step) on the coordinator, and each DP
+    rank's batch on the single-rank `reference` runtime; assert equal tokens; returns the outputs."""
+    sc = Scenario()
+    history = []
+    for i, step in enumerate(script):
+        batches, names = [], []
+        for actions in step:
+            batches.append(sc.batch(actions))
+            names.append(list(sc._pending) if actions is not None else None)
+        outs = coord.step(batches)
+        for d, (b, o) in enumerate(zip(batches, outs)):
+            if b is None:
+                assert o is None, (i, d)
+                continue
+            ref = reference.execute(b)
+            assert o is not None and np.array_equal(o, ref), f"step {i} DP rank {d}: {o} != reference {ref}"
+            sc.advance(names[d], o)
+        history.append(outs)
+    return history
+
+
+def decode_script(n_dp: int, prompts: Sequence[Sequence[int]], steps: int) -> list:
+    """Every DP rank prefills its own prompts (different per rank), then decodes `steps` times."""
+    script = [[[("new", f"d{d}s{j}", p) for j, p in enumerate(prompts[d::n_dp])] for d in range(n_dp)]]
+    for _ in range(steps):
+        script.append([[("dec", f"d{d}s{j}") for j in range(len(prompts[d::n_dp]))] for d in range(n_dp)])
+    return script
+
+
+class CoordinatorCache:
+    """At most one live coordinator per test module (2 ranks = 2 of the session's 4 CPUs)."""
+
+    def __init__(self):
+        self.name, self.coord, self.timings = None, None, None
+
+    def get(self, name: str, cfg):
+        from actors.coordinator import Coordinator
+
+        if self.name != name:
+            self.close()
+            self.coord = Coordinator(cfg)
+            self.timings = self.coord.start(progress=False)
+            self.name = name
+        return self.coord
+
+    def close(self) -> None:
+        if self.coord is not None:
+            self.coord.shutdown()
+        self.name, self.coord, self.timings = None, None, None

@@ -1,0 +1,195 @@
+"""Coordinator on Ray + gloo (CPU, 2 ranks, dense qwen3-tiny): TP=2 and DP=2 equal one rank,
+the lock-step capture and reset protocols, a rank killed mid-step, a failed start-up capture."""
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from actors.batch import BatchError, StepBatch
+from actors.coordinator import (Coordinator, CoordinatorStateError, DeploymentConfig, RankFailureError,
+                                StartupCaptureError)
+from actors.local import LocalExecutor
+from tests.dist._helpers import CoordinatorCache, decode_script, ray_session, run_scenario, runtime_cfg
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [100, 200, 300, 400, 17], [5] * 20]
+
+
+@pytest.fixture(scope="module")
+def ray_mod():
+    ray = ray_session()
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    loc = LocalExecutor(runtime_cfg("qwen3-tiny"))
+    loc.start()
+    return loc.runtime
+
+
+@pytest.fixture(scope="module")
+def cache(ray_mod):
+    c = CoordinatorCache()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def tp2(cache):
+    cfg = DeploymentConfig(runtime=runtime_cfg("qwen3-tiny"), tp=2, collective_timeout_s=20, step_timeout_s=20)
+    c = cache.get("tp2", cfg)
+    return c, cache.timings
+
+
+def test_state_errors_and_config_validation(ray_mod):
+    with pytest.raises(ValueError, match="ep must be 1"):
+        DeploymentConfig(tp=2, dp=2, ep=2 + 1)
+    with pytest.raises(ValueError, match="ep_backend"):
+        DeploymentConfig(ep_backend="nccl")
+    c = Coordinator(DeploymentConfig(runtime=runtime_cfg(), tp=2))
+    with pytest.raises(CoordinatorStateError, match="call start"):
+        c.step([None])
+
+
+def test_tp2_greedy_and_logits_equal_tp1(tp2, reference):
+    coord, timings = tp2
+    for k in ("ray_s", "groups_s", "weights_s", "kv_s", "capture_s", "per_bucket"):
+        assert k in timings
+    assert coord.step_path == "plain"  # the CPU default (compiled graphs are covered in test_ep.py)
+    run_scenario(coord, reference, decode_script(1, PROMPTS, steps=12))
+    # logits (full vocab, all-gathered over TP) of one prefill step equal one rank's
+    for w in coord._ranks.workers:
+        w._test_record_logits.remote()
+    b = StepBatch.from_sequences([[3, 1, 4, 1, 5, 9, 2, 6]], [0], [[40, 41]])
+    coord.step([b])
+    got = coord._ranks.workers[0]._test_last_logits.remote()
+    seen = {}
+    inner = reference.model.compute_logits
+
+    def rec(h, idx):
+        seen["x"] = inner(h, idx)
+        return seen["x"]
+
+    reference.model.compute_logits = rec
+    try:
+        reference.execute(b)
+    finally:
+        del reference.model.compute_logits
+    import ray
+
+    np.testing.assert_allclose(ray.get(got, timeout=30), seen["x"].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_batch_is_rejected_before_any_rank_runs(tp2):
+    coord, _ = tp2
+    steps = coord.status()["steps"]
+    bad = StepBatch.from_sequences([[1, 2, 3]], [0], [[10_000]])
+    with pytest.raises(BatchError, match="DP rank 0: a block id"):
+        coord.step([bad])
+    with pytest.raises(ValueError, match="one batch"):
+        coord.step([bad, bad])
+    assert coord.status()["steps"] == steps and coord.status()["state"] == "serving"
+
+
+def test_startup_capture_is_lock_step_in_the_same_order(tp2):
+    coord, timings = tp2
+    logs = coord.event_logs()
+    decode, prefill = coord._sizes
+    want = [f"decode:{b}" for b in decode] + [f"prefill:{t}" for t in prefill]
+    assert [k for k in timings["per_bucket"]] == want
+    starts = {r: [e for e in ev if e["kind"] == "capture_start"][: len(want)] for r, ev in logs.items()}
+    ends = {r: [e for e in ev if e["kind"] == "capture_end"][: len(want)] for r, ev in logs.items()}
+    assert sorted(logs) == [0, 1]
+    for r in logs:
+        assert [e["bucket"] for e in starts[r]] == want
+        assert [e["bucket"] for e in ends[r]] == want
+    for i in range(len(want) - 1):  # every rank finished bucket i before any rank started bucket i + 1
+        assert max(ends[r][i]["t"] for r in logs) <= min(starts[r][i + 1]["t"] for r in logs)
+
+
+def test_reset_order_then_recapture_serves(tp2, reference):
+    coord, _ = tp2
+    out = coord.reset(recapture=True, num_kv_blocks=48, reload_weights=True)
+    for r in (0, 1):
+        assert out["events"][r] == ["reset_graphs", "reset_deepep", "reset_barrier"]
+    logs = coord.event_logs()
+    resets = {r: [e for e in ev if e["kind"].startswith("reset_")][-3:] for r, ev in logs.items()}
+    for r, ev in resets.items():
+        assert "skipped" in ev[1]["status"] and "deep_ep" in ev[1]["status"] or ev[1]["status"] == "destroyed"
+        assert ev[0]["t"] <= ev[1]["t"] <= ev[2]["t"]
+    # the barrier: nobody left it before everybody destroyed its DeepEP buffer
+    assert min(ev[2]["t"] for ev in resets.values()) >= max(ev[1]["t"] for ev in resets.values())
+    assert coord.num_kv_blocks == 48 and "capture_s" in out and "weights_s" in out and "kv_s" in out
+    st = coord.status()
+    json.dumps(st)
+    assert st["resets"] == 1 and st["last_reset_events"]["1"][-1] == "reset_barrier"
+    for rk in st["ranks"]:
+        assert rk["alive"] and rk["runner"] is not None and rk["kv_blocks"] == 48  # reload rebuilt the runner
+    run_scenario(coord, reference, decode_script(1, PROMPTS[:2], steps=3))
+
+
+@pytest.fixture
+def dp2(cache):
+    cfg = DeploymentConfig(runtime=runtime_cfg("qwen3-tiny"), dp=2, collective_timeout_s=20, step_timeout_s=20)
+    return cache.get("dp2", cfg)
+
+
+def test_dp2_different_batches_equal_one_rank_each(dp2, reference):
+    script = decode_script(2, PROMPTS, steps=4)
+    script.append([[("dec", "d0s0")], None])  # DP rank 1 idle: without EP it does not run at all
+    script.append([None, [("dec", "d1s1"), ("new", "late", [7, 7, 7])]])
+    run_scenario(dp2, reference, script)
+    assert dp2.status()["last_phase"] == "local"
+
+
+def test_rank_killed_mid_step_raises_then_rebuild_serves(dp2, reference):
+    import ray
+
+    coord = dp2
+    victim = coord._ranks.workers[1]
+    ray.get(victim._test_set_faults.remote(step_delay_s=3.0), timeout=30)
+    b = StepBatch.from_sequences([[1, 2, 3]], [0], [[60]])
+
+    def killer():
+        time.sleep(1.0)
+        ray.kill(victim, no_restart=True)
+
+    threading.Thread(target=killer, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(RankFailureError, match="rank 1 died"):
+        coord.step([b, b])
+    assert time.monotonic() - t0 < 30
+    st = coord.status()
+    assert st["state"] == "failed" and st["failures"] == 1 and "rank 1" in st["last_failure"]
+    with pytest.raises(CoordinatorStateError, match="rebuild"):
+        coord.step([b, b])
+    coord.rebuild()
+    assert coord.status()["state"] == "serving"
+    run_scenario(coord, reference, decode_script(2, PROMPTS[:2], steps=2))
+
+
+def test_failed_startup_capture_aborts_every_rank(cache):
+    cache.close()
+    c = Coordinator(DeploymentConfig(runtime=runtime_cfg("qwen3-tiny"), tp=2, collective_timeout_s=4,
+                                     step_timeout_s=10))
+    c._test_faults = {1: {"fail_capture_at": 2}}
+    try:
+        with pytest.raises(StartupCaptureError, match="rank 1 error.*injected failure.*nothing published"):
+            c.start(progress=False)
+        st = c.status()
+        assert st["state"] == "failed"
+        for rk in st["ranks"]:
+            assert rk["alive"]
+            assert rk["capture"]["decode"] == {} and rk["capture"]["prefill"] == {}
+            assert rk["runner"]["captured_decode"] == 0 and rk["runner"]["captured_prefill"] == 0
+        logs = c.event_logs()
+        for r, ev in logs.items():
+            kinds = [e["kind"] for e in ev]
+            assert kinds[-1] == "capture_aborted" and "capture_failed" in kinds
+        with pytest.raises(CoordinatorStateError):
+            c.step([None])
+    finally:
+        c.shutdown()
