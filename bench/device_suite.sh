@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call: the GPU test suites and the benchmarks, logs and JSON into $OUT.
+#   bash bench/device_suite.sh tests     # gpu + multigpu tests, graph benchmark
+#   bash bench/device_suite.sh benches   # gemm, distributed and serving benchmarks
+set -u
+out="${OUT:-artifacts}"; mkdir -p "$out"
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+quiet() { grep -v -E '^[EW][0-9]{4} |Warning|warn_once|^$' ; }
+case "${1:-tests}" in
+tests)
+  timeout 200 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -n 6 --timeout 180 2>&1 | quiet | tee "$out/gpu_tests.log" | tail -8
+  if [ "$ngpu" -ge 2 ]; then
+    timeout 260 python3 -m pytest -q -m multigpu tests/multigpu -p no:cacheprovider --timeout 240 -rs 2>&1 | quiet | tee "$out/multigpu_tests.log" | tail -15
+  fi
+  timeout 130 python3 -m bench.graph_bench --out "$out/graph_bench.json" 2>&1 | quiet | tee "$out/graph_bench.log" | tail -16
+  ;;
+benches)
+  timeout 40 python3 -m bench.gemm_bench 2>&1 | quiet | tee "$out/gemm_bench.log" | tail -16
+  tps=1; [ "$ngpu" -ge 2 ] && tps=1,2
+  timeout 200 python3 -m bench.dist_bench --model qwen3-0.6b --tp "$tps" --batches 1,64 --steps 200 --out "$out/dist_bench.json" 2>&1 | quiet | tee "$out/dist_bench.log" | tail -20
+  timeout 150 python3 bench/serve_bench.py --model qwen3-0.6b --out "$out/serve_bench.json" 2>&1 | quiet | tee "$out/serve_bench.log" | tail -14
+  ;;
+esac
