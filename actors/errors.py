@@ -13,3 +13,7 @@ class StartupCaptureError(RuntimeError):
 
 class CoordinatorStateError(RuntimeError):
     """A coordinator method was called in the wrong state (not started, failed, shut down)."""
+
+
+class RankStepError(RuntimeError):
+    """A rank's step raised; the message names the rank and its device (raised inside the worker)."""

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import ray
 
+from actors.errors import RankStepError
 from actors.placement import ActorPlace
 
 class _TestFault(RuntimeError):
@@ -185,7 +186,10 @@ class RankWorker:
             disp = self.runtime.ctx.ep_dispatcher
             cm = disp.static_tokens(plan.static_tokens) if disp is not None else contextlib.nullcontext()
             with cm:
-                out = self.runtime.execute(*args)
+                try:
+                    out = self.runtime.execute(*args)
+                except Exception as e:  # name the rank: compiled-graph errors do not carry the actor
+                    raise RankStepError(f"rank {self.rank} ({self.runtime.device}): {type(e).__name__}: {e}") from e
             dt = time.perf_counter() - t0
             self._step_times.append(dt)
             return (out if self.coords.tp_rank == 0 else None), dt

@@ -51,10 +51,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.stride(1) != 1:
         return F.linear(x, weight)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n = 16 if n <= 8192 else 64
-    block_k = 512 if k % 512 == 0 else 256
+    # shared memory per stage = (BLOCK_M + BLOCK_N) * BLOCK_K * 2 bytes; stay well under 227 KiB
+    block_n, block_k, stages = (16, 512, 4) if n <= 8192 else (64, 256, 3)
+    if k % block_k:
+        block_k = 256
     grid = (triton.cdiv(n, block_n),)
     _skinny_gemm_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
-                              num_warps=4, num_stages=4)
+                              num_warps=4, num_stages=stages)
     return y
