@@ -16,9 +16,13 @@ tests)
   timeout 130 python3 -m bench.graph_bench --out "$out/graph_bench.json" 2>&1 | quiet | tee "$out/graph_bench.log" | tail -16
   ;;
 benches)
+  if [ "$ngpu" -ge 2 ]; then
+    timeout 150 python3 -m pytest -q -m multigpu tests/multigpu -k "ep or reset" -p no:cacheprovider --timeout 140 2>&1 | quiet | tee "$out/multigpu_ep.log" | tail -4
+  fi
+  timeout 90 python3 -m pytest -q -m gpu tests/gpu/test_model_graphs.py -k continuous -p no:cacheprovider 2>&1 | quiet | tail -3
   timeout 40 python3 -m bench.gemm_bench 2>&1 | quiet | tee "$out/gemm_bench.log" | tail -16
   tps=1; [ "$ngpu" -ge 2 ] && tps=1,2
-  timeout 200 python3 -m bench.dist_bench --model qwen3-0.6b --tp "$tps" --batches 1,64 --steps 200 --out "$out/dist_bench.json" 2>&1 | quiet | tee "$out/dist_bench.log" | tail -20
-  timeout 150 python3 bench/serve_bench.py --model qwen3-0.6b --out "$out/serve_bench.json" 2>&1 | quiet | tee "$out/serve_bench.log" | tail -14
+  timeout 170 python3 -m bench.dist_bench --model qwen3-0.6b --tp "$tps" --batches 1,64 --steps 100 --out "$out/dist_bench.json" 2>&1 | quiet | tee "$out/dist_bench.log" | tail -20
+  timeout 130 python3 bench/serve_bench.py --model qwen3-0.6b --out "$out/serve_bench.json" 2>&1 | quiet | tee "$out/serve_bench.log" | tail -14
   ;;
 esac

@@ -13,8 +13,8 @@ from parallel.context import ParallelContext
 
 
 def make_runtime(model: str = "qwen3-0.6b", blocks: int = 512, max_len: int = 4096, capture: bool = True,
-                 **graph) -> RankRuntime:
-    cfg = RuntimeConfig(model=model, device="cuda", num_kv_blocks=blocks, max_model_len=max_len,
+                 dtype: str | None = None, **graph) -> RankRuntime:
+    cfg = RuntimeConfig(model=model, device="cuda", num_kv_blocks=blocks, max_model_len=max_len, dtype=dtype,
                         graph=GraphRunnerConfig(**graph))
     rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
     rt.load_model()

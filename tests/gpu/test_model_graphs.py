@@ -87,8 +87,10 @@ def _continuous_batching(rt, steps=128, seed=1):
 
 @torch.inference_mode()
 def test_continuous_batching_128_steps_graphs_equal_eager():
-    graphs = make_runtime(max_decode_batch=32, pcg_max_tokens=1024)
-    eager = make_runtime(eager_mode=True, capture=False)
+    # fp32: bucket padding changes GEMM shapes, and in bf16 that rounding noise flips greedy choices at
+    # near-ties of random weights; fp32 keeps the comparison about scheduling, graphs and plans.
+    graphs = make_runtime(max_decode_batch=32, pcg_max_tokens=1024, dtype="float32")
+    eager = make_runtime(eager_mode=True, capture=False, dtype="float32")
     got, want = _continuous_batching(graphs), _continuous_batching(eager)
     paths = graphs.runner.stats.snapshot()["steps"]
     assert paths.get("full_graph", 0) > 50, paths

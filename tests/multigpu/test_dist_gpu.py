@@ -29,6 +29,10 @@ TIE = 0.05  # a token may differ only where the reference's logit gap is below t
 
 def rt_cfg(model: str, **kw) -> RuntimeConfig:
     base = dict(model=model, device="auto", block_size=BLOCK, num_kv_blocks=256, max_model_len=2048, graph=GRAPH)
+    if "moe" in model:
+        # fp32: in bf16 the summation order of partial expert outputs moves hidden states by an ulp and flips
+        # top-8-of-64 routing near ties, a discrete change that hides what these tests check (EP mechanics).
+        base["dtype"] = "float32"
     base.update(kw)
     return RuntimeConfig(**base)
 
