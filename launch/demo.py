@@ -8,7 +8,6 @@ import argparse
 import time
 
 import numpy as np
-import torch
 
 
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:

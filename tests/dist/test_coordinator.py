@@ -10,31 +10,12 @@ import pytest
 from actors.batch import BatchError, StepBatch
 from actors.coordinator import (Coordinator, CoordinatorStateError, DeploymentConfig, RankFailureError,
                                 StartupCaptureError)
-from actors.local import LocalExecutor
-from tests.dist._helpers import CoordinatorCache, decode_script, ray_session, run_scenario, runtime_cfg
+from tests.dist._helpers import decode_script, run_scenario, runtime_cfg
 
+MODEL = "qwen3-tiny"
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [100, 200, 300, 400, 17], [5] * 20]
 
 
-@pytest.fixture(scope="module")
-def ray_mod():
-    ray = ray_session()
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def reference():
-    loc = LocalExecutor(runtime_cfg("qwen3-tiny"))
-    loc.start()
-    return loc.runtime
-
-
-@pytest.fixture(scope="module")
-def cache(ray_mod):
-    c = CoordinatorCache()
-    yield c
-    c.close()
 
 
 @pytest.fixture

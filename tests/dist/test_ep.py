@@ -11,11 +11,12 @@ import pytest
 
 from actors.batch import StepBatch
 from actors.coordinator import DeploymentConfig, RankFailureError
-from actors.local import LocalExecutor
 from actors.placement import ActorPlace, order_ranks
 from actors.protocol import plan_step
-from tests.dist._helpers import CoordinatorCache, decode_script, ray_session, run_scenario, runtime_cfg
+from tests.dist._helpers import decode_script, run_scenario, runtime_cfg
 
+MODEL = "qwen3-moe-tiny"
+FAKE_GPUS = 2
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [100, 200, 300, 400, 17], [5] * 20]
 
 MIXED = [
@@ -52,25 +53,6 @@ def test_plan_step_phases():
     assert plan_step([StepBatch.from_sequences([[1]] * 9, [1] * 9, [[1]] * 9)], cross_dp=True, **kw).batch_bucket == 9
 
 
-@pytest.fixture(scope="module")
-def ray_mod():
-    ray = ray_session(num_gpus=2)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def reference():
-    loc = LocalExecutor(runtime_cfg("qwen3-moe-tiny"))
-    loc.start()
-    return loc.runtime
-
-
-@pytest.fixture(scope="module")
-def cache(ray_mod):
-    c = CoordinatorCache()
-    yield c
-    c.close()
 
 
 def test_ep2_tp2_moe_equals_ep1(cache, reference):

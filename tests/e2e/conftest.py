@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import pytest
 
@@ -15,21 +14,10 @@ def artifacts():
     return ARTIFACTS
 
 
-def _coordinator_available() -> Optional[str]:
-    try:
-        import actors.coordinator  # noqa: F401
-    except ImportError as exc:
-        return f"the Ray coordinator (actors.coordinator) is not importable: {exc}"
-    return None
-
-
 def _start(kind: str) -> Server:
     if kind == "local":
         return start_server(graphline("serve", *TINY_ARGS, "--executor", "local", "--port", "0"))
     if kind == "dp2":
-        reason = _coordinator_available()
-        if reason:
-            pytest.skip(reason)
         # A private Ray head + `graphline serve --address` through the cluster script (what operators run).
         env = {"GRAPHLINE_RAY_PORT": "0", "GRAPHLINE_RAY_NUM_CPUS": "4", "PYTHON": sys.executable,
                "GRAPHLINE": f"{sys.executable} -m launch"}

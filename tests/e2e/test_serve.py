@@ -8,7 +8,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import aiohttp
 import numpy as np
