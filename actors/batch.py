@@ -64,6 +64,15 @@ class StepBatch:
         if (self.block_tables[cols] <= 0).any():
             raise BatchError("a used block table entry is 0 (the reserved padding block) or negative")
 
+    def check_runnable(self, vocab_size: int, block_size: int, max_blocks_per_seq: int, num_kv_blocks: int) -> None:
+        """`validate` plus the limits of a deployment: block-table width and the cache's block count."""
+        self.validate(vocab_size, block_size)
+        if self.block_tables.shape[1] > max_blocks_per_seq:
+            raise BatchError(f"block tables of width {self.block_tables.shape[1]} exceed max_model_len "
+                             f"({max_blocks_per_seq} blocks)")
+        if int(self.block_tables.max()) >= num_kv_blocks:
+            raise BatchError(f"a block id is >= num_kv_blocks {num_kv_blocks}")
+
     @staticmethod
     def from_sequences(tokens: Sequence[Sequence[int]], num_history: Sequence[int], block_tables: Sequence[Sequence[int]],
                        temperature: Sequence[float] | None = None, top_k: Sequence[int] | None = None,

@@ -191,11 +191,7 @@ class Coordinator:
     def _validate(self, dp_rank: int, b: StepBatch) -> None:
         rt = self.cfg.runtime
         try:
-            b.validate(self._model_config.vocab_size, rt.block_size)
-            if b.block_tables.shape[1] > rt.max_blocks_per_seq:
-                raise BatchError(f"block tables of width {b.block_tables.shape[1]} exceed max_model_len")
-            if int(b.block_tables.max()) >= self._num_kv_blocks:
-                raise BatchError(f"a block id is >= num_kv_blocks {self._num_kv_blocks}")
+            b.check_runnable(self._model_config.vocab_size, rt.block_size, rt.max_blocks_per_seq, self._num_kv_blocks)
         except BatchError as e:
             raise BatchError(f"DP rank {dp_rank}: {e}") from None
 

@@ -180,15 +180,22 @@ class RankRuntime:
     # ---- steps
     @torch.inference_mode()
     def execute(self, batch: Optional[StepBatch], global_decode: Optional[bool] = None, batch_bucket: int = 0,
-                token_bucket: int = 0) -> Optional[np.ndarray]:
+                token_bucket: int = 0, validated: bool = False) -> Optional[np.ndarray]:
         """Run one forward step; returns int64 `[B]` next tokens, or None for an idle (dummy) step.
 
         An idle rank runs a harmless dummy step of the global bucket so collectives pair up.
+        `validated=True` skips the batch checks when the caller (the coordinator) already ran
+        `StepBatch.check_runnable` on the driver, so the per-step hot path does them once.
         """
         with self.on_stream():
-            return self._execute(batch, global_decode, batch_bucket, token_bucket)
+            return self._execute(batch, global_decode, batch_bucket, token_bucket, validated)
 
-    def _execute(self, batch, global_decode, batch_bucket, token_bucket):
+    def check_batch(self, batch: StepBatch) -> None:
+        """Raise `BatchError` for a batch this rank cannot run (before any device work)."""
+        batch.check_runnable(self.model_config.vocab_size, self.cfg.block_size, self.cfg.max_blocks_per_seq,
+                             self.kv_cache.spec.num_blocks)
+
+    def _execute(self, batch, global_decode, batch_bucket, token_bucket, validated):
         if batch is None:
             decode = global_decode is not False
             n = max(batch_bucket, 1) if decode else max(token_bucket, 1)
@@ -197,11 +204,8 @@ class RankRuntime:
                                        token_bucket_hint=token_bucket)
             self.runner(step)
             return None
-        batch.validate(self.model_config.vocab_size, self.cfg.block_size)
-        if batch.block_tables.shape[1] > self.cfg.max_blocks_per_seq:
-            raise ValueError(f"block tables of width {batch.block_tables.shape[1]} exceed max_model_len")
-        if int(batch.block_tables.max()) >= self.kv_cache.spec.num_blocks:
-            raise ValueError(f"a block id is >= num_kv_blocks {self.kv_cache.spec.num_blocks}")
+        if not validated:
+            self.check_batch(batch)
         ids, pos, meta = build_step_from_arrays(batch.token_ids, batch.q_seqlens, batch.num_history, batch.block_tables,
                                                 self.cfg.block_size, self.device)
         step = ForwardStep(ids, pos, self.kv_cache.layers, meta, global_decode=global_decode,

@@ -187,7 +187,7 @@ class RankWorker:
             cm = disp.static_tokens(plan.static_tokens) if disp is not None else contextlib.nullcontext()
             with cm:
                 try:
-                    out = self.runtime.execute(*args)
+                    out = self.runtime.execute(*args, validated=True)  # the coordinator checked the batch
                 except Exception as e:  # name the rank: compiled-graph errors do not carry the actor
                     raise RankStepError(f"rank {self.rank} ({self.runtime.device}): {type(e).__name__}: {e}") from e
             dt = time.perf_counter() - t0
