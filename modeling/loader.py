@@ -203,14 +203,13 @@ def _random_shape(cfg: ModelConfig, name: str) -> tuple[tuple[int, ...], float, 
 
 
 def random_tensors(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Deterministic full random tensors in HF naming: the same (cfg, seed) gives the same weights on every
-    device count and rank, so TP/EP shards of a preset agree with the single-rank model."""
+    """Deterministic full random tensors in HF naming: the same (cfg, seed, device type) gives the same weights
+    on every device count and rank, so TP/EP shards of a preset agree with the single-rank model. (CPU and
+    CUDA generators draw different streams: a preset's weights differ between the two.)"""
     dev = torch.device(device)
     for name in expected_tensor_names(cfg):
         shape, mean, std = _random_shape(cfg, name)
-        g = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name))
-        if dev.type == "cuda":
-            g = torch.Generator(device=dev).manual_seed(_tensor_seed(seed, name))
+        g = torch.Generator(device=dev).manual_seed(_tensor_seed(seed, name))
         t = torch.randn(shape, generator=g, device=dev, dtype=torch.float32).mul_(std).add_(mean)
         yield name, t.to(cfg.dtype)
 
