@@ -22,20 +22,14 @@ class LocalExecutor:
     def __init__(self, cfg: RuntimeConfig):
         self.cfg = cfg
         self.runtime = RankRuntime(cfg, ParallelContext(), resolve_device(cfg.device))
-        self.capture_seconds: dict[str, float] = {}
 
-    def start(self) -> dict[str, float]:
+    def start(self, progress: bool = False) -> dict[str, float]:
+        """Weights, KV cache, runner, then every bucket's capture; returns the runtime's timings."""
         rt = self.runtime
         rt.load_model()
         rt.allocate_kv_cache()
         rt.build_runner()
-        t0 = time.perf_counter()
-        decode, prefill = rt.capture_sizes()
-        for b in decode:
-            self.capture_seconds[f"decode:{b}"] = rt.capture_decode(b)
-        for t in prefill:
-            self.capture_seconds[f"prefill:{t}"] = rt.capture_prefill(t)
-        rt.timings["capture_s"] = time.perf_counter() - t0
+        rt.capture_all(progress)
         return dict(rt.timings)
 
     @property

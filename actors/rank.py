@@ -172,6 +172,32 @@ class RankRuntime:
         with self.on_stream():
             return self.runner.capture_prefill(tokens)
 
+    def capture_all(self, progress: bool = False) -> dict[str, float]:
+        """Capture every decode bucket, then every prefill bucket, in the runner's order (one rank in this
+        process; a multi-rank group is driven bucket by bucket in lock-step by the coordinator instead).
+        Returns seconds per bucket ("decode:8", "prefill:512", ...) and sets `timings["capture_s"]`."""
+        t0 = time.perf_counter()
+        decode, prefill = self.capture_sizes()
+        jobs = [("decode", b, self.capture_decode) for b in decode] + [("prefill", t, self.capture_prefill) for t in prefill]
+        bar = None
+        if progress and jobs:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(jobs), desc="capturing", unit="graph", leave=True)
+        seconds: dict[str, float] = {}
+        try:
+            for kind, size, capture in jobs:
+                if bar is not None:
+                    bar.set_postfix_str(f"{kind} {size}")
+                seconds[f"{kind}:{size}"] = capture(size)
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        self.timings["capture_s"] = time.perf_counter() - t0
+        return seconds
+
     def _dummy_step(self, num_tokens: int, batch_size: int, is_decoding: bool) -> ForwardStep:
         ids, pos, meta = make_dummy_inputs(num_tokens, batch_size, is_decoding, self.cfg.block_size,
                                            self.cfg.max_blocks_per_seq, self.device)

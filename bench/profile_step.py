@@ -44,11 +44,7 @@ def main() -> None:
     rt.load_model()
     rt.allocate_kv_cache()
     rt.build_runner()
-    dec, pre = rt.capture_sizes()
-    for b in dec:
-        rt.capture_decode(b)
-    for t in pre:
-        rt.capture_prefill(t)
+    rt.capture_all()
     d = _decode_step(rt, args.batch, args.context)
     print(f"## decode graph replay, batch {args.batch}, context {args.context} (10 steps)")
     print(_kernel_table(lambda: rt.runner(d)))

@@ -92,37 +92,10 @@ class LocalEngineExecutor:
 
     def start(self, progress: bool = True) -> dict:
         t0 = time.perf_counter()
-        rt = self.local.runtime
-        rt.load_model()
-        rt.allocate_kv_cache()
-        rt.build_runner()
-        self._capture(progress)
-        self.timings = dict(rt.timings)
+        self.timings = self.local.start(progress)
         self.timings["start_s"] = time.perf_counter() - t0
         self.started_at = time.time()
         return dict(self.timings)
-
-    def _capture(self, progress: bool) -> None:
-        rt = self.local.runtime
-        t0 = time.perf_counter()
-        decode, prefill = rt.capture_sizes()
-        jobs = [("decode", b) for b in decode] + [("prefill", t) for t in prefill]
-        bar = None
-        if progress and jobs:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(jobs), desc="capturing", unit="graph", leave=True)
-        try:
-            for kind, size in jobs:
-                if bar is not None:
-                    bar.set_postfix_str(f"{kind} {size}")
-                (rt.capture_decode if kind == "decode" else rt.capture_prefill)(size)
-                if bar is not None:
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-        rt.timings["capture_s"] = time.perf_counter() - t0
 
     def step(self, batches: Sequence[Optional[StepBatch]]) -> list[Optional[np.ndarray]]:
         if batches[0] is None:
@@ -143,7 +116,7 @@ class LocalEngineExecutor:
         if reload_weights:  # the runner holds the model; a KV resize only needs the (already dropped) graphs gone
             rt.build_runner()
         if recapture:
-            self._capture(progress=False)
+            rt.capture_all()
             out["capture_s"] = rt.timings["capture_s"]
         out["total_s"] = time.perf_counter() - t0
         self.resets.append({"time": time.time(), **out})

@@ -21,11 +21,7 @@ def make_runtime(model: str = "qwen3-0.6b", blocks: int = 512, max_len: int = 40
     rt.allocate_kv_cache()
     rt.build_runner()
     if capture:
-        decode, prefill = rt.capture_sizes()
-        for b in decode:
-            rt.capture_decode(b)
-        for t in prefill:
-            rt.capture_prefill(t)
+        rt.capture_all()
     return rt
 
 

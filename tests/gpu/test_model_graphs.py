@@ -173,11 +173,7 @@ def test_published_plans_hold_no_startup_objects_and_reset_frees_memory():
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     rt.runner = CUDAGraphRunner(rt.model, rt.cfg.graph, rt.device, factory, rt.cfg.max_blocks_per_seq)
-    decode, prefill = rt.capture_sizes()
-    for b in decode:
-        rt.capture_decode(b)
-    for t in prefill:
-        rt.capture_prefill(t)
+    rt.capture_all()
     gc.collect()
     assert refs and all(r() is None for r in refs), "a published graph or plan keeps a start-up request object"
     seqs = Seqs(rt)
@@ -192,10 +188,7 @@ def test_published_plans_hold_no_startup_objects_and_reset_frees_memory():
     torch.cuda.synchronize()
     freed = torch.cuda.memory_allocated() - base
     assert freed < held * 0.1 + (1 << 20), f"reset kept {freed} of {held} bytes"
-    for b in decode:
-        rt.capture_decode(b)
-    for t in prefill:
-        rt.capture_prefill(t)
+    rt.capture_all()
     after = rt.runner(seqs.step([chunk], [0], [table])).clone()
     assert torch.equal(before_reset, after)
 

@@ -43,11 +43,7 @@ def reference_runtime(model: str) -> RankRuntime:
     rt.load_model()
     rt.allocate_kv_cache(cfg.num_kv_blocks)
     rt.build_runner()
-    decode, prefill = rt.capture_sizes()
-    for b in decode:
-        rt.capture_decode(b)
-    for t in prefill:
-        rt.capture_prefill(t)
+    rt.capture_all()
     inner = rt.model.compute_logits
 
     def recording(h, idx):
