@@ -12,9 +12,12 @@ step():   decides the global phase (`actors.protocol.plan_step`), fans the plan 
           rank) tear the whole group down and raise RankFailureError; `rebuild()` restarts.
 reset():  every rank: runner.reset() (graphs, plans) -> DeepEP buffer -> barrier; then
           optional weight reload / KV resize and re-capture.
-The step path is a Ray compiled graph on GPU clusters and plain actor calls on CPU-only
-ones (compiled-graph actors poll their input channel: on a 2-core CI box that costs a
-core); `GRAPHLINE_STEP_PATH=plain|compiled` overrides.
+Step paths (`DeploymentConfig.step_path`, or `GRAPHLINE_STEP_PATH` which overrides it):
+- pipe: packed frames through per-rank named pipes to a resident loop in every rank
+  (`actors.pipes`); the default when every rank runs on the driver's host;
+- compiled: a Ray compiled graph; the default on multi-host GPU clusters;
+- plain: one actor call per rank per step; the default on multi-host CPU clusters
+  (compiled-graph actors poll their input channel, which costs a core per rank).
 """
 from __future__ import annotations
 
@@ -27,12 +30,15 @@ import numpy as np
 
 from actors.batch import BatchError, StepBatch
 from actors.errors import CoordinatorStateError, RankFailureError, StartupCaptureError
+from actors.pipes import PipeStepper, all_local
 from actors.protocol import plan_step
 from actors.rank import RuntimeConfig
 from actors.rankset import CompiledStepper, PlainStepper, RankCallError, RankSet
 from actors.startup import capture_all, launch_ranks, summarize_status
 from parallel.dispatch import KINDS
 from parallel.topology import Topology
+
+STEP_PATHS = ("auto", "pipe", "compiled", "plain")
 
 __all__ = ["DeploymentConfig", "Coordinator", "RankFailureError", "StartupCaptureError", "CoordinatorStateError"]
 
@@ -49,8 +55,11 @@ class DeploymentConfig:
     use_gpu: Optional[bool] = None  # None = auto (GPUs present)
     collective_timeout_s: float = 60.0
     step_timeout_s: float = 30.0
+    step_path: str = "auto"  # auto | pipe | compiled | plain
 
     def __post_init__(self) -> None:
+        if self.step_path not in STEP_PATHS:
+            raise ValueError(f"step_path must be one of {STEP_PATHS}, got {self.step_path!r}")
         Topology.of(tp=self.tp, dp=self.dp, ep=self.ep)  # TopologyError names the bad field
         if self.ep_backend not in KINDS:
             raise ValueError(f"ep_backend must be one of {KINDS}, got {self.ep_backend!r}")
@@ -154,10 +163,17 @@ class Coordinator:
         return self.cfg.collective_timeout_s + 300.0
 
     def _make_stepper(self, path: Optional[str] = None):
-        path = path or os.environ.get("GRAPHLINE_STEP_PATH", "auto")
-        if path not in ("auto", "plain", "compiled"):
-            raise ValueError(f"GRAPHLINE_STEP_PATH must be auto, plain or compiled, got {path!r}")
-        if path == "compiled" or (path == "auto" and self._use_gpu):
+        path = path or os.environ.get("GRAPHLINE_STEP_PATH") or self.cfg.step_path
+        if path not in STEP_PATHS:
+            raise ValueError(f"GRAPHLINE_STEP_PATH must be one of {STEP_PATHS}, got {path!r}")
+        if path == "auto":
+            path = "pipe" if all_local(self._ranks.places) else ("compiled" if self._use_gpu else "plain")
+        if path == "pipe":
+            if not all_local(self._ranks.places):
+                raise ValueError("the pipe step path needs every rank on the driver's host")
+            dp_of = [self.topo.coords(r).dp_rank for r in range(len(self._ranks))]
+            return PipeStepper(self._ranks, dp_of, timeout_s=self.cfg.collective_timeout_s)
+        if path == "compiled":
             return CompiledStepper(self._ranks)
         return PlainStepper(self._ranks)
 
@@ -213,7 +229,7 @@ class Coordinator:
         return self._ranks.call("step_times", (clear,), timeout_s=30.0, what="step times")
 
     def _switch_step_path(self, path: str) -> None:
-        """Benchmarks/tests: replace the step path ("plain" | "compiled") on the live rank group."""
+        """Benchmarks/tests: replace the step path ("pipe" | "compiled" | "plain") on the live rank group."""
         self._require("serving")
         if self._stepper is not None:
             self._stepper.teardown()

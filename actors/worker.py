@@ -5,8 +5,10 @@ One actor per rank, placed on its own placement-group bundle. Concurrency:
   device work is serialised here;
 - "health" group: `health()` / `info()` answer while a step or a capture runs (the
   coordinator's sentinel for hung ranks);
-- Ray's "_ray_system" group runs the compiled-graph step loop (`execute_step`), when the
-  coordinator uses compiled graphs; the coordinator never overlaps it with set-up calls.
+- the pipe step path (`start_pipe_loop`, the default when every rank shares the driver's
+  host) runs steps on a resident thread of its own; Ray's "_ray_system" group runs the
+  compiled-graph step loop (`execute_step`) when the coordinator uses compiled graphs. The
+  coordinator never overlaps steps with set-up calls.
 Every method first binds the rank's CUDA device (current device is per thread).
 
 The worker keeps an event log (start-up captures and reset phases with timestamps) that
@@ -178,13 +180,16 @@ class RankWorker:
         args = plan.rank_args(self.coords.dp_rank)
         if args is None:
             return None, 0.0
+        return self._run_step(args, plan.static_tokens)
+
+    def _run_step(self, args: tuple, static_tokens: Optional[int]) -> tuple[Any, float]:
         self._enter("execute")
         t0 = time.perf_counter()
         try:
             self._steps += 1
             self._maybe_fault_in_step()
             disp = self.runtime.ctx.ep_dispatcher
-            cm = disp.static_tokens(plan.static_tokens) if disp is not None else contextlib.nullcontext()
+            cm = disp.static_tokens(static_tokens) if disp is not None else contextlib.nullcontext()
             with cm:
                 try:
                     out = self.runtime.execute(*args, validated=True)  # the coordinator checked the batch
@@ -196,12 +201,47 @@ class RankWorker:
         finally:
             self._leave()
 
+    def start_pipe_loop(self, request_path: str, reply_path: str) -> None:
+        """Start the resident step loop of the pipe step path (`actors.pipes`): a thread that reads packed
+        requests from `request_path` and writes replies to `reply_path` until the driver closes its end.
+        The coordinator never overlaps steps with set-up calls, so the loop and this actor's default
+        thread do not run device work at the same time."""
+        reply = os.open(reply_path, os.O_WRONLY)  # the driver already holds the read end
+        thread = threading.Thread(target=self._pipe_loop, args=(request_path, reply), daemon=True,
+                                  name=f"graphline-step-loop-{self.rank}")
+        thread.start()
+
+    def _pipe_loop(self, request_path: str, reply: int) -> None:
+        from actors.pipes import read_frame, write_all
+        from actors.wire import REPLY_ERROR, decode_request, encode_reply, encode_tokens
+
+        request = os.open(request_path, os.O_RDONLY)  # blocks until the driver opens its end
+        try:
+            while True:
+                body = read_frame(request)
+                if body is None:  # the driver closed the pipe: the step path was torn down
+                    return
+                try:
+                    decoded = decode_request(body)
+                    frame = encode_tokens(None, 0.0) if decoded is None else encode_tokens(*self._run_step(*decoded))
+                except Exception as e:  # noqa: BLE001 - reported to the driver, which tears the group down
+                    text = str(e) if isinstance(e, RankStepError) else f"rank {self.rank}: {type(e).__name__}: {e}"
+                    frame = encode_reply(REPLY_ERROR, 0.0, text.encode("utf-8", "replace")[:4000])
+                write_all(reply, frame)
+        except OSError:
+            return  # the driver went away mid-write
+        finally:
+            os.close(request)
+            os.close(reply)
+
     def _maybe_fault_in_step(self) -> None:
         f = self._faults
         if f.get("step_delay_s"):
             time.sleep(float(f["step_delay_s"]))
         if f.get("exit_in_step") == self._steps:
             os._exit(17)
+        if f.get("raise_in_step") == self._steps:
+            raise _TestFault(f"injected failure in step #{self._steps}")
         if f.get("hang_in_step") == self._steps:
             while True:
                 time.sleep(3600)
@@ -309,7 +349,8 @@ class RankWorker:
     @ray.method(concurrency_group="health")
     def _test_set_faults(self, **faults: Any) -> None:
         """Tests only: fail_capture_at=N (raise in the N-th capture), exit_in_step=N (os._exit in the
-        N-th step), hang_in_step=N (sleep forever in the N-th step), step_delay_s=x (sleep in each step)."""
+        N-th step), raise_in_step=N (raise in the N-th step), hang_in_step=N (sleep forever in the N-th step),
+        step_delay_s=x (sleep in each step)."""
         self._faults.update(faults)
 
     def _test_record_logits(self) -> None:

@@ -1,5 +1,6 @@
 """Coordinator on Ray + gloo (CPU, 2 ranks, dense qwen3-tiny): TP=2 and DP=2 equal one rank,
 the lock-step capture and reset protocols, a rank killed mid-step, a failed start-up capture."""
+import dataclasses
 import json
 import threading
 import time
@@ -39,7 +40,7 @@ def test_tp2_greedy_and_logits_equal_tp1(tp2, reference):
     coord, timings = tp2
     for k in ("ray_s", "groups_s", "weights_s", "kv_s", "capture_s", "per_bucket"):
         assert k in timings
-    assert coord.step_path == "plain"  # the CPU default (compiled graphs are covered in test_ep.py)
+    assert coord.step_path == "pipe"  # the one-host default (compiled and plain are covered in test_ep.py)
     run_scenario(coord, reference, decode_script(1, PROMPTS, steps=12))
     # logits (full vocab, all-gathered over TP) of one prefill step equal one rank's
     for w in coord._ranks.workers:
@@ -149,6 +150,28 @@ def test_rank_killed_mid_step_raises_then_rebuild_serves(dp2, reference):
         coord.step([b, b])
     coord.rebuild()
     assert coord.status()["state"] == "serving"
+    run_scenario(coord, reference, decode_script(2, PROMPTS[:2], steps=2))
+
+
+def test_rank_error_and_hang_on_the_pipe_path_raise_then_rebuild(dp2, reference):
+    import ray
+
+    coord = dp2
+    assert coord.step_path == "pipe"
+    b = StepBatch.from_sequences([[1, 2, 3]], [0], [[60]])
+    steps = coord._ranks.probe()[1]["steps"]
+    ray.get(coord._ranks.workers[1]._test_set_faults.remote(raise_in_step=steps + 1), timeout=30)
+    with pytest.raises(RankFailureError, match="rank 1 error: .*injected failure in step"):
+        coord.step([b, b])
+    coord.rebuild()
+    ray.get(coord._ranks.workers[0]._test_set_faults.remote(hang_in_step=1), timeout=30)
+    coord.cfg = dataclasses.replace(coord.cfg, step_timeout_s=3.0)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailureError, match="rank 0 hung: no answer after 3.0s; alive, in 'execute'"):
+        coord.step([b, b])
+    assert time.monotonic() - t0 < 15
+    coord.cfg = dataclasses.replace(coord.cfg, step_timeout_s=20.0)
+    coord.rebuild()
     run_scenario(coord, reference, decode_script(2, PROMPTS[:2], steps=2))
 
 

@@ -57,7 +57,7 @@ def test_plan_step_phases():
 
 def test_ep2_tp2_moe_equals_ep1(cache, reference):
     cfg = DeploymentConfig(runtime=runtime_cfg("qwen3-moe-tiny"), tp=2, ep=2, use_gpu=False,
-                           collective_timeout_s=20, step_timeout_s=20)
+                           collective_timeout_s=20, step_timeout_s=20, step_path="plain")
     coord = cache.get("tp2ep2", cfg)
     assert coord.step_path == "plain"
     run_scenario(coord, reference, decode_script(1, PROMPTS, steps=6))
@@ -76,13 +76,13 @@ def test_dense_model_with_ep_is_rejected(cache):
 @pytest.fixture
 def dp2ep2(cache):
     cfg = DeploymentConfig(runtime=runtime_cfg("qwen3-moe-tiny"), dp=2, ep=2, collective_timeout_s=20,
-                           step_timeout_s=8)
+                           step_timeout_s=8, step_path="compiled")
     return cache.get("dp2ep2", cfg)
 
 
 def test_dp2_ep2_mixed_local_phases_equal_one_rank(dp2ep2, reference):
     coord = dp2ep2
-    assert coord.step_path == "compiled"  # the default on GPU clusters (fake GPUs here)
+    assert coord.step_path == "compiled"  # chosen explicitly here (fake GPUs); pipe is the one-host default
     run_scenario(coord, reference, MIXED)
     st = coord.status()
     assert set(st["phases"]) == {"prefill", "mixed", "decode"}

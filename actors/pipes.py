@@ -1,0 +1,186 @@
+"""The pipe step path: a resident step loop in every rank, fed through named pipes (FIFOs) on one host.
+
+Per rank, two FIFOs in a private directory under /dev/shm: requests (driver -> rank) and
+replies (rank -> driver), carrying the packed frames of `actors.wire`. Each rank runs a
+plain thread (`RankWorker.start_pipe_loop`) that blocks in `read` on its request pipe,
+runs the step, and writes its reply; the driver writes every rank's request, then waits
+in `select` for the replies. Blocking reads release the GIL, so neither side spins and
+an engine thread waiting for a step leaves the HTTP event loop free.
+
+Why pipes rather than a Ray compiled graph: a step costs two small writes and two
+wake-ups (tens of microseconds) instead of Ray's serialisation and channel round trip
+(~0.7 ms measured on an H200 host), and a dead rank is seen at once: the kernel closes
+its end of the reply pipe, so the driver reads end-of-file instead of waiting for a
+timeout. Needs every rank on the driver's host (the coordinator falls back to compiled
+graphs or plain actor calls otherwise).
+
+Opening order (no races, no blocking on a missing peer): the driver opens each reply pipe
+non-blocking for reading; `start_pipe_loop` opens it for writing (a reader exists) and
+starts the thread, which blocks opening the request pipe for reading; the driver opens
+the request pipe for writing, retrying until that reader exists or a deadline passes.
+Teardown: the driver closes its ends; each loop reads end-of-file and exits.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import shutil
+import tempfile
+import time
+from typing import Any, Optional, Sequence
+
+from actors.rankset import RankCallError, RankFault, RankSet
+from actors.wire import LENGTH, REPLY_ERROR, decode_reply, encode_request
+
+_F_SETPIPE_SZ = 1031  # Linux fcntl: pipe capacity (large prefill frames in one write)
+
+
+def read_exact(fd: int, n: int) -> Optional[bytearray]:
+    """`n` bytes from `fd`, or None at end-of-file before that."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = os.readv(fd, [view[got:]])
+        if k == 0:
+            return None
+        got += k
+    return buf
+
+
+def read_frame(fd: int) -> Optional[bytearray]:
+    """One length-prefixed frame body, or None at end-of-file."""
+    head = read_exact(fd, LENGTH.size)
+    if head is None:
+        return None
+    (n,) = LENGTH.unpack(head)
+    return read_exact(fd, n)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def grow_pipe(fd: int, size: int = 1 << 20) -> None:
+    """Best effort: a larger pipe buffer (Linux; capped by /proc/sys/fs/pipe-max-size)."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
+    except (OSError, ImportError):
+        pass
+
+
+def _set_blocking(fd: int) -> int:
+    os.set_blocking(fd, True)
+    return fd
+
+
+class PipeStepper:
+    """Driver side of the pipe step path. `dp_of_rank[r]` is rank r's DP rank (whose batch it runs)."""
+
+    name = "pipe"
+
+    def __init__(self, ranks: RankSet, dp_of_rank: Sequence[int], timeout_s: float = 60.0):
+        self.ranks = ranks
+        self.dp_of_rank = list(dp_of_rank)
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.dir = tempfile.mkdtemp(prefix="graphline-steps-", dir=base)
+        self.req_fds: list[int] = []
+        self.resp_fds: list[int] = []
+        self._rank_of_fd: dict[int, int] = {}
+        try:
+            paths = []
+            for r in range(len(ranks)):
+                req, resp = os.path.join(self.dir, f"req{r}"), os.path.join(self.dir, f"resp{r}")
+                os.mkfifo(req, 0o600)
+                os.mkfifo(resp, 0o600)
+                fd = _set_blocking(os.open(resp, os.O_RDONLY | os.O_NONBLOCK))
+                self.resp_fds.append(fd)
+                self._rank_of_fd[fd] = r
+                paths.append((req, resp))
+            ranks.call("start_pipe_loop", paths, per_rank=True, timeout_s=timeout_s, what="start step loop")
+            deadline = time.monotonic() + timeout_s
+            for req, _ in paths:
+                self.req_fds.append(self._open_writer(req, deadline))
+        except BaseException:
+            self.teardown()
+            raise
+
+    @staticmethod
+    def _open_writer(path: str, deadline: float) -> int:
+        while True:
+            try:
+                fd = _set_blocking(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                grow_pipe(fd)
+                return fd
+            except OSError as e:
+                if e.errno != errno.ENXIO:  # ENXIO: the rank's loop has not opened its end yet
+                    raise
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a rank's step loop did not open {path}")
+            time.sleep(0.001)
+
+    def run(self, plan: Any, timeout_s: float) -> list[tuple[Any, float]]:
+        """Send every rank its share of `plan`; returns (tokens or None, in-rank seconds) per rank."""
+        frames: dict[int, bytes] = {}
+        faults: list[RankFault] = []
+        for r, fd in enumerate(self.req_fds):
+            d = self.dp_of_rank[r]
+            frame = frames.get(d)
+            if frame is None:
+                frame = frames[d] = encode_request(plan, d)
+            try:
+                write_all(fd, frame)
+            except BrokenPipeError:
+                faults.append(RankFault(r, "died", "its step pipe is closed: the actor process exited"))
+        if faults:
+            raise RankCallError("step", faults, {})
+        results: dict[int, tuple[Any, float]] = {}
+        pending = set(self.resp_fds)
+        deadline = time.monotonic() + timeout_s
+        while pending and not faults:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, _, _ = select.select(list(pending), [], [], left)
+            for fd in ready:
+                pending.discard(fd)
+                r = self._rank_of_fd[fd]
+                body = read_frame(fd)
+                if body is None:
+                    faults.append(RankFault(r, "died", "its step pipe closed mid-step: the actor process exited"))
+                    continue
+                status, seconds, payload = decode_reply(body)
+                if status == REPLY_ERROR:
+                    faults.append(RankFault(r, "error", str(payload)))
+                else:
+                    results[r] = (payload, seconds)
+        if faults:
+            raise RankCallError("step", sorted(faults, key=lambda f: f.rank), results)
+        if pending:
+            stuck = sorted(self._rank_of_fd[fd] for fd in pending)
+            raise RankCallError("step", self.ranks.diagnose_hung(stuck, timeout_s), results)
+        return [results[r] for r in range(len(self.req_fds))]
+
+    def teardown(self) -> None:
+        """Close the driver's ends (every loop reads end-of-file and exits) and remove the FIFOs. Idempotent."""
+        for fd in self.req_fds + self.resp_fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.req_fds, self.resp_fds = [], []
+        self._rank_of_fd = {}
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def all_local(places: Sequence[Any]) -> bool:
+    """Whether every rank runs on the driver's node (the pipe path needs it)."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    return all(p.node_id == here for p in places)

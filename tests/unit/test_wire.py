@@ -1,0 +1,53 @@
+"""The packed step frames of the pipe step path round-trip every field, and reject truncated frames."""
+import numpy as np
+import pytest
+
+from actors.batch import StepBatch
+from actors.protocol import plan_step
+from actors.wire import (LENGTH, REPLY_ERROR, REPLY_NONE, REPLY_OK, WireError, decode_reply, decode_request,
+                         encode_reply, encode_request, encode_tokens)
+
+
+def _body(frame: bytes) -> bytes:
+    (n,) = LENGTH.unpack_from(frame, 0)
+    assert len(frame) == LENGTH.size + n
+    return frame[LENGTH.size:]
+
+
+def test_request_round_trips_every_field():
+    b = StepBatch.from_sequences([[5, 6, 7], [9]], [0, 130], [[3], [4, 8, 11]], temperature=[0.0, 0.7],
+                                 top_k=[0, 40], top_p=[1.0, 0.9], seeds=[-1, 1234567890123])
+    plan = plan_step([b, None], cross_dp=True, decode_buckets=[1, 2, 4], token_buckets=[16, 32])
+    (batch, gd, bb, tb), static = decode_request(_body(encode_request(plan, 0)))
+    assert (gd, bb, tb, static) == (plan.global_decode, plan.batch_bucket, plan.token_bucket, plan.static_tokens)
+    for name in ("token_ids", "q_seqlens", "num_history", "block_tables", "temperature", "top_k", "top_p", "seeds"):
+        got, want = getattr(batch, name), getattr(b, name)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        np.testing.assert_array_equal(got, want)
+    # the idle DP rank of a cross-DP step runs a dummy step: no batch, same buckets
+    (idle, gd1, bb1, tb1), _ = decode_request(_body(encode_request(plan, 1)))
+    assert idle is None and (gd1, bb1, tb1) == (gd, bb, tb)
+
+
+def test_idle_rank_without_collectives_runs_nothing():
+    b = StepBatch.from_sequences([[1]], [4], [[2]])
+    plan = plan_step([b, None], cross_dp=False, decode_buckets=[1], token_buckets=[16])
+    assert decode_request(_body(encode_request(plan, 1))) is None
+    (batch, gd, _, _), static = decode_request(_body(encode_request(plan, 0)))
+    assert gd is None and static is None and batch.batch_size == 1
+
+
+def test_truncated_request_is_rejected():
+    b = StepBatch.from_sequences([[1, 2]], [0], [[2]])
+    body = _body(encode_request(plan_step([b], cross_dp=False, decode_buckets=[1], token_buckets=[16]), 0))
+    with pytest.raises(WireError, match="bytes"):
+        decode_request(body[:-4])
+    with pytest.raises(WireError, match="shorter than its header"):
+        decode_request(body[:3])
+
+
+def test_replies():
+    st, sec, toks = decode_reply(_body(encode_tokens(np.array([3, 1 << 40]), 0.25)))
+    assert st == REPLY_OK and sec == 0.25 and toks.tolist() == [3, 1 << 40]
+    assert decode_reply(_body(encode_tokens(None, 0.0)))[::2] == (REPLY_NONE, None)
+    assert decode_reply(_body(encode_reply(REPLY_ERROR, 0.0, "rank 1: boom".encode())))[2] == "rank 1: boom"
