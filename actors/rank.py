@@ -20,7 +20,8 @@ from actors.batch import StepBatch
 from graphrunner.config import GraphRunnerConfig
 from graphrunner.runner import CUDAGraphRunner
 from graphrunner.step import ForwardStep
-from modeling.attn_metadata import build_step_from_arrays
+from graphrunner.dispatch import Path
+from modeling.attn_metadata import build_decode_step_host, build_step_from_arrays
 from modeling.config import ModelConfig, get_preset, load_config, PRESETS
 from modeling.dummy import make_dummy_inputs
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
@@ -43,6 +44,8 @@ class RuntimeConfig:
     num_kv_blocks: blocks per rank; None sizes from `kv_cache_memory_fraction` of the free
         device memory after weights (CUDA) or uses 512 (CPU).
     max_model_len: longest sequence (prompt + output); sets the block-table width.
+    head_graph_max_batch: decode buckets up to this size also capture the LM head + greedy argmax as a
+        graph on the decode graph's output (fp32 logits of `bucket x vocab` in one shared pool); 0 = off.
     """
 
     model: str = "qwen3-tiny"
@@ -55,12 +58,15 @@ class RuntimeConfig:
     max_model_len: int = 4096
     kernel_backend: str = "auto"
     graph: GraphRunnerConfig = field(default_factory=GraphRunnerConfig)
+    head_graph_max_batch: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.block_size <= 0 or self.max_model_len <= 0:
             raise ValueError("block_size and max_model_len must be positive")
+        if self.head_graph_max_batch < 0:
+            raise ValueError(f"head_graph_max_batch must be >= 0, got {self.head_graph_max_batch}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
         if self.model not in PRESETS and not Path(self.model).is_dir():
@@ -103,6 +109,11 @@ class RankRuntime:
         self.kv_cache: Optional[PagedKVCache] = None
         self.runner: Optional[CUDAGraphRunner] = None
         self.timings: dict[str, float] = {}
+        # LM head + argmax graphs per decode bucket: bucket -> (graph, fp32 logits [bucket, V], int64 tokens [bucket])
+        self._heads: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._head_pool: Any = None
+        self._head_pool_bytes = 0
+        self._rows: Optional[torch.Tensor] = None  # int64 arange on the device: the last-token rows of a decode step
 
     def on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -153,6 +164,7 @@ class RankRuntime:
         return n
 
     def build_runner(self) -> None:
+        self._drop_heads()
         self.runner = CUDAGraphRunner(
             self.model, self.cfg.graph, self.device, self._dummy_step, self.cfg.max_blocks_per_seq, stream=self.stream,
         )
@@ -165,8 +177,45 @@ class RankRuntime:
         return list(self.runner.decode_capture_sizes()), list(self.runner.prefill_capture_sizes())
 
     def capture_decode(self, batch: int) -> float:
+        """Capture the decode graph of bucket `batch`, then its LM-head graph; returns seconds for both."""
         with self.on_stream():
-            return self.runner.capture_decode(batch)
+            t0 = time.perf_counter()
+            self.runner.capture_decode(batch)
+            self._capture_head(batch)
+            return time.perf_counter() - t0
+
+    def _capture_head(self, batch: int) -> None:
+        """LM head + greedy argmax over the decode graph's output rows, captured once per bucket (largest
+        first, like the decode graphs, so one pool serves all). Stream: the rank's forward stream."""
+        if batch > self.cfg.head_graph_max_batch or batch in self._heads:
+            return
+        out = self.runner.decode_output(batch)
+        if out is None:  # CPU, eager mode, or the model declined the graph
+            return
+        hidden, rows = out[:batch], self._decode_rows(batch)
+        self.model.compute_logits(hidden, rows).argmax(dim=-1)  # warm-up outside the capture
+        torch.cuda.synchronize(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        if self._head_pool is None:
+            self._head_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._head_pool, stream=self.stream):
+            logits = self.model.compute_logits(hidden, rows)
+            tokens = logits.argmax(dim=-1)
+        torch.cuda.synchronize(self.device)
+        self._head_pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        self._heads[batch] = (graph, logits, tokens)
+
+    def _decode_rows(self, n: int) -> torch.Tensor:
+        if self._rows is None or self._rows.shape[0] < n:
+            self._rows = torch.arange(max(n, self.runner.graph_meta.max_batch_size), dtype=torch.int64,
+                                      device=self.device)
+        return self._rows[:n]
+
+    def _drop_heads(self) -> None:
+        self._heads.clear()
+        self._head_pool = None
+        self._head_pool_bytes = 0
 
     def capture_prefill(self, tokens: int) -> float:
         with self.on_stream():
@@ -232,6 +281,10 @@ class RankRuntime:
             return None
         if not validated:
             self.check_batch(batch)
+        if batch.num_tokens == batch.batch_size and self.device.type == "cuda":
+            out = self._decode_fast(batch, global_decode, batch_bucket, token_bucket)
+            if out is not None:
+                return out
         ids, pos, meta = build_step_from_arrays(batch.token_ids, batch.q_seqlens, batch.num_history, batch.block_tables,
                                                 self.cfg.block_size, self.device)
         step = ForwardStep(ids, pos, self.kv_cache.layers, meta, global_decode=global_decode,
@@ -240,6 +293,34 @@ class RankRuntime:
         logits = self.model.compute_logits(hidden, meta.last_token_index)
         if not batch.temperature.any():
             return logits.argmax(dim=-1).cpu().numpy()
+        return self._sample(logits, batch)
+
+    def _decode_fast(self, batch: StepBatch, global_decode, batch_bucket, token_bucket) -> Optional[np.ndarray]:
+        """A decode step served by a captured graph: host-side metadata, one host-to-device copy, graph replay,
+        then the LM-head graph of the bucket. None when the step would not replay a full graph (the caller
+        then takes the general path; nothing was launched)."""
+        ids, pos, meta = build_decode_step_host(batch.token_ids, batch.num_history, batch.block_tables,
+                                                self.cfg.block_size)
+        step = ForwardStep(ids, pos, self.kv_cache.layers, meta, global_decode=global_decode,
+                           batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
+        decision = self.runner.decide(step)
+        if decision.path is not Path.FULL_GRAPH:
+            return None
+        hidden = self.runner(step)
+        n = batch.batch_size
+        head = self._heads.get(decision.decode_key.batch)
+        if head is None:
+            logits = self.model.compute_logits(hidden, self._decode_rows(n))
+            greedy = logits.argmax(dim=-1)
+        else:
+            graph, logits_buf, tokens_buf = head
+            graph.replay()
+            logits, greedy = logits_buf[:n], tokens_buf[:n]
+        if not batch.temperature.any():
+            return greedy.cpu().numpy()
+        return self._sample(logits, batch)
+
+    def _sample(self, logits: torch.Tensor, batch: StepBatch) -> np.ndarray:
         params = [SamplingParams(float(t), int(k), float(p), None if s < 0 else int(s))
                   for t, k, p, s in zip(batch.temperature, batch.top_k, batch.top_p, batch.seeds)]
         positions = (batch.num_history + batch.q_seqlens).tolist()
@@ -247,6 +328,7 @@ class RankRuntime:
 
     def reset(self) -> None:
         """Drop every graph and plan (the runner's reset also runs its hooks, e.g. DeepEP teardown)."""
+        self._drop_heads()
         if self.runner is not None:
             with self.on_stream():
                 self.runner.reset()
@@ -255,6 +337,7 @@ class RankRuntime:
         out: dict[str, Any] = {"device": str(self.device), "timings": dict(self.timings)}
         if self.runner is not None:
             out["runner"] = self.runner.stats.snapshot()
+            out["head_graphs"] = {"buckets": sorted(self._heads), "pool_bytes": self._head_pool_bytes}
         if self.kv_cache is not None:
             out["kv_blocks"] = self.kv_cache.spec.num_blocks
             out["kv_bytes"] = self.kv_cache.nbytes

@@ -80,7 +80,12 @@ class FullGraphRunner:
     def buffer_bytes(self) -> int:
         if not self._buffers:
             return 0
-        return sum(b.numel() * b.element_size() for b in self._buffers.values() if isinstance(b, torch.Tensor))
+        storages = {}  # buffers may be views of one staging tensor: count each device storage once
+        for b in self._buffers.values():
+            if isinstance(b, torch.Tensor) and b.device.type == self.device.type:
+                st = b.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+        return sum(storages.values())
 
     def _ensure_buffers(self) -> dict[str, torch.Tensor]:
         if self._buffers is None:
@@ -134,6 +139,12 @@ class FullGraphRunner:
         self.model.update_context(buffers, step, key.batch)
         g.graph.replay()
         return self.model.get_outputs(g.output, step.num_tokens)
+
+    def output_of(self, batch: int) -> Optional[torch.Tensor]:
+        """The captured output buffer of the graph of bucket `batch` (graph-pool storage, valid until `reset()`);
+        None when there is none, or several (different model extras) and so no single answer."""
+        found = [g for k, g in self._graphs.items() if k.batch == batch]
+        return found[0].output if len(found) == 1 else None
 
     # ---- invalidation
     def reset(self) -> None:

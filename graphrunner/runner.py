@@ -122,6 +122,11 @@ class CUDAGraphRunner:
     def num_plans(self) -> int:
         return self._pcg.manager.num_plans if self._pcg is not None else 0
 
+    def decode_output(self, batch: int) -> Optional[torch.Tensor]:
+        """The output buffer of the captured decode graph of bucket `batch`: every replay of that graph writes
+        its rows there. Graph-pool storage, valid until `reset()`. None if not captured (or ambiguous)."""
+        return self._full.output_of(batch) if self._full is not None else None
+
     def decide(self, step: ForwardStep) -> Decision:
         """The path `step` would take now (no side effects)."""
         return self._policy.decide(step, self._preparing > 0)

@@ -155,3 +155,36 @@ def build_step_from_arrays(
         block_size=block_size,
     )
     return ids, positions, meta
+
+
+def build_decode_step_host(
+    token_ids: np.ndarray,
+    num_history: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A decode step (one new token per sequence) whose tensors stay on the host (zero-copy views of numpy).
+
+    For a captured decode graph: `fill_buffers` writes it into the graph's pinned staging mirror and copies
+    it to the device in one transfer. token_ids int64 `[B]`, num_history int32 `[B]`, block_tables int32
+    `[B, W]`, already validated. Not for eager execution (the operators need device tensors).
+    """
+    b = int(token_ids.shape[0])
+    pos = num_history.astype(np.int64)
+    slots = block_tables[np.arange(b), pos // block_size].astype(np.int64) * block_size + pos % block_size
+    kv_lens = (num_history + 1).astype(np.int32)
+    ones = np.ones(b, dtype=np.int32)
+    rows = np.arange(b, dtype=np.int32)
+    meta = AttentionMetadata(
+        is_decoding=True,
+        q_seqlens=torch.from_numpy(ones),
+        kv_seqlens=torch.from_numpy(kv_lens),
+        q_start_loc=torch.from_numpy(rows),
+        block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)),
+        slot_mapping=torch.from_numpy(slots),
+        last_token_index=torch.from_numpy(rows.astype(np.int64)),
+        max_q_seqlen=1,
+        max_kv_seqlen=int(kv_lens.max()),
+        block_size=block_size,
+    )
+    return torch.from_numpy(np.ascontiguousarray(token_ids, dtype=np.int64)), torch.from_numpy(pos), meta

@@ -4,12 +4,21 @@ Buffers are allocated once per graph runner lifetime at the largest bucket and s
 every decode graph. Padded rows are harmless by construction: slot -1 (the store
 kernel skips it), kv_seqlen 1 and a block table pointing at the reserved padding
 block 0 (attention stays in bounds), token 0 at position 0 (output ignored).
+
+The per-step fields live in one device staging tensor, field after field (input_ids,
+position_ids, slot_mapping as int64, then kv_seqlens and the block table as int32), with
+a pinned host mirror. A step whose tensors are on the host (the rank's decode fast path)
+is written into the mirror with numpy and reaches the device in ONE host-to-device copy
+of the prefix the bucket needs; a step already on the device is copied field by field.
+The mirror is rewritten only after the previous step's copy finished: every step ends
+with a device-to-host read of its tokens, which waits for the copy on the same stream.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
 from modeling.attn_metadata import AttentionMetadata
@@ -26,26 +35,41 @@ class DecodeGraphBuffersMixin:
     def graph_extra_key(self, step: Any) -> tuple:
         return ()
 
-    def make_buffers(self, graph_meta: Any) -> dict[str, torch.Tensor]:
-        dev, b, t, w = graph_meta.device, graph_meta.max_batch_size, graph_meta.max_tokens, graph_meta.max_blocks_per_seq
-        return {
-            "input_ids": torch.zeros(t, dtype=torch.int64, device=dev),
-            "position_ids": torch.zeros(t, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.full((t,), -1, dtype=torch.int64, device=dev),
+    def make_buffers(self, graph_meta: Any) -> dict[str, Any]:
+        dev, b, w = graph_meta.device, graph_meta.max_batch_size, graph_meta.max_blocks_per_seq
+        n64 = 3 * b + -(-(b + b * w) // 2)  # three int64 fields, then the int32 fields packed in pairs
+        staging = torch.zeros(n64, dtype=torch.int64, device=dev)
+        host = torch.zeros(n64, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        h64, h32 = host.numpy(), host.numpy()[3 * b:].view(np.int32)
+        d32 = staging[3 * b:].view(torch.int32)
+        bufs: dict[str, Any] = {
+            "input_ids": staging[0:b],
+            "position_ids": staging[b:2 * b],
+            "slot_mapping": staging[2 * b:3 * b],
+            "kv_seqlens": d32[0:b],
+            "block_tables": d32[b:b + b * w].view(b, w),
             "q_seqlens": torch.ones(b, dtype=torch.int32, device=dev),
-            "kv_seqlens": torch.ones(b, dtype=torch.int32, device=dev),
             "q_start_loc": torch.arange(b, dtype=torch.int32, device=dev),
             "last_token_index": torch.arange(b, dtype=torch.int64, device=dev),
-            "block_tables": torch.zeros(b, w, dtype=torch.int32, device=dev),
+            "_staging": staging,
+            "_host": host,
+            "_host_fields": {"input_ids": h64[0:b], "position_ids": h64[b:2 * b], "slot_mapping": h64[2 * b:3 * b],
+                             "kv_seqlens": h32[0:b], "block_tables": h32[b:b + b * w].reshape(b, w)},
         }
+        bufs["slot_mapping"].fill_(-1)
+        bufs["kv_seqlens"].fill_(1)
+        return bufs
 
-    def fill_buffers(self, buffers: dict[str, torch.Tensor], step: Any, padded_batch: int) -> None:
+    def fill_buffers(self, buffers: dict[str, Any], step: Any, padded_batch: int) -> None:
         """Copy a live decode step (one token per sequence) into rows [0, n) and pad rows [n, padded_batch)."""
         meta: AttentionMetadata = step.attn_metadata
         n = step.batch_size
         width = meta.block_tables.shape[1]
         if width > buffers["block_tables"].shape[1]:
             raise ValueError(f"block table width {width} exceeds the graph buffers' {buffers['block_tables'].shape[1]}")
+        if not step.input_ids.is_cuda and buffers["_staging"].is_cuda:
+            self._fill_from_host(buffers, step, n, width, padded_batch)
+            return
         buffers["input_ids"][:n].copy_(step.input_ids, non_blocking=True)
         buffers["position_ids"][:n].copy_(step.position_ids, non_blocking=True)
         buffers["slot_mapping"][:n].copy_(meta.slot_mapping, non_blocking=True)
@@ -60,6 +84,29 @@ class DecodeGraphBuffersMixin:
             buffers["slot_mapping"][n:padded_batch].fill_(-1)
             buffers["kv_seqlens"][n:padded_batch].fill_(1)
             bt[n:padded_batch].zero_()
+
+    @staticmethod
+    def _fill_from_host(buffers: dict[str, Any], step: Any, n: int, width: int, padded_batch: int) -> None:
+        meta: AttentionMetadata = step.attn_metadata
+        h = buffers["_host_fields"]
+        p = padded_batch
+        h["input_ids"][:n] = step.input_ids.numpy()
+        h["position_ids"][:n] = step.position_ids.numpy()
+        h["slot_mapping"][:n] = meta.slot_mapping.numpy()
+        h["kv_seqlens"][:n] = meta.kv_seqlens.numpy()
+        bt = h["block_tables"]
+        bt[:n, :width] = meta.block_tables.numpy()
+        bt[:n, width:] = 0
+        if p > n:
+            h["input_ids"][n:p] = 0
+            h["position_ids"][n:p] = 0
+            h["slot_mapping"][n:p] = -1
+            h["kv_seqlens"][n:p] = 1
+            bt[n:p] = 0
+        b, w = bt.shape
+        nbytes = 3 * b * 8 + (b + p * w) * 4  # the int64 fields, kv_seqlens and the first p block-table rows
+        buffers["_staging"].view(torch.uint8)[:nbytes].copy_(buffers["_host"].view(torch.uint8)[:nbytes],
+                                                              non_blocking=True)
 
     def update_context(self, buffers: dict[str, torch.Tensor], step: Any, padded_batch: int) -> Any:
         """A step whose tensors are bucket-shaped views of `buffers` (what the graph is captured on)."""

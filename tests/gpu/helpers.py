@@ -13,9 +13,9 @@ from parallel.context import ParallelContext
 
 
 def make_runtime(model: str = "qwen3-0.6b", blocks: int = 512, max_len: int = 4096, capture: bool = True,
-                 dtype: str | None = None, **graph) -> RankRuntime:
+                 dtype: str | None = None, head_graph_max_batch: int = 64, **graph) -> RankRuntime:
     cfg = RuntimeConfig(model=model, device="cuda", num_kv_blocks=blocks, max_model_len=max_len, dtype=dtype,
-                        graph=GraphRunnerConfig(**graph))
+                        graph=GraphRunnerConfig(**graph), head_graph_max_batch=head_graph_max_batch)
     rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
     rt.load_model()
     rt.allocate_kv_cache()
