@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="auto", help="auto (GPUs when the cluster has them) or cpu")
     p.add_argument("--tp", default="1,2", help="TP sizes to run (comma list)")
     p.add_argument("--batches", default="1,64")
-    p.add_argument("--paths", default="compiled,plain", help="step paths to measure (comma list)")
+    p.add_argument("--paths", default="pipe,compiled", help="step paths to measure (comma list)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per point (default 300 GPU / 30 CPU)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")

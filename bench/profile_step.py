@@ -9,12 +9,14 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from actors.rank import RankRuntime, RuntimeConfig
-from bench.graph_bench import _decode_step, _prefill_step
+from bench.graph_bench import _decode_batch, _decode_step, _prefill_step
 from graphrunner.config import GraphRunnerConfig
 from parallel.context import ParallelContext
 
@@ -45,6 +47,25 @@ def main() -> None:
     rt.allocate_kv_cache()
     rt.build_runner()
     rt.capture_all()
+    sb = _decode_batch(rt, args.batch, args.context)
+    for _ in range(20):
+        rt.execute(sb)
+    times = []
+    for _ in range(300):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rt.execute(sb)
+        times.append(time.perf_counter() - t0)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        rt.execute(sb)
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
+    print(f"## rank execute (decode fast path), batch {args.batch}: median {1e3 * statistics.median(times):.3f} ms; "
+          f"host profile of 300 calls by own time")
+    print(s.getvalue())
     d = _decode_step(rt, args.batch, args.context)
     print(f"## decode graph replay, batch {args.batch}, context {args.context} (10 steps)")
     print(_kernel_table(lambda: rt.runner(d)))
