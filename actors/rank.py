@@ -20,7 +20,7 @@ from actors.batch import StepBatch
 from graphrunner.config import GraphRunnerConfig
 from graphrunner.runner import CUDAGraphRunner
 from graphrunner.step import ForwardStep
-from graphrunner.dispatch import Path
+from graphrunner.dispatch import Path as RunnerPath
 from modeling.attn_metadata import build_decode_step_host, build_step_from_arrays
 from modeling.config import ModelConfig, get_preset, load_config, PRESETS
 from modeling.dummy import make_dummy_inputs
@@ -304,7 +304,7 @@ class RankRuntime:
         step = ForwardStep(ids, pos, self.kv_cache.layers, meta, global_decode=global_decode,
                            batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
         decision = self.runner.decide(step)
-        if decision.path is not Path.FULL_GRAPH:
+        if decision.path is not RunnerPath.FULL_GRAPH:
             return None
         hidden = self.runner(step)
         n = batch.batch_size
