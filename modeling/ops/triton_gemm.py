@@ -2,10 +2,33 @@
 
 At batch 1..16 a decode step is a weight-streaming problem; cuBLAS picks small-tile
 kernels that reach a fraction of HBM bandwidth there. This kernel gives each program
-BLOCK_N output columns for all M rows and streams its weight rows in deep K chunks.
-Static grid (N / BLOCK_N), no host sync: capturable. Larger M falls back to `F.linear`.
+BLOCK_N output columns for all M rows and streams its weight rows in BLOCK_K chunks.
+Grid `(cdiv(N, BLOCK_N), SPLIT_K)`: static, no host sync, capturable. Larger M falls
+back to `F.linear`.
+
+Split-K (SPLIT_K > 1) stays one launch and is deterministic: every program writes
+its fp32 partial tile to a workspace `[SPLIT_K, M, N]`, then bumps a per-N-tile int32
+arrival counter (acq_rel, gpu scope); the program that arrives last sums the partials
+in the fixed order s = 0..SPLIT_K-1, writes y and resets its counter to 0.
+
+Process-wide state (documented exception to the no-global-state rule): one
+zero-initialised int32 counter tensor per device, `_COUNTER_SLOTS` entries, allocated
+by the first call on that device. That first call must happen outside CUDA graph
+capture (the warm-up before every capture guarantees it; a capture that would
+allocate raises `GemmNotWarmedUpError`). All calls share the counters, so split-K
+launches on one device must be stream-ordered (one forward stream per rank, as the
+runner does); two split-K GEMMs running concurrently on different streams of one
+device are unsupported. Every launch leaves the counters at zero.
+
+Configs come from `_CONFIGS`, keyed by (N, K, M class) with M class 1 (M == 1),
+4 (M <= 4) or 16 (M <= 16), values (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages);
+shapes not in the table use `default_config`. `python -m bench.gemm_tune` prints a
+ready-to-paste table.
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,50 +36,189 @@ import triton
 import triton.language as tl
 
 SKINNY_MAX_M = 16
+_BLOCK_M = 16  # tl.dot needs >= 16 rows; rows >= M are masked
+_COUNTER_SLOTS = 1 << 16
+_SMEM_BUDGET = 100 * 1024  # bytes per CTA in the heuristic: two CTAs fit in an SM's 227 KiB
 
 
-@triton.jit
-def _skinny_gemm_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    pid = tl.program_id(0)
+class GemmNotWarmedUpError(RuntimeError):
+    """The split-K counters of a device would be allocated inside CUDA graph capture."""
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch parameters of one `_skinny_gemm_kernel` specialisation (M, N, K stay runtime values)."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+    def smem_bytes(self) -> int:
+        """Upper bound of the shared memory per CTA (triton 3.9 on sm_90 allocates max(1, num_stages - 1) stages)."""
+        return self.num_stages * (_BLOCK_M + self.block_n) * self.block_k * 2
+
+
+# (N, K, M class) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), or None: cuBLAS (`F.linear`) was
+# faster. Qwen3-0.6B projections at TP=1, from `python -m bench.gemm_tune` on one H200 (2026-11-30, us per
+# call inside a CUDA graph over 28 weight copies; docs/results/gemm_tune.log).
+_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {
+    (4096, 1024, 1): None,  # qkv M=1: cuBLAS 4.86 us, best Triton 5.50, roofline 1.98
+    (4096, 1024, 4): None,  # qkv M<=4: cuBLAS 5.21 us, best Triton 5.56
+    (4096, 1024, 16): None,  # qkv M<=16: cuBLAS 5.27 us, best Triton 5.67
+    (1024, 2048, 1): (32, 128, 8, 4, 3),  # o_proj M=1: 4.72 us, cuBLAS 12.70, roofline 0.99
+    (1024, 2048, 4): (32, 128, 8, 4, 3),  # o_proj M<=4: 4.76 us, cuBLAS 12.80
+    (1024, 2048, 16): (32, 128, 8, 4, 3),  # o_proj M<=16: 4.89 us, cuBLAS 5.89
+    (6144, 1024, 1): None,  # gate_up M=1: cuBLAS 6.03 us, best Triton 6.43, roofline 2.98
+    (6144, 1024, 4): None,  # gate_up M<=4: cuBLAS 6.00 us, best Triton 6.49
+    (6144, 1024, 16): None,  # gate_up M<=16: cuBLAS 6.14 us, best Triton 6.62
+    (1024, 3072, 1): (32, 128, 8, 4, 3),  # down M=1: 5.27 us, cuBLAS 6.62, roofline 1.49
+    (1024, 3072, 4): (32, 128, 8, 4, 3),  # down M<=4: 5.33 us, cuBLAS 6.65
+    (1024, 3072, 16): (32, 128, 8, 4, 3),  # down M<=16: 5.47 us, cuBLAS 6.85
+    (151936, 1024, 1): (64, 256, 1, 4, 3),  # lm_head M=1: 71.53 us, cuBLAS 75.12, roofline 73.57
+    (151936, 1024, 4): (64, 256, 1, 4, 3),  # lm_head M<=4: 73.17 us, cuBLAS 76.53
+    (151936, 1024, 16): (64, 128, 1, 4, 3),  # lm_head M<=16: 76.25 us, cuBLAS 78.84
+}
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(X, W, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    # K slice of this program: whole BLOCK_K chunks; with EVEN_K it is exactly K // SPLIT_K.
+    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, k_per_split, BLOCK_K):
         if EVEN_K:
-            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-            w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
-            k_mask = offs_k < K
-            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                        other=0.0)
+            k_mask = offs_k + k0 < K
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=y_mask)
+    else:
+        ws_tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(WS + pid_k * M * N + ws_tile, acc, mask=y_mask)
+        # All threads' partial stores precede the (single-thread) release of the counter increment.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            # Last arrival: its acquire saw every other program's release; .cg reads bypass L1.
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(WS + s * M * N + ws_tile, mask=y_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=y_mask)
+            tl.store(CNT + pid_n, 0)  # every program of this tile has arrived: nobody reads it again this launch
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)` for x `[..., K]`, weight `[N, K]`; the Triton path when rows <= SKINNY_MAX_M."""
-    if x.dim() != 2 or x.shape[0] > SKINNY_MAX_M or x.dtype == torch.float32 or not x.is_cuda:
-        return F.linear(x, weight)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_k_counters(device: torch.device) -> torch.Tensor:
+    """The device's int32 `[_COUNTER_SLOTS]` arrival counters (zero between launches); allocated on first use.
+
+    Lives for the process. Raises `GemmNotWarmedUpError` if the first use is inside CUDA graph capture.
+    (A CPU device only occurs under TRITON_INTERPRET=1.)
+    """
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cnt = _counters.get(device)
+    if cnt is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise GemmNotWarmedUpError("call modeling.ops.triton_gemm.linear once on this device before capture")
+        cnt = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+        _counters[device] = cnt
+    return cnt
+
+
+def m_class(m: int) -> int:
+    """Config row class of M rows: 1, 4 (M <= 4) or 16 (M <= 16)."""
+    return 1 if m == 1 else 4 if m <= 4 else 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def default_config(n: int, k: int, mc: int, sms: int = 132) -> GemmConfig:
+    """Heuristic for shapes not in `_CONFIGS`: >= 2 CTAs per SM by split-K, <= ~100 KiB shared memory per CTA."""
+    block_n = 16 if n <= 16384 else 32
+    block_k = min(256, max(16, triton.next_power_of_2(k)))
+    tiles = triton.cdiv(n, block_n)
+    split_k = 1
+    while split_k < 8 and tiles * split_k < 2 * sms and k % (2 * split_k * block_k) == 0:
+        split_k *= 2
+    stage_bytes = (_BLOCK_M + block_n) * block_k * 2
+    stages = max(1, min(3, _SMEM_BUDGET // stage_bytes))
+    return GemmConfig(block_n, block_k, split_k, 4, stages)
+
+
+def config_for(n: int, k: int, m: int, device: torch.device | None = None) -> GemmConfig | None:
+    """The launch config `linear` uses for weight `[n, k]` and `m` rows; None = cuBLAS is faster there."""
+    mc = m_class(m)
+    if (n, k, mc) in _CONFIGS:
+        entry = _CONFIGS[(n, k, mc)]
+        return None if entry is None else GemmConfig(*entry)
+    sms = _sm_count(device.index if device is not None and device.index is not None else torch.cuda.current_device())
+    return default_config(n, k, mc, sms)
+
+
+def linear_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The Triton path with an explicit config (benchmarks, tests). x `[M<=16, K]` (unit last stride),
+    weight `[N, K]` (unit last stride), both bf16/fp16 CUDA on one device; returns `[M, N]` in
+    `out_dtype` (default x.dtype), launched on the current stream. The split-K workspace is a
+    per-call `torch.empty` (graph-pool memory under capture), stream-ordered and freed on return."""
     m, k = x.shape
     n = weight.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    cnt = split_k_counters(x.device)
+    split_k = cfg.split_k
+    if triton.cdiv(n, cfg.block_n) > cnt.numel():
+        split_k = 1
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
+    grid = (triton.cdiv(n, cfg.block_n), split_k)
+    _skinny_gemm_kernel[grid](x, weight, y, ws, cnt, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+                              BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+                              EVEN_K=(k % (split_k * cfg.block_k) == 0),
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`F.linear(x, weight)` for x `[..., K]`, weight `[N, K]`; the Triton path when x is 2-D CUDA bf16/fp16
+    with rows <= SKINNY_MAX_M and weight has unit last stride. `out_dtype` (default x.dtype) is the output
+    dtype; the Triton path writes it straight from the fp32 accumulator (fp32 logits), the `F.linear`
+    fallback (larger M, fp32, CPU, strided weight) casts its x.dtype result. Call once per device before
+    CUDA graph capture (allocates the split-K counters); same-device calls must be stream-ordered."""
+    if (x.dim() != 2 or x.shape[0] > SKINNY_MAX_M or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda
+            or weight.stride(1) != 1 or weight.dtype != x.dtype):
+        y = F.linear(x, weight)
+        return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
+    cfg = config_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
+    if cfg is None:
+        y = F.linear(x, weight)
+        return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
     if x.stride(1) != 1:
         x = x.contiguous()
-    if weight.stride(1) != 1:
-        return F.linear(x, weight)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    # shared memory per stage = (BLOCK_M + BLOCK_N) * BLOCK_K * 2 bytes; stay well under 227 KiB
-    block_n, block_k, stages = (16, 512, 4) if n <= 8192 else (64, 256, 3)
-    if k % block_k:
-        block_k = 256
-    grid = (triton.cdiv(n, block_n),)
-    _skinny_gemm_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                              BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
-                              num_warps=4, num_stages=stages)
-    return y
+    return linear_with_config(x, weight, cfg, out_dtype)

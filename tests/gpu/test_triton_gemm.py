@@ -1,4 +1,5 @@
-"""The skinny decode GEMM equals F.linear (bf16 tolerance) and is capturable."""
+"""The skinny decode GEMM equals F.linear (bf16 tolerance), is capturable, and its split-K path is
+correct, deterministic (bitwise) and leaves its arrival counters at zero."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,15 +7,48 @@ import torch.nn.functional as F
 pytestmark = pytest.mark.gpu
 
 
+def _xw(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed * 1000003 + m * n + k)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+    return x, w
+
+
+def _close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("m", [1, 2, 7, 16])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (1024, 3072), (6144, 1024), (151936, 1024), (100, 300)])
 def test_skinny_gemm_matches_linear(m, n, k):
     from modeling.ops.triton_gemm import linear
 
-    g = torch.Generator(device="cuda").manual_seed(m * n + k)
-    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
-    torch.testing.assert_close(linear(x, w).float(), F.linear(x, w).float(), atol=2e-2, rtol=2e-2)
+    x, w = _xw(m, n, k)
+    _close(linear(x, w), x, w)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4, 8])
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("n,k", [(1024, 3072), (1024, 2048)])
+def test_split_k_matches_linear_and_is_deterministic(n, k, m, split_k):
+    from modeling.ops.triton_gemm import GemmConfig, linear_with_config, split_k_counters
+
+    x, w = _xw(m, n, k)
+    cfg = GemmConfig(block_n=16, block_k=128, split_k=split_k, num_warps=4, num_stages=2)
+    y1 = linear_with_config(x, w, cfg)
+    y2 = linear_with_config(x, w, cfg)
+    _close(y1, x, w)
+    assert torch.equal(y1, y2), "split-K result differs between two identical calls"
+    assert int(split_k_counters(x.device).count_nonzero()) == 0
+
+
+def test_split_k_uneven_k():
+    """K not a multiple of SPLIT_K * BLOCK_K: masked tails, empty trailing splits."""
+    from modeling.ops.triton_gemm import GemmConfig, linear_with_config
+
+    x, w = _xw(3, 200, 1000)
+    for split_k in (2, 4, 8):
+        _close(linear_with_config(x, w, GemmConfig(16, 128, split_k, 4, 2)), x, w)
 
 
 def test_skinny_gemm_graph_replay():
@@ -29,3 +63,57 @@ def test_skinny_gemm_graph_replay():
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.testing.assert_close(y.float(), F.linear(x, w).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("split_k", [1, 4, 8])
+def test_split_k_graph_replays_with_changing_x(split_k):
+    from modeling.ops.triton_gemm import GemmConfig, linear_with_config, split_k_counters
+
+    x, w = _xw(5, 1024, 3072, seed=split_k)
+    cfg = GemmConfig(16, 128, split_k, 4, 2)
+    linear_with_config(x, w, cfg)  # warm-up before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = linear_with_config(x, w, cfg)
+        y32 = linear_with_config(x, w, cfg, out_dtype=torch.float32)
+    for step in range(3):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(step)))
+        g.replay()
+        _close(y, x, w)
+        _close(y32, x, w)
+        first = y32.clone()
+        g.replay()
+        assert torch.equal(first, y32), "graph replays differ bitwise"
+    torch.cuda.synchronize()
+    assert int(split_k_counters(x.device).count_nonzero()) == 0
+
+
+def test_out_dtype_float32():
+    from modeling.ops.triton_gemm import linear
+
+    x, w = _xw(3, 1024, 2048)
+    y = linear(x, w, out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and y.shape == (3, 1024)
+    torch.testing.assert_close(y, F.linear(x.float(), w.float()), atol=2e-3, rtol=2e-3)
+    x_big = torch.randn(32, 2048, device="cuda").bfloat16()  # F.linear fallback honours out_dtype too
+    assert linear(x_big, w, out_dtype=torch.float32).dtype == torch.float32
+
+
+def test_counters_back_to_zero_after_every_table_shape():
+    from modeling.ops.triton_gemm import _CONFIGS, linear, split_k_counters
+
+    for n, k, mc in _CONFIGS:
+        x, w = _xw(mc, n, k)
+        linear(x, w)
+        torch.cuda.synchronize()
+        assert int(split_k_counters(x.device).count_nonzero()) == 0, (n, k, mc)
+
+
+def test_fallbacks():
+    from modeling.ops.triton_gemm import linear
+
+    x, w = _xw(4, 256, 512)
+    torch.testing.assert_close(linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+    wt = w.t().contiguous().t()  # non-unit last stride
+    torch.testing.assert_close(linear(x, wt), F.linear(x, wt))
+    torch.testing.assert_close(linear(x.cpu(), w.cpu()), F.linear(x.cpu(), w.cpu()))
