@@ -52,8 +52,13 @@ def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Laun
     use_gpu = cfg.use_gpu if cfg.use_gpu is not None else cluster_has_gpus()
     timeout = cfg.collective_timeout_s + 120.0
     pg = create_placement_group(topo.world, use_gpu, timeout_s=timeout)
-    workers = [RankWorker.options(num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=bundle_strategy(pg, i))
-               .remote(i) for i in range(topo.world)]
+    # TP ranks see every GPU of their node and bind their own by id: symmetric memory (the TP all-reduce)
+    # tells peers apart by device index, and under Ray's default isolation every rank would be cuda:0.
+    see_all = use_gpu and topo.tp > 1
+    opts: dict[str, Any] = {"runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}} \
+        if see_all else {}
+    workers = [RankWorker.options(num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=bundle_strategy(pg, i),
+                                  **opts).remote(i) for i in range(topo.world)]
     ranks = RankSet(workers, [], pg)
     try:
         places: list[ActorPlace] = ranks.call("place", timeout_s=timeout, what="actor start")
@@ -168,6 +173,7 @@ def summarize_status(coord: Any, infos: Sequence[Optional[dict]]) -> dict:
                          in_rank_step_ms_mean=info.get("in_rank_step_ms_mean"), runner=rt.get("runner"),
                          capture=(rt.get("runner") or {}).get("capture"), timings=rt.get("timings"),
                          kv_blocks=rt.get("kv_blocks"), kv_bytes=rt.get("kv_bytes"),
+                         tp_allreduce=info.get("tp_allreduce"), head_graphs=rt.get("head_graphs"),
                          memory={k: rt[k] for k in ("memory_allocated", "memory_reserved") if k in rt})
         per_rank.append(entry)
     steps = max(c.steps, 1)

@@ -69,6 +69,16 @@ class RankWorker:
             torch.set_num_threads(1)  # per thread: the compiled-graph loop runs on its own thread
             self._threads_set.add(threading.get_ident())
 
+    @staticmethod
+    def _local_gpu_index() -> int:
+        """This actor's GPU as a CUDA index: 0 under Ray's default isolation (only that GPU is visible);
+        with every GPU visible (TP ranks, see `actors.startup`), its position among the visible devices."""
+        ids = [str(g) for g in ray.get_gpu_ids()]
+        if not ids or os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") != "1":
+            return 0
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        return visible.index(ids[0]) if ids[0] in visible else int(ids[0])
+
     def _leave(self) -> None:
         self.phase, self.phase_since = "idle", time.time()
 
@@ -97,7 +107,7 @@ class RankWorker:
 
         t0 = time.perf_counter()
         self.rank, self.coords = rank, topo.coords(rank)
-        self.device = resolve_device(device) if use_gpu else torch.device("cpu")
+        self.device = resolve_device(device, self._local_gpu_index()) if use_gpu else torch.device("cpu")
         self._enter("init_groups")
         self.groups = RankGroups(topo, rank, self.device, timeout_s)
         self.groups.init(rendezvous, store=self._store)
@@ -331,6 +341,8 @@ class RankWorker:
         if self.coords is not None:
             c = self.coords
             out.update(dp_rank=c.dp_rank, tp_rank=c.tp_rank, ep_rank=c.ep_rank)
+        if self.groups is not None:
+            out["tp_allreduce"] = self.groups.tp_allreduce_info()
         if self.runtime is not None:
             for _ in range(3):  # the step thread may mutate counters meanwhile
                 try:

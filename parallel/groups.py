@@ -12,9 +12,19 @@ Groups, created in the same order on every rank (torch.distributed requires it):
 Every group carries `timeout=collective_timeout`. Lifetime: `init()` .. `destroy()`
 (idempotent); the coordinator tears whole processes down after a failure, because NCCL
 communicators cannot be repaired.
+
+TP all-reduce: with NCCL and tp > 1, `init()` tries the symmetric-memory one-shot
+all-reduce (`parallel.symm_allreduce`) for the TP group and registers it in `parallel.comm`
+(small tensors take it, larger ones NCCL). `GRAPHLINE_TP_ALLREDUCE` (or the `tp_allreduce`
+argument) picks: `auto` (symmetric memory when available), `nccl` (never), `symm` (required:
+`GroupsError` with the reason when unavailable). The TP ranks check that they all use the
+same mode. `tp_allreduce_impl` records the outcome ("symm_mem_one_shot", "nccl", "gloo",
+or "none" when tp == 1) and `tp_allreduce_reason` why.
 """
 from __future__ import annotations
 
+import logging
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,9 +33,17 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from parallel import comm
 from parallel.context import ParallelContext
 from parallel.dispatch import make_dispatcher
+from parallel.symm_allreduce import IMPL_NAME as SYMM_IMPL_NAME
+from parallel.symm_allreduce import SymmMemAllReduce, try_create_for_group
 from parallel.topology import RankCoords, Topology
+
+log = logging.getLogger(__name__)
+
+TP_ALLREDUCE_ENV = "GRAPHLINE_TP_ALLREDUCE"
+TP_ALLREDUCE_MODES = ("auto", "nccl", "symm")
 
 
 class GroupsError(RuntimeError):
@@ -54,10 +72,20 @@ def serve_rendezvous(world: int, timeout_s: float, host: Optional[str] = None) -
     return store, Rendezvous(host or default_host(), int(store.port))
 
 
+def tp_allreduce_mode(value: Optional[str] = None) -> str:
+    """The TP all-reduce mode: `value`, else `$GRAPHLINE_TP_ALLREDUCE`, else "auto" (validated)."""
+    raw = value if value is not None else os.environ.get(TP_ALLREDUCE_ENV, "")
+    mode = raw.strip().lower() or "auto"
+    if mode not in TP_ALLREDUCE_MODES:
+        raise GroupsError(f"{TP_ALLREDUCE_ENV}={raw!r}: expected one of {', '.join(TP_ALLREDUCE_MODES)}")
+    return mode
+
+
 class RankGroups:
     """Owns one rank's process groups and EP dispatcher (lifetime: `init()` .. `destroy()`)."""
 
-    def __init__(self, topo: Topology, rank: int, device: torch.device, timeout_s: float):
+    def __init__(self, topo: Topology, rank: int, device: torch.device, timeout_s: float,
+                 tp_allreduce: Optional[str] = None):
         self.topo = topo
         self.coords: RankCoords = topo.coords(rank)
         self.device = device
@@ -67,6 +95,10 @@ class RankGroups:
         self.ep_group: Optional[Any] = None
         self.control: Optional[Any] = None
         self.dispatcher: Optional[Any] = None
+        self.tp_allreduce_mode = tp_allreduce_mode(tp_allreduce)
+        self.tp_allreduce_impl = "none"
+        self.tp_allreduce_reason = "not initialised"
+        self._tp_fast: Optional[SymmMemAllReduce] = None
         self._store: Optional[Any] = None
         self._initialized = False
         self._destroyed = False
@@ -100,6 +132,11 @@ class RankGroups:
         if self.topo.ep_enabled:
             self.ep_group = dist.group.WORLD
         self._warm_up()
+        try:
+            self._setup_tp_allreduce()
+        except GroupsError:
+            self.destroy()  # every TP rank reaches the same verdict, so all of them raise here
+            raise
         self.barrier()
 
     def _warm_up(self) -> None:
@@ -110,6 +147,62 @@ class RankGroups:
                 dist.all_reduce(x, group=g)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _setup_tp_allreduce(self) -> None:
+        """Pick the TP all-reduce (collective over the TP group; after the warm-up, before any capture)."""
+        if self.tp_group is None:
+            self.tp_allreduce_impl, self.tp_allreduce_reason = "none", "tp == 1: no TP all-reduce"
+            return
+        self._check_same_mode()
+        if self.backend != "nccl":
+            if self.tp_allreduce_mode == "symm":
+                raise GroupsError(f"{TP_ALLREDUCE_ENV}=symm but the backend is {self.backend} (CPU): "
+                                  "symmetric memory needs CUDA + NCCL")
+            self.tp_allreduce_impl, self.tp_allreduce_reason = self.backend, f"{self.backend} backend"
+            return
+        if self.tp_allreduce_mode == "nccl":
+            self.tp_allreduce_impl, self.tp_allreduce_reason = "nccl", f"{TP_ALLREDUCE_ENV}=nccl"
+            return
+        impl, why = try_create_for_group(self.tp_group, self.device)
+        if impl is None:
+            if self.tp_allreduce_mode == "symm":
+                raise GroupsError(f"{TP_ALLREDUCE_ENV}=symm but the symmetric-memory all-reduce is "
+                                  f"unavailable: {why}")
+            log.warning("rank %d: TP all-reduce falls back to NCCL: %s", self.rank, why)
+            self.tp_allreduce_impl, self.tp_allreduce_reason = "nccl", f"symmetric memory unavailable: {why}"
+            return
+        comm.register_fast_all_reduce(self.tp_group, impl)
+        self._tp_fast = impl
+        self.tp_allreduce_impl, self.tp_allreduce_reason = SYMM_IMPL_NAME, why
+
+    def _check_same_mode(self) -> None:
+        """Every TP rank must use the same mode (the environment is per process), else all raise."""
+        code = torch.tensor([TP_ALLREDUCE_MODES.index(self.tp_allreduce_mode)], dtype=torch.int64,
+                            device=self.device)
+        parts = [torch.empty_like(code) for _ in range(dist.get_world_size(self.tp_group))]
+        dist.all_gather(parts, code, group=self.tp_group)
+        modes = [TP_ALLREDUCE_MODES[int(p.item())] for p in parts]
+        if len(set(modes)) > 1:
+            raise GroupsError(f"TP ranks disagree on {TP_ALLREDUCE_ENV}: {modes} (set it the same for every rank)")
+
+    def tp_allreduce_info(self) -> dict[str, Any]:
+        """What the TP all-reduce uses, for status pages."""
+        info: dict[str, Any] = {"impl": self.tp_allreduce_impl, "mode": self.tp_allreduce_mode,
+                                "reason": self.tp_allreduce_reason}
+        if self._tp_fast is not None:
+            info["max_bytes"] = self._tp_fast.max_bytes
+        return info
+
+    def _drop_tp_allreduce(self) -> None:
+        """Unregister and free the fast TP all-reduce (never raises)."""
+        impl, self._tp_fast = self._tp_fast, None
+        if impl is None:
+            return
+        try:
+            comm.clear_fast_all_reduce(self.tp_group)
+            impl.close()
+        except Exception as e:  # noqa: BLE001 - teardown must go on
+            log.warning("rank %d: closing the symmetric-memory all-reduce failed: %s", self.rank, e)
 
     def barrier(self) -> None:
         """Every rank arrives or a `RuntimeError` names a missing rank after the timeout (gloo)."""
@@ -137,6 +230,7 @@ class RankGroups:
             return
         self._destroyed = True
         try:
+            self._drop_tp_allreduce()
             if self.dispatcher is not None:
                 self.dispatcher.destroy()
         finally:

@@ -1,0 +1,333 @@
+"""One-shot all-reduce of small tensors over NVLink through PyTorch symmetric memory.
+
+Each rank owns one symmetric buffer (`torch.distributed._symmetric_memory.empty`, then
+`rendezvous` with the group): every peer maps every other peer's buffer. An all-reduce is
+ONE kernel, `torch.ops.symm_mem.one_shot_all_reduce*`: the rank writes its input into its
+own buffer, a device-side barrier (signal pads) waits for the peers, then each rank reads
+every peer's buffer and sums into a fresh output; a closing barrier keeps the buffer from
+being overwritten while a peer still reads it. No host synchronisation and fixed addresses,
+so it is capturable in CUDA graphs; no multicast (`multimem_*`) is used, so it works with
+NVLS / multicast disabled.
+
+Op variants, probed with `hasattr` at run time (PyTorch's op set moves between releases):
+- fused  `one_shot_all_reduce_copy_out(symm_view, x, "sum", group, out)` or `one_shot_all_reduce_copy`:
+  the kernel copies `x` into the buffer itself (one launch);
+- plain  `view.copy_(x)` then `one_shot_all_reduce_out(view, "sum", group, out)` or `one_shot_all_reduce`.
+The fused kernel requires `x` and the buffer view to have the same alignment (it checks the
+storage offset), so unaligned inputs take the plain path.
+
+Kernel facts (torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemoryOps.cu): contiguous
+input and output, reduce op "sum" only, bf16 and fp32 only (fp16 is probed, not assumed),
+size in bytes a multiple of 4, world sizes 2/4/8 specialised (others generic).
+
+Agreement: every rank of the group must take the same decision, or the first all-reduce
+deadlocks (one rank in the symmetric kernel, the other in NCCL). `try_create_for_group`
+therefore agrees collectively at each stage (local checks; allocation + rendezvous; a
+numeric probe per dtype and variant) by all-gathering per-rank success flags over the
+group's own NCCL communicator, and enables only what succeeded on every rank. Residual
+risk: a rank that fails *inside* `rendezvous` after a peer entered it leaves that peer
+waiting on the store until its timeout; the peer then fails too, so both still agree.
+`can_reduce` is a pure function of shape, dtype and layout, identical on every rank of a
+TP group (TP ranks run the same batch), so per-call decisions agree as well.
+
+Calls for one group must be ordered on one stream (the model's forward stream): the group
+has a single buffer.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+IMPL_NAME = "symm_mem_one_shot"
+DEFAULT_MAX_BYTES = 1 << 20  # decode up to 256 tokens x 2048 hidden in bf16
+MAX_WORLD = 8
+CANDIDATE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ALIGN = 16  # bytes; the kernel's widest vector
+_FUSED_OPS = ("one_shot_all_reduce_copy_out", "one_shot_all_reduce_copy")
+_PLAIN_OPS = ("one_shot_all_reduce_out", "one_shot_all_reduce")
+VARIANTS = ("fused", "plain")
+
+
+class SymmMemError(RuntimeError):
+    """Symmetric memory could not be set up, or was used outside what `can_reduce` allows."""
+
+
+def _symm_mem_module() -> Any:
+    """`torch.distributed._symmetric_memory`, imported lazily (CPU-only builds may lack pieces of it)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    return symm_mem
+
+
+def _op(name: str) -> Optional[Any]:
+    ns = getattr(torch.ops, "symm_mem", None)
+    if ns is None:
+        return None
+    try:
+        return getattr(ns, name) if hasattr(ns, name) else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def available_ops() -> dict[str, str]:
+    """The one-shot op chosen for each variant in this torch build (`{}` when none exists)."""
+    found: dict[str, str] = {}
+    for variant, names in (("fused", _FUSED_OPS), ("plain", _PLAIN_OPS)):
+        for name in names:
+            if _op(name) is not None:
+                found[variant] = name
+                break
+    return found
+
+
+def _group_name(group: Any) -> str:
+    name = getattr(group, "group_name", None)
+    if not name:
+        name = dist.distributed_c10d._get_process_group_name(group)
+    return str(name)
+
+
+def _aligned(x: torch.Tensor) -> bool:
+    return (x.storage_offset() * x.element_size()) % _ALIGN == 0
+
+
+class SymmMemAllReduce:
+    """One symmetric buffer of `max_bytes` per rank for `group`; `all_reduce(x)` returns a new summed tensor.
+
+    The constructor allocates and rendezvouses the buffer: all ranks of the group call it
+    together, outside any CUDA graph capture. Prefer `try_create_for_group`, which also
+    agrees on availability and probes correctness. Enabled dtypes / variants start as every
+    candidate the build has; `configure` narrows them to what the probe proved.
+    """
+
+    def __init__(self, group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES):
+        if device.type != "cuda":
+            raise SymmMemError(f"symmetric memory needs a CUDA device, got {device}")
+        ops = available_ops()
+        if not ops:
+            raise SymmMemError("this torch build has no torch.ops.symm_mem.one_shot_all_reduce* op")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.group = group
+        self.group_name = _group_name(group)
+        self.device = device
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.max_bytes = -(-int(max_bytes) // _ALIGN) * _ALIGN
+        self.enabled = True
+        self._ops: dict[str, str] = ops
+        self._fns: dict[str, Any] = {v: _op(name) for v, name in ops.items()}
+        self._variants: tuple[str, ...] = tuple(v for v in VARIANTS if v in ops)
+        self.dtypes: frozenset[torch.dtype] = frozenset(CANDIDATE_DTYPES)
+        self.preferred: str = self._variants[0]
+        symm_mem = _symm_mem_module()
+        # `enable_symm_mem_for_group` is deliberately not called: deprecated ("no need to call this
+        # function anymore"), and its name-keyed store cache goes stale when groups are re-created.
+        with torch.cuda.device(device):
+            self._buffer: Optional[torch.Tensor] = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=device)
+            self._buffer.zero_()
+            self._handle: Any = symm_mem.rendezvous(self._buffer, self.group_name)
+            if self._handle is None:
+                raise SymmMemError("symm_mem.rendezvous returned no handle")
+        self._flat: dict[torch.dtype, torch.Tensor] = {}
+        for dt in CANDIDATE_DTYPES:
+            self._flat[dt] = self._buffer.view(dt)
+
+    # ---- configuration
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """Usable variants, best first ("fused": copy inside the kernel; "plain": copy, then the kernel)."""
+        return self._variants
+
+    def configure(self, dtypes: frozenset[torch.dtype], variants: tuple[str, ...]) -> None:
+        """Restrict to what every rank proved to work (`try_create_for_group` calls it with agreed sets)."""
+        bad = [v for v in variants if v not in self._ops]
+        if bad or not variants:
+            raise SymmMemError(f"variants {variants} not available (have {tuple(self._ops)})")
+        self.dtypes = frozenset(dtypes)
+        self._variants = tuple(v for v in VARIANTS if v in variants)
+        self.preferred = self._variants[0]
+
+    def use_variant(self, variant: str) -> None:
+        """Force one variant (benchmarks); must be in `variants`."""
+        if variant not in self._variants:
+            raise SymmMemError(f"variant {variant!r} not usable here (usable: {self._variants})")
+        self.preferred = variant
+
+    def describe(self) -> str:
+        names = ", ".join(str(d).removeprefix("torch.") for d in CANDIDATE_DTYPES if d in self.dtypes)
+        ops = "+".join(self._ops[v] for v in self._variants)
+        return (f"{IMPL_NAME} ({ops}) for contiguous {names} tensors <= {self.max_bytes} bytes over "
+                f"{self.world_size} ranks; NCCL otherwise")
+
+    # ---- the collective
+    def can_reduce(self, x: torch.Tensor) -> bool:
+        """True when `all_reduce(x)` may run: same decision on every rank for the same shape/dtype/layout."""
+        if not self.enabled or self._buffer is None or not x.is_cuda or x.device != self.device:
+            return False
+        if x.dtype not in self.dtypes or not x.is_contiguous():
+            return False
+        nbytes = x.numel() * x.element_size()
+        if nbytes == 0 or nbytes > self.max_bytes or nbytes % 4:
+            return False
+        return "plain" in self._variants or _aligned(x)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the group as a NEW tensor (x unchanged). Capturable; call only when `can_reduce(x)`."""
+        if self._buffer is None:
+            raise SymmMemError("SymmMemAllReduce used after close()")
+        view = self._flat[x.dtype][: x.numel()].view(x.shape)
+        variant = self.preferred
+        if variant == "fused" and not _aligned(x):
+            variant = "plain"
+        return self._run(variant, view, x)
+
+    def _run(self, variant: str, view: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        name, op = self._ops[variant], self._fns[variant]
+        if name == "one_shot_all_reduce_copy_out":
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            return op(view, x, "sum", self.group_name, out)
+        if name == "one_shot_all_reduce_copy":
+            return op(view, x, "sum", self.group_name)
+        view.copy_(x)
+        if name == "one_shot_all_reduce_out":
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            return op(view, "sum", self.group_name, out)
+        return op(view, "sum", self.group_name)
+
+    def close(self) -> None:
+        """Drop the buffer (idempotent). No device synchronisation: a peer may be gone after a failure."""
+        self.enabled = False
+        self._flat = {}
+        self._handle = None
+        self._buffer = None
+
+    # ---- start-up probe (eager, outside capture, every rank together)
+    def probe(self) -> dict[tuple[torch.dtype, str], bool]:
+        """Run each (dtype, variant) once on exact small integers and check the sum; no exceptions escape.
+
+        Exceptions raised here are host-side argument checks that are deterministic for a given
+        torch build and shape, so every rank fails or passes them alike (no rank is left in the kernel).
+        """
+        results: dict[tuple[torch.dtype, str], bool] = {}
+        w = self.world_size
+        for dt in CANDIDATE_DTYPES:
+            for variant in VARIANTS:
+                if variant not in self._ops:
+                    continue
+                ok = True
+                for numel in (2, 1024 * 3, self.max_bytes // torch.empty((), dtype=dt).element_size()):
+                    try:
+                        base = (torch.arange(numel, device=self.device) % 7 + 1).to(dt)
+                        x = base * (self.rank + 1)
+                        got = self._run(variant, self._flat[dt][:numel], x)
+                        ok = ok and bool(torch.equal(got, base * (w * (w + 1) // 2)))
+                    except Exception as e:  # noqa: BLE001 - an unsupported dtype/variant is a normal outcome
+                        log.info("symm_mem probe %s/%s numel=%d failed: %s", dt, variant, numel, e)
+                        ok = False
+                        break
+                results[(dt, variant)] = ok
+        torch.cuda.synchronize(self.device)
+        return results
+
+
+def _gather_ints(values: list[int], group: Any, device: torch.device) -> torch.Tensor:
+    """`[world, len(values)]` int64 (CPU) of every rank's values (collective over `group`)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = torch.empty((dist.get_world_size(group), len(values)), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return out.cpu()
+
+
+def _agree(ok: bool, reason: str, group: Any, device: torch.device, stage: str) -> tuple[bool, str]:
+    flags = _gather_ints([int(ok)], group, device)[:, 0]
+    if bool(flags.all()):
+        return True, ""
+    bad = [i for i, f in enumerate(flags.tolist()) if not f]
+    return False, reason if not ok else f"{stage} failed on group rank(s) {bad} (see their logs)"
+
+
+def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES
+                         ) -> tuple[Optional[SymmMemAllReduce], str]:
+    """`(impl, description)` or `(None, reason)`; every rank of `group` calls it together and gets the same verdict.
+
+    Decisions that are identical on every rank by construction (device type, group size,
+    backend, and the all-gathered device ordinals) return without a further collective;
+    everything else is agreed over the group.
+    """
+    if group is None:
+        return None, "no process group"
+    if device.type != "cuda":
+        return None, f"device {device} is not CUDA"
+    world = dist.get_world_size(group)
+    if world == 1 or world > MAX_WORLD:
+        return None, f"group size {world} outside 2..{MAX_WORLD}"
+    backend = str(dist.get_backend(group)).lower()
+    if backend != "nccl":
+        return None, f"group backend is {backend}, not nccl"
+
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    # The CUDA symmetric-memory allocator identifies peers by device ordinal and rejects a
+    # rendezvous where two ranks report the same one ("detected allocations from overlapping
+    # devices"): the case when each process sees a single GPU (Ray's per-actor
+    # CUDA_VISIBLE_DEVICES masking makes every rank cuda:0). Say so before trying.
+    ordinals = _gather_ints([device.index], group, device)[:, 0].tolist()
+    if len(set(ordinals)) != len(ordinals):
+        return None, (f"ranks use overlapping CUDA device ordinals {ordinals}: symmetric memory needs each rank "
+                      "on a distinct ordinal of one shared device view (every GPU visible to every process, "
+                      "e.g. no per-actor CUDA_VISIBLE_DEVICES masking)")
+
+    ok, reason = True, ""
+    try:
+        _symm_mem_module()
+        if not available_ops():
+            ok, reason = False, "no torch.ops.symm_mem.one_shot_all_reduce* op in this torch build"
+        else:
+            _group_name(group)
+    except Exception as e:  # noqa: BLE001 - any import/lookup failure means "unavailable"
+        ok, reason = False, f"torch.distributed._symmetric_memory unusable: {type(e).__name__}: {e}"
+    ok, reason = _agree(ok, reason, group, device, "symmetric-memory import / op lookup")
+    if not ok:
+        return None, reason
+
+    impl: Optional[SymmMemAllReduce] = None
+    try:
+        impl = SymmMemAllReduce(group, device, max_bytes)
+        ok, reason = True, ""
+    except Exception as e:  # noqa: BLE001
+        ok, reason = False, f"allocation/rendezvous failed: {type(e).__name__}: {e}"
+    ok, reason = _agree(ok, reason, group, device, "allocation/rendezvous")
+    if not ok or impl is None:
+        if impl is not None:
+            impl.close()
+        return None, reason
+
+    keys = [(dt, v) for dt in CANDIDATE_DTYPES for v in VARIANTS]
+    local = impl.probe()
+    agreed = _gather_ints([int(local.get(k, False)) for k in keys], group, device).all(dim=0).tolist()
+    passed = {k for k, f in zip(keys, agreed) if f}
+    dtypes = frozenset(dt for dt, _ in passed)
+    # a variant is kept only if it works for every enabled dtype (one rule per call, no per-dtype variants)
+    variants = tuple(v for v in VARIANTS if dtypes and all((dt, v) in passed for dt in dtypes))
+    if not dtypes or not variants:
+        impl.close()
+        return None, "numeric probe failed for every dtype / op variant (see logs)"
+    impl.configure(dtypes, variants)
+    return impl, impl.describe()
+
+
+def create_for_group(group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES
+                     ) -> Optional[SymmMemAllReduce]:
+    """`try_create_for_group` that logs the reason and returns only the implementation (or None)."""
+    impl, why = try_create_for_group(group, device, max_bytes)
+    if impl is None:
+        log.warning("symmetric-memory all-reduce unavailable: %s", why)
+    else:
+        log.info("symmetric-memory all-reduce enabled: %s", why)
+    return impl

@@ -1,0 +1,147 @@
+"""The fast all-reduce registry of `parallel.comm` and the CPU-side behaviour of its users (no GPU needed).
+
+Real torch.distributed only (a gloo group of one rank, created and destroyed here); the
+fast implementation is a plain fake object whose `can_reduce` answer the test chooses.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+from parallel.groups import GroupsError, RankGroups, serve_rendezvous, tp_allreduce_mode
+from parallel.symm_allreduce import SymmMemAllReduce, SymmMemError, try_create_for_group
+from parallel.topology import Topology
+
+
+class FakeFast:
+    """Doubles its input into a new tensor when it accepts it; counts calls."""
+
+    def __init__(self, accept: bool):
+        self.accept = accept
+        self.asked = 0
+        self.reduced = 0
+
+    def can_reduce(self, x: torch.Tensor) -> bool:
+        self.asked += 1
+        return self.accept
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.reduced += 1
+        return x * 2
+
+
+@pytest.fixture
+def clean_registry():
+    yield
+    comm._FAST.clear()
+
+
+@pytest.fixture
+def gloo_world_one():
+    if dist.is_initialized():
+        pytest.skip("torch.distributed already initialised in this process")
+    store, _ = serve_rendezvous(1, 30.0, host="127.0.0.1")
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        comm._FAST.clear()
+        dist.destroy_process_group()
+
+
+def test_no_registration_group_none_is_identity(clean_registry):
+    x = torch.arange(4.0)
+    assert comm.all_reduce(x, None) is x
+    assert comm.fast_all_reduce(None) is None
+
+
+def test_accepting_impl_returns_its_new_tensor(clean_registry):
+    fake = FakeFast(accept=True)
+    comm.register_fast_all_reduce(None, fake)
+    x = torch.arange(4.0)
+    got = comm.all_reduce(x, None)
+    assert got is not x and torch.equal(got, torch.arange(4.0) * 2)
+    assert torch.equal(x, torch.arange(4.0)), "input untouched by the fast path"
+    assert (fake.asked, fake.reduced) == (1, 1)
+
+
+def test_refusing_impl_falls_back(clean_registry):
+    fake = FakeFast(accept=False)
+    comm.register_fast_all_reduce(None, fake)
+    x = torch.arange(4.0)
+    assert comm.all_reduce(x, None) is x
+    assert (fake.asked, fake.reduced) == (1, 0)
+
+
+def test_clear_and_replace(clean_registry):
+    first, second = FakeFast(True), FakeFast(True)
+    comm.register_fast_all_reduce(None, first)
+    comm.register_fast_all_reduce(None, second)
+    assert comm.fast_all_reduce(None) is second
+    assert comm.clear_fast_all_reduce(None) is second
+    assert comm.clear_fast_all_reduce(None) is None
+    x = torch.ones(2)
+    assert comm.all_reduce(x, None) is x
+    assert first.asked == second.asked == 0
+
+
+def test_register_rejects_objects_without_the_protocol(clean_registry):
+    with pytest.raises(TypeError):
+        comm.register_fast_all_reduce(None, object())
+
+
+def test_gloo_registry_is_keyed_by_group(gloo_world_one):
+    world = gloo_world_one
+    other = dist.new_group([0], backend="gloo")
+    fake = FakeFast(accept=True)
+    comm.register_fast_all_reduce(other, fake)
+    x = torch.arange(3.0)
+    assert comm.all_reduce(x, world) is x, "another group's impl must not be used"
+    assert fake.asked == 0
+    got = comm.all_reduce(x, other)
+    assert torch.equal(got, x * 2) and fake.reduced == 1
+    fake.accept = False
+    assert comm.all_reduce(x, other) is x  # gloo group of one: the identity
+    assert comm.clear_fast_all_reduce(other) is fake
+    assert comm.fast_all_reduce(other) is None
+
+
+def test_symm_create_declines_cleanly_on_cpu(gloo_world_one):
+    impl, why = try_create_for_group(None, torch.device("cpu"))
+    assert impl is None and "no process group" in why
+    impl, why = try_create_for_group(gloo_world_one, torch.device("cpu"))
+    assert impl is None and "not CUDA" in why
+    with pytest.raises(SymmMemError):
+        SymmMemAllReduce(gloo_world_one, torch.device("cpu"))
+
+
+def test_tp_allreduce_mode_parsing(monkeypatch):
+    monkeypatch.delenv("GRAPHLINE_TP_ALLREDUCE", raising=False)
+    assert tp_allreduce_mode() == "auto"
+    assert tp_allreduce_mode(" NCCL ") == "nccl"
+    monkeypatch.setenv("GRAPHLINE_TP_ALLREDUCE", "symm")
+    assert tp_allreduce_mode() == "symm"
+    assert tp_allreduce_mode("auto") == "auto"  # the argument wins over the environment
+    monkeypatch.setenv("GRAPHLINE_TP_ALLREDUCE", "fast")
+    with pytest.raises(GroupsError, match="GRAPHLINE_TP_ALLREDUCE"):
+        tp_allreduce_mode()
+    with pytest.raises(GroupsError):
+        RankGroups(Topology.of(tp=1), 0, torch.device("cpu"), 30.0)
+
+
+def test_rank_groups_records_the_tp_allreduce(monkeypatch):
+    if dist.is_initialized():
+        pytest.skip("torch.distributed already initialised in this process")
+    monkeypatch.setenv("GRAPHLINE_TP_ALLREDUCE", "symm")  # tp == 1: nothing to require
+    store, rv = serve_rendezvous(1, 30.0, host="127.0.0.1")
+    groups = RankGroups(Topology.of(tp=1), 0, torch.device("cpu"), 30.0)
+    groups.init(rv, store=store)
+    try:
+        info = groups.tp_allreduce_info()
+        assert info["impl"] == "none" and info["mode"] == "symm"
+        assert not comm._FAST
+    finally:
+        groups.destroy()
+    assert not dist.is_initialized()
