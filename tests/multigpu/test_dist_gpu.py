@@ -143,7 +143,10 @@ def _greedy(cmp: Compare, n_dp: int, ps: list[list[int]], steps: int) -> None:
 
 def test_tp2_graph_decode_matches_tp1_for_64_steps(cache, ref_dense):
     coord = cache.get("tp2", DeploymentConfig(runtime=rt_cfg("qwen3-0.6b"), tp=2))
-    assert coord.step_path == "compiled"
+    assert coord.step_path == "pipe"  # every rank on the driver's host
+    ranks = coord.status()["ranks"]
+    assert [r["tp_allreduce"]["impl"] for r in ranks] == ["symm_mem_one_shot"] * 2, ranks[0]["tp_allreduce"]
+    assert sorted(r["device"] for r in ranks) == ["cuda:0", "cuda:1"]
     cmp = Compare(coord, ref_dense)
     _greedy(cmp, 1, prompts(4, 0), steps=64)
     cmp.check()
