@@ -11,7 +11,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -114,6 +114,9 @@ class RankRuntime:
         self._head_pool: Any = None
         self._head_pool_bytes = 0
         self._rows: Optional[torch.Tensor] = None  # int64 arange on the device: the last-token rows of a decode step
+        # Tests: called with each step's fp32 logits `[B, V]` (a device view, valid during the call), whichever
+        # path produced them (eager LM head or the captured head graph).
+        self.logits_observer: Optional[Callable[[torch.Tensor], None]] = None
 
     def on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -291,6 +294,8 @@ class RankRuntime:
                            batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
         hidden = self.runner(step)
         logits = self.model.compute_logits(hidden, meta.last_token_index)
+        if self.logits_observer is not None:
+            self.logits_observer(logits)
         if not batch.temperature.any():
             return logits.argmax(dim=-1).cpu().numpy()
         return self._sample(logits, batch)
@@ -316,6 +321,8 @@ class RankRuntime:
             graph, logits_buf, tokens_buf = head
             graph.replay()
             logits, greedy = logits_buf[:n], tokens_buf[:n]
+        if self.logits_observer is not None:
+            self.logits_observer(logits)
         if not batch.temperature.any():
             return greedy.cpu().numpy()
         return self._sample(logits, batch)

@@ -366,16 +366,12 @@ class RankWorker:
         self._faults.update(faults)
 
     def _test_record_logits(self) -> None:
-        """Tests only: keep the logits of every execute (wraps this rank's `model.compute_logits`)."""
-        model = self.runtime.model
-        inner = type(model).compute_logits.__get__(model)
+        """Tests only: keep the fp32 logits of every execute (the runtime's logits observer)."""
 
-        def recording(hidden, last_token_index):
-            out = inner(hidden, last_token_index)
-            self._last_logits = out.detach().float().cpu().numpy()
-            return out
+        def recording(logits):
+            self._last_logits = logits.detach().float().cpu().numpy()
 
-        model.compute_logits = recording
+        self.runtime.logits_observer = recording
 
     def _test_last_logits(self) -> Any:
         return getattr(self, "_last_logits", None)
