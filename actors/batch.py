@@ -73,6 +73,24 @@ class StepBatch:
         if int(self.block_tables.max()) >= num_kv_blocks:
             raise BatchError(f"a block id is >= num_kv_blocks {num_kv_blocks}")
 
+    def check_multi_step(self, num_steps: int, block_size: int) -> None:
+        """What `num_steps > 1` (multi-step decode) needs beyond `check_runnable`: a greedy decode batch whose
+        block tables already cover the `num_steps` tokens each sequence will store."""
+        if num_steps < 1:
+            raise BatchError(f"num_steps must be >= 1, got {num_steps}")
+        if num_steps == 1:
+            return
+        if not self.is_decoding:
+            raise BatchError("multi-step decode needs a decode batch (one new token per sequence)")
+        if self.temperature.any():
+            raise BatchError("multi-step decode is greedy only: every temperature must be 0")
+        need = -(-(self.num_history.astype(np.int64) + num_steps) // block_size)
+        if (need > self.block_tables.shape[1]).any():
+            raise BatchError(f"a block table is too short for {num_steps} decode steps")
+        cols = np.arange(self.block_tables.shape[1])[None, :] < need[:, None]
+        if (self.block_tables[cols] <= 0).any():
+            raise BatchError(f"a block table lacks blocks for {num_steps} decode steps (entry 0 or negative)")
+
     @staticmethod
     def from_sequences(tokens: Sequence[Sequence[int]], num_history: Sequence[int], block_tables: Sequence[Sequence[int]],
                        temperature: Sequence[float] | None = None, top_k: Sequence[int] | None = None,

@@ -178,16 +178,21 @@ class Coordinator:
         return PlainStepper(self._ranks)
 
     # ------------------------------------------------------------------ steps
-    def step(self, batches: list[StepBatch | None]) -> list[np.ndarray | None]:
+    def step(self, batches: list[StepBatch | None], num_steps: int = 1) -> list[np.ndarray | None]:
+        """One step: next tokens int64 `[B]` per DP rank (None for idle ones). `num_steps > 1`: multi-step
+        decode (greedy decode batches whose block tables cover `num_steps` more tokens), int64 `[B, num_steps]`."""
         self._require("serving")
         if len(batches) != self.topo.dp:
             raise ValueError(f"step needs one batch (or None) per DP rank: got {len(batches)}, dp = {self.topo.dp}")
         for d, b in enumerate(batches):
             if b is not None:
-                self._validate(d, b)
+                self._validate(d, b, num_steps)
         decode_sizes, prefill_sizes = self._sizes
-        plan = plan_step(batches, cross_dp=self.topo.collectives_cross_dp, decode_buckets=decode_sizes,
-                         token_buckets=prefill_sizes)
+        try:
+            plan = plan_step(batches, cross_dp=self.topo.collectives_cross_dp, decode_buckets=decode_sizes,
+                             token_buckets=prefill_sizes, num_steps=num_steps)
+        except BatchError as e:
+            raise BatchError(f"num_steps={num_steps}: {e}") from None
         if plan is None:
             return [None] * self.topo.dp
         t0 = time.perf_counter()
@@ -204,10 +209,11 @@ class Coordinator:
         c.in_rank_s += max(t for _, t in outs)
         return [outs[r][0] if batches[d] is not None else None for d, r in enumerate(self.topo.dp_leaders())]
 
-    def _validate(self, dp_rank: int, b: StepBatch) -> None:
+    def _validate(self, dp_rank: int, b: StepBatch, num_steps: int = 1) -> None:
         rt = self.cfg.runtime
         try:
             b.check_runnable(self._model_config.vocab_size, rt.block_size, rt.max_blocks_per_seq, self._num_kv_blocks)
+            b.check_multi_step(num_steps, rt.block_size)
         except BatchError as e:
             raise BatchError(f"DP rank {dp_rank}: {e}") from None
 

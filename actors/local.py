@@ -36,10 +36,10 @@ class LocalExecutor:
     def num_kv_blocks(self) -> int:
         return self.runtime.kv_cache.spec.num_blocks
 
-    def step(self, batches: Sequence[Optional[StepBatch]]) -> list[Optional[np.ndarray]]:
+    def step(self, batches: Sequence[Optional[StepBatch]], num_steps: int = 1) -> list[Optional[np.ndarray]]:
         if len(batches) != 1:
             raise ValueError(f"a local executor has one DP rank, got {len(batches)} batches")
-        return [self.runtime.execute(batches[0])]
+        return [self.runtime.execute(batches[0], num_steps=num_steps)]
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> GenerationResult:
         """Greedy generation of all prompts together (prefill then decode steps); blocks freed after."""

@@ -158,6 +158,8 @@ class PipeStepper:
                 if status == REPLY_ERROR:
                     faults.append(RankFault(r, "error", str(payload)))
                 else:
+                    if payload is not None and plan.num_steps > 1:
+                        payload = payload.reshape(-1, plan.num_steps)
                     results[r] = (payload, seconds)
         if faults:
             raise RankCallError("step", sorted(faults, key=lambda f: f.rank), results)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from actors.batch import StepBatch
+from actors.batch import BatchError, StepBatch
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class StepPlan:
     run_idle: bool = False  # idle DP ranks run a dummy step (collectives cross DP groups)
     static_tokens: Optional[int] = None
     phase: str = "local"  # "decode" | "prefill" | "mixed" | "local" (for status)
+    num_steps: int = 1  # multi-step decode: every rank runs this many decode steps back to back
 
     def rank_args(self, dp_rank: int) -> Optional[tuple]:
         """(batch, global_decode, batch_bucket, token_bucket) for `execute`, or None: nothing to run."""
@@ -50,17 +51,21 @@ def round_up(n: int, buckets: Sequence[int]) -> int:
 
 
 def plan_step(batches: Sequence[Optional[StepBatch]], *, cross_dp: bool, decode_buckets: Sequence[int],
-              token_buckets: Sequence[int]) -> Optional[StepPlan]:
-    """The plan of one step, or None when every DP rank is idle."""
+              token_buckets: Sequence[int], num_steps: int = 1) -> Optional[StepPlan]:
+    """The plan of one step, or None when every DP rank is idle. `num_steps > 1` needs every active batch
+    to decode (the caller checks each batch with `StepBatch.check_multi_step`)."""
     active = [b for b in batches if b is not None]
     if not active:
         return None
     batches = tuple(batches)
+    if num_steps > 1 and not all(b.is_decoding for b in active):
+        raise BatchError("multi-step decode needs every DP rank to decode or be idle")
     if not cross_dp:
-        return StepPlan(batches, None, phase="local")
+        return StepPlan(batches, None, phase="local", num_steps=num_steps)
     if all(b.is_decoding for b in active):
         bucket = round_up(max(b.batch_size for b in active), decode_buckets)
-        return StepPlan(batches, True, batch_bucket=bucket, run_idle=True, static_tokens=bucket, phase="decode")
+        return StepPlan(batches, True, batch_bucket=bucket, run_idle=True, static_tokens=bucket, phase="decode",
+                        num_steps=num_steps)
     tokens = round_up(max(b.num_tokens for b in active), token_buckets)
     mixed = any(b.is_decoding for b in active)
     return StepPlan(batches, False, token_bucket=tokens, run_idle=True, phase="mixed" if mixed else "prefill")

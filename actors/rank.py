@@ -21,7 +21,7 @@ from graphrunner.config import GraphRunnerConfig
 from graphrunner.runner import CUDAGraphRunner
 from graphrunner.step import ForwardStep
 from graphrunner.dispatch import Path as RunnerPath
-from modeling.attn_metadata import build_decode_step_host, build_step_from_arrays
+from modeling.attn_metadata import AttentionMetadata, build_decode_step_host, build_step_from_arrays
 from modeling.config import ModelConfig, get_preset, load_config, PRESETS
 from modeling.dummy import make_dummy_inputs
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
@@ -258,15 +258,20 @@ class RankRuntime:
     # ---- steps
     @torch.inference_mode()
     def execute(self, batch: Optional[StepBatch], global_decode: Optional[bool] = None, batch_bucket: int = 0,
-                token_bucket: int = 0, validated: bool = False) -> Optional[np.ndarray]:
+                token_bucket: int = 0, validated: bool = False, num_steps: int = 1) -> Optional[np.ndarray]:
         """Run one forward step; returns int64 `[B]` next tokens, or None for an idle (dummy) step.
 
         An idle rank runs a harmless dummy step of the global bucket so collectives pair up.
         `validated=True` skips the batch checks when the caller (the coordinator) already ran
         `StepBatch.check_runnable` on the driver, so the per-step hot path does them once.
+        `num_steps > 1` (multi-step decode, greedy decode batches only): run that many decode steps
+        back to back, each fed the previous step's tokens, and return int64 `[B, num_steps]`; the
+        block tables must already cover `num_history + num_steps` tokens (`StepBatch.check_multi_step`).
         """
         with self.on_stream():
-            return self._execute(batch, global_decode, batch_bucket, token_bucket, validated)
+            if num_steps == 1:
+                return self._execute(batch, global_decode, batch_bucket, token_bucket, validated)
+            return self._execute_multi(batch, global_decode, batch_bucket, token_bucket, validated, num_steps)
 
     def check_batch(self, batch: StepBatch) -> None:
         """Raise `BatchError` for a batch this rank cannot run (before any device work)."""
@@ -308,11 +313,22 @@ class RankRuntime:
                                                 self.cfg.block_size)
         step = ForwardStep(ids, pos, self.kv_cache.layers, meta, global_decode=global_decode,
                            batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
+        launched = self._decode_graph_step(step)
+        if launched is None:
+            return None
+        logits, greedy = launched
+        if not batch.temperature.any():
+            return greedy.cpu().numpy()
+        return self._sample(logits, batch)
+
+    def _decode_graph_step(self, step: ForwardStep) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Replay the decode graph and the LM head for `step` without waiting: (fp32 logits `[n, V]`, int64 greedy
+        tokens `[n]`), device views valid until the next step. None (nothing launched) when no full graph fits."""
         decision = self.runner.decide(step)
         if decision.path is not RunnerPath.FULL_GRAPH:
             return None
         hidden = self.runner(step)
-        n = batch.batch_size
+        n = step.batch_size
         head = self._heads.get(decision.decode_key.batch)
         if head is None:
             logits = self.model.compute_logits(hidden, self._decode_rows(n))
@@ -323,9 +339,64 @@ class RankRuntime:
             logits, greedy = logits_buf[:n], tokens_buf[:n]
         if self.logits_observer is not None:
             self.logits_observer(logits)
-        if not batch.temperature.any():
-            return greedy.cpu().numpy()
-        return self._sample(logits, batch)
+        return logits, greedy
+
+    def _execute_multi(self, batch, global_decode, batch_bucket, token_bucket, validated, num_steps):
+        if batch is None:  # idle rank of a cross-DP decode: its collectives run num_steps times
+            for _ in range(num_steps):
+                self._execute(None, global_decode, batch_bucket, token_bucket, True)
+            return None
+        if not validated:
+            self.check_batch(batch)
+            batch.check_multi_step(num_steps, self.cfg.block_size)
+        if self.device.type == "cuda":
+            out = self._decode_multi_on_device(batch, global_decode, batch_bucket, token_bucket, num_steps)
+            if out is not None:
+                return out
+        # general path: one step at a time, tokens fed back through the host
+        cols = []
+        for j in range(num_steps):
+            toks = self._execute(batch, global_decode, batch_bucket, token_bucket, True)
+            cols.append(toks)
+            batch = dataclasses.replace(batch, token_ids=np.asarray(toks, dtype=np.int64),
+                                        num_history=(batch.num_history + 1).astype(np.int32))
+        return np.stack(cols, axis=1)
+
+    def _decode_multi_on_device(self, batch: StepBatch, global_decode, batch_bucket, token_bucket,
+                                num_steps: int) -> Optional[np.ndarray]:
+        """Multi-step greedy decode on captured graphs: each step's tokens stay on the device and feed the next
+        step's graph; positions, slots and lengths of every step are computed on the host up front and copied
+        once. The host enqueues all steps ahead of the device and waits once at the end."""
+        bs, n = self.cfg.block_size, batch.batch_size
+        ids, pos, meta = build_decode_step_host(batch.token_ids, batch.num_history, batch.block_tables, bs)
+        hints = dict(global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
+        first = self._decode_graph_step(ForwardStep(ids, pos, self.kv_cache.layers, meta, **hints))
+        if first is None:
+            return None
+        dev = self.device
+        tokens = torch.empty((num_steps, n), dtype=torch.int64, device=dev)
+        tokens[0].copy_(first[1])
+        later = batch.num_history.astype(np.int64)[None, :] + np.arange(1, num_steps, dtype=np.int64)[:, None]
+        slots = batch.block_tables[np.arange(n)[None, :], later // bs].astype(np.int64) * bs + later % bs
+        host = torch.from_numpy(np.stack([later, slots, later + 1])).pin_memory()
+        pos_d, slot_d, kv64 = host.to(dev, non_blocking=True).unbind(0)
+        kv_d = kv64.to(torch.int32)
+        tables = torch.from_numpy(np.ascontiguousarray(batch.block_tables, dtype=np.int32)).pin_memory()
+        tables = tables.to(dev, non_blocking=True)
+        ones = torch.ones(n, dtype=torch.int32, device=dev)
+        rows32 = torch.arange(n, dtype=torch.int32, device=dev)
+        rows64 = self._decode_rows(n)
+        for j in range(1, num_steps):
+            step_meta = AttentionMetadata(
+                is_decoding=True, q_seqlens=ones, kv_seqlens=kv_d[j - 1], q_start_loc=rows32, block_tables=tables,
+                slot_mapping=slot_d[j - 1], last_token_index=rows64, max_q_seqlen=1,
+                max_kv_seqlen=int(batch.num_history.max()) + j + 1, block_size=bs)
+            launched = self._decode_graph_step(ForwardStep(tokens[j - 1], pos_d[j - 1], self.kv_cache.layers,
+                                                           step_meta, **hints))
+            if launched is None:  # cannot happen for a batch whose first step replayed a graph
+                raise RuntimeError("multi-step decode lost its decode graph mid-way")
+            tokens[j].copy_(launched[1])
+        return tokens.cpu().numpy().T.copy()
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch) -> np.ndarray:
         params = [SamplingParams(float(t), int(k), float(p), None if s < 0 else int(s))

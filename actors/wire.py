@@ -6,12 +6,12 @@ into the received buffer (zero-copy; the rank must not write to them). Frames ar
 length-prefixed so a reader knows how much to read from a stream.
 
 request  = u32 body length | body
-body     = u8 global_decode (0 False, 1 True, 2 None) | u8 has_batch | i32 batch_bucket
-           | i32 token_bucket | i32 static_tokens (-1 None)
+body     = u8 global_decode (0 False, 1 True, 2 None) | u8 flags (1 batch, 2 run) | i32 batch_bucket
+           | i32 token_bucket | i32 static_tokens (-1 None) | i32 num_steps
            [| i32 B | i32 T | i32 W | token_ids i64[T] | q_seqlens i32[B] | num_history i32[B]
             | block_tables i32[B*W] | temperature f32[B] | top_k i32[B] | top_p f32[B] | seeds i64[B]]
 reply    = u32 body length | u8 status | f64 in-rank seconds | payload
-           status OK: next tokens i64[B]; NONE: nothing (idle rank or TP rank > 0); ERROR: utf-8 text
+           status OK: next tokens i64[B] (i64[B, num_steps] row-major for multi-step decode); NONE: nothing (idle rank or TP rank > 0); ERROR: utf-8 text
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from actors.batch import StepBatch
 from actors.protocol import StepPlan
 
 LENGTH = struct.Struct("<I")
-_HEAD = struct.Struct("<BBiii")
+_HEAD = struct.Struct("<BBiiii")
 _SHAPE = struct.Struct("<iii")
 _REPLY = struct.Struct("<Bd")
 _DECODE_FLAG = {False: 0, True: 1, None: 2}
@@ -47,7 +47,7 @@ def encode_request(plan: StepPlan, dp_rank: int) -> bytes:
     run = batch is not None or plan.run_idle
     static = -1 if plan.static_tokens is None else int(plan.static_tokens)
     head = _HEAD.pack(_DECODE_FLAG[plan.global_decode], (1 if batch is not None else 0) | (2 if run else 0),
-                      int(plan.batch_bucket), int(plan.token_bucket), static)
+                      int(plan.batch_bucket), int(plan.token_bucket), static, int(plan.num_steps))
     parts = [head]
     if batch is not None:
         b, t = batch.batch_size, batch.num_tokens
@@ -60,11 +60,11 @@ def encode_request(plan: StepPlan, dp_rank: int) -> bytes:
 
 
 def decode_request(body: memoryview | bytes) -> Optional[tuple]:
-    """The `execute` arguments `(batch, global_decode, batch_bucket, token_bucket)` and static_tokens as
-    `(args, static_tokens)`, or None when this rank has nothing to run this step."""
+    """`(args, static_tokens, num_steps)` with args the `execute` arguments `(batch, global_decode,
+    batch_bucket, token_bucket)`, or None when this rank has nothing to run this step."""
     if len(body) < _HEAD.size:
         raise WireError(f"request of {len(body)} bytes is shorter than its header")
-    flag, has, batch_bucket, token_bucket, static = _HEAD.unpack_from(body, 0)
+    flag, has, batch_bucket, token_bucket, static, num_steps = _HEAD.unpack_from(body, 0)
     if not has & 2:
         return None
     batch = None
@@ -83,7 +83,7 @@ def decode_request(body: memoryview | bytes) -> Optional[tuple]:
             off += n * np.dtype(dtype).itemsize
         arrays["block_tables"] = arrays["block_tables"].reshape(b, w)
         batch = StepBatch(**arrays)
-    return (batch, _FLAG_DECODE[flag], batch_bucket, token_bucket), (None if static < 0 else static)
+    return (batch, _FLAG_DECODE[flag], batch_bucket, token_bucket), (None if static < 0 else static), num_steps
 
 
 def encode_reply(status: int, seconds: float, payload: bytes = b"") -> bytes:

@@ -190,9 +190,9 @@ class RankWorker:
         args = plan.rank_args(self.coords.dp_rank)
         if args is None:
             return None, 0.0
-        return self._run_step(args, plan.static_tokens)
+        return self._run_step(args, plan.static_tokens, plan.num_steps)
 
-    def _run_step(self, args: tuple, static_tokens: Optional[int]) -> tuple[Any, float]:
+    def _run_step(self, args: tuple, static_tokens: Optional[int], num_steps: int = 1) -> tuple[Any, float]:
         self._enter("execute")
         t0 = time.perf_counter()
         try:
@@ -202,7 +202,7 @@ class RankWorker:
             cm = disp.static_tokens(static_tokens) if disp is not None else contextlib.nullcontext()
             with cm:
                 try:
-                    out = self.runtime.execute(*args, validated=True)  # the coordinator checked the batch
+                    out = self.runtime.execute(*args, validated=True, num_steps=num_steps)  # checked by the coordinator
                 except Exception as e:  # name the rank: compiled-graph errors do not carry the actor
                     raise RankStepError(f"rank {self.rank} ({self.runtime.device}): {type(e).__name__}: {e}") from e
             dt = time.perf_counter() - t0

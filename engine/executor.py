@@ -2,7 +2,8 @@
 
 The engine drives any object with this surface (`actors.coordinator.Coordinator` has it):
     model_config (vocab_size), num_kv_blocks (per DP rank), block_size, dp_size,
-    step(batches: list[StepBatch | None]) -> list[np.ndarray | None],
+    step(batches: list[StepBatch | None], num_steps=1) -> list[np.ndarray | None] (int64 `[B]`, or
+        `[B, num_steps]` for multi-step decode of greedy decode batches),
     status() -> dict, reset(recapture=True, num_kv_blocks=None, reload_weights=False) -> dict,
     and optionally max_model_len, rebuild(), shutdown().
 """
@@ -27,7 +28,7 @@ class Executor(Protocol):
     @property
     def dp_size(self) -> int: ...
 
-    def step(self, batches: Sequence[Optional[StepBatch]]) -> list[Optional[np.ndarray]]: ...
+    def step(self, batches: Sequence[Optional[StepBatch]], num_steps: int = 1) -> list[Optional[np.ndarray]]: ...
 
     def status(self) -> dict: ...
 
@@ -97,10 +98,10 @@ class LocalEngineExecutor:
         self.started_at = time.time()
         return dict(self.timings)
 
-    def step(self, batches: Sequence[Optional[StepBatch]]) -> list[Optional[np.ndarray]]:
+    def step(self, batches: Sequence[Optional[StepBatch]], num_steps: int = 1) -> list[Optional[np.ndarray]]:
         if batches[0] is None:
             return [None]
-        return self.local.step(batches)
+        return self.local.step(batches, num_steps)
 
     def reset(self, recapture: bool = True, num_kv_blocks: Optional[int] = None, reload_weights: bool = False) -> dict:
         rt = self.local.runtime

@@ -22,12 +22,14 @@ from modeling.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """max_num_seqs / max_num_batched_tokens per DP rank; max_model_len None = the executor's."""
+    """max_num_seqs / max_num_batched_tokens per DP rank; max_model_len None = the executor's; decode_steps:
+    multi-step decode (decode steps per scheduling round while every running sequence is greedy)."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     max_model_len: Optional[int] = None
     watermark_blocks: int = 1
+    decode_steps: int = 1
 
 
 @dataclass
@@ -38,6 +40,7 @@ class StepInfo:
     kinds: list[Optional[str]]  # "prefill" / "decode" / None (idle) per DP rank
     num_tokens: int
     num_seqs: int
+    num_steps: int = 1  # decode steps the round ran (multi-step decode)
 
     @property
     def kind(self) -> str:
@@ -54,7 +57,7 @@ class LLMEngine:
         self.limits = ModelLimits(mcfg.vocab_size, int(max_len), int(executor.block_size), int(executor.num_kv_blocks))
         budget = config.max_num_batched_tokens or max(self.limits.max_model_len, 2048)
         self.sched_config = SchedulerConfig(config.max_num_seqs, budget, self.limits.max_model_len,
-                                            config.watermark_blocks)
+                                            config.watermark_blocks, config.decode_steps)
         self.schedulers = [Scheduler(self.sched_config, self.limits.num_kv_blocks, self.limits.block_size)
                            for _ in range(int(executor.dp_size))]
         self._seqs: dict[str, Seq] = {}
@@ -115,9 +118,14 @@ class LLMEngine:
             if not outputs and any(s.waiting for s in self.schedulers):  # validation makes this unreachable
                 raise EngineStepError("scheduler stalled: waiting requests fit no KV cache even when it is empty")
             return outputs
+        active = [b for b in scheduled if b is not None]
+        steps = 1 if any(b.is_prefill for b in active) else min(b.num_steps for b in active)
+        for b in active:
+            b.num_steps = steps  # one global count: ranks whose collectives cross DP groups step together
         t0 = time.perf_counter()
         try:
-            results = self.executor.step([None if b is None else b.batch for b in scheduled])
+            batches = [None if b is None else b.batch for b in scheduled]
+            results = self.executor.step(batches, num_steps=steps) if steps > 1 else self.executor.step(batches)
         except Exception as exc:
             for s, b in zip(self.schedulers, scheduled):
                 if b is not None:
@@ -144,7 +152,7 @@ class LLMEngine:
             self.on_step(StepInfo(seconds, [None if b is None else ("prefill" if b.is_prefill else "decode")
                                             for b in scheduled],
                                   sum(b.num_tokens for b in scheduled if b is not None),
-                                  sum(len(b.seqs) for b in scheduled if b is not None)))
+                                  sum(len(b.seqs) for b in scheduled if b is not None), steps))
         return outputs
 
     def fail_all(self, message: str) -> list[RequestOutput]:

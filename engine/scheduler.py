@@ -32,15 +32,19 @@ class SchedulerError(RuntimeError):
 class SchedulerConfig:
     """max_num_seqs: running sequences per DP rank (decode batch); max_num_batched_tokens: tokens of one
     prefill step (a single longer sequence is still admitted alone); watermark_blocks: free blocks kept
-    back when admitting next to running sequences (damps admit/preempt ping-pong)."""
+    back when admitting next to running sequences (damps admit/preempt ping-pong); decode_steps: decode
+    steps per scheduling round when every running sequence is greedy (multi-step decode: the ranks feed
+    each step's tokens to the next on the device; blocks for the extra tokens are reserved up front, and
+    tokens past a sequence's stop are discarded)."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     max_model_len: int = 4096
     watermark_blocks: int = 1
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.watermark_blocks < 0:
@@ -54,6 +58,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     batch: StepBatch
     is_prefill: bool
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -124,9 +129,32 @@ class Scheduler:
             self.running.extend(admitted)
             sched = ScheduledBatch(admitted, self._build(admitted), True)
         else:
-            sched = ScheduledBatch(list(self.running), self._build(self.running), False)
+            steps = self._lookahead_steps()
+            sched = ScheduledBatch(list(self.running), self._build(self.running), False, steps)
         self._in_flight = sched
         return sched
+
+    def _lookahead_steps(self) -> int:
+        """Decode steps for this round (multi-step decode): up to `decode_steps` when every running sequence
+        is greedy, capped by max_model_len and by the largest remaining max_tokens; the blocks the extra
+        tokens need are allocated now (fewer steps when they are short; never preempts for them)."""
+        k = self.cfg.decode_steps
+        run = self.running
+        if k <= 1 or not run or any(s.request.sampling.temperature > 0 for s in run):
+            return 1
+        k = min(k, min(self.cfg.max_model_len - s.num_tokens for s in run))
+        left = [s.request.max_tokens - s.num_output_tokens for s in run if s.request.max_tokens is not None]
+        if len(left) == len(run):
+            k = min(k, max(left))
+        while k > 1:
+            need = [max(0, self.blocks_for(s.num_tokens + k - 1) - len(s.block_table)) for s in run]
+            if sum(need) <= self.allocator.num_free:
+                for s, n in zip(run, need):
+                    if n:
+                        s.block_table.extend(self.allocator.allocate(n))
+                return k
+            k //= 2
+        return 1
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
@@ -202,27 +230,35 @@ class Scheduler:
         )
 
     def update(self, sched: ScheduledBatch, next_tokens: np.ndarray, now: Optional[float] = None) -> list[Sequence]:
-        """Apply one step's sampled tokens; returns the sequences of the step (finished ones freed)."""
+        """Apply one round's sampled tokens (int64 `[B]`, or `[B, num_steps]` for multi-step decode, applied in
+        order until a sequence finishes); returns the sequences of the round (finished ones freed)."""
         if sched is not self._in_flight:
             raise SchedulerError("update() for a batch that is not in flight")
         self._in_flight = None
-        if len(next_tokens) != len(sched.seqs):
-            raise SchedulerError(f"{len(next_tokens)} tokens for {len(sched.seqs)} sequences")
+        toks = np.asarray(next_tokens)
+        if toks.ndim == 1:
+            toks = toks[:, None]
+        if toks.shape != (len(sched.seqs), sched.num_steps):
+            raise SchedulerError(f"tokens of shape {tuple(np.shape(next_tokens))} for {len(sched.seqs)} sequences "
+                                 f"and {sched.num_steps} steps")
         now = time.monotonic() if now is None else now
         finished = False
-        for seq, tok in zip(sched.seqs, next_tokens.tolist()):
-            seq.num_computed = seq.num_tokens
+        max_len = self.cfg.max_model_len
+        for seq, row in zip(sched.seqs, toks.tolist()):
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
             req = seq.request
-            if tok in req.stop_token_ids:
-                seq.finish_reason = FinishReason.STOP
-            else:
+            for tok in row:
+                if tok in req.stop_token_ids:
+                    seq.finish_reason = FinishReason.STOP
+                    break
                 seq.token_ids.append(tok)
                 if (req.max_tokens is not None and seq.num_output_tokens >= req.max_tokens) \
-                        or seq.num_tokens >= self.cfg.max_model_len:
+                        or seq.num_tokens >= max_len:
                     seq.finish_reason = FinishReason.LENGTH
+                    break
+            seq.num_computed = seq.num_tokens - 1  # every token but the newest has its K/V in the cache
             if seq.finish_reason is not None:
                 finished = True
         if finished:

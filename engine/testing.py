@@ -43,6 +43,7 @@ class PagedToyExecutor:
         self.fail_next = 0  # fail this many upcoming steps
         self.resets = 0
         self.rebuilds = 0
+        self.multi_steps = 0  # steps run with num_steps > 1
 
     @property
     def num_kv_blocks(self) -> int:
@@ -56,7 +57,9 @@ class PagedToyExecutor:
     def dp_size(self) -> int:
         return self._dp
 
-    def step(self, batches: Sequence[Optional[StepBatch]]) -> list[Optional[np.ndarray]]:
+    def step(self, batches: Sequence[Optional[StepBatch]], num_steps: int = 1) -> list[Optional[np.ndarray]]:
+        """`num_steps > 1`: multi-step decode like the ranks do it (each step fed the previous step's tokens);
+        returns `[B, num_steps]` per DP rank."""
         if len(batches) != self._dp:
             raise ValueError(f"expected {self._dp} batches, got {len(batches)}")
         if self.fail_next:
@@ -64,9 +67,27 @@ class PagedToyExecutor:
             raise ToyExecutorError("injected rank failure")
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+        for b in batches:
+            if b is not None:
+                b.check_multi_step(num_steps, self._block_size)
         self.steps.append([None if b is None else ("decode" if b.is_decoding else "prefill", b.batch_size)
                            for b in batches])
-        return [None if b is None else self._run(r, b) for r, b in enumerate(batches)]
+        if num_steps == 1:
+            return [None if b is None else self._run(r, b) for r, b in enumerate(batches)]
+        self.multi_steps += 1
+        out: list[Optional[np.ndarray]] = []
+        for r, b in enumerate(batches):
+            if b is None:
+                out.append(None)
+                continue
+            cols = []
+            for _ in range(num_steps):
+                toks = self._run(r, b)
+                cols.append(toks)
+                b = StepBatch(toks, b.q_seqlens, b.num_history + 1, b.block_tables, b.temperature, b.top_k, b.top_p,
+                              b.seeds)
+            out.append(np.stack(cols, axis=1))
+        return out
 
     def _run(self, rank: int, b: StepBatch) -> np.ndarray:
         b.validate(self.model_config.vocab_size, self._block_size)

@@ -37,6 +37,9 @@ def add_model_args(p: argparse.ArgumentParser, executor_default: str = "ray") ->
     c.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per DP rank "
                    "(default: --max-decode-batch, so every decode batch has a graph)")
     c.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per prefill step per DP rank")
+    c.add_argument("--decode-steps", type=int, default=1,
+                   help="multi-step decode: decode steps per scheduling round while every running request is greedy "
+                        "(tokens stream in groups of this size; host overhead is paid once per group)")
     r = p.add_argument_group("graph runner")
     r.add_argument("--eager", action="store_true", help="never capture CUDA graphs")
     r.add_argument("--max-decode-batch", type=int, default=None,
@@ -132,8 +135,10 @@ def engine_config(args: argparse.Namespace):
 
     resolve_graph_defaults(args)
     seqs = args.max_num_seqs or (args.max_decode_batch if args.max_decode_batch > 0 else 256)
+    if args.decode_steps < 1:
+        raise SystemExit(f"--decode-steps must be >= 1, got {args.decode_steps}")
     return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len)
+                        max_model_len=args.max_model_len, decode_steps=args.decode_steps)
 
 
 def served_model_name(args: argparse.Namespace) -> str:

@@ -11,7 +11,7 @@ import pytest
 from actors.batch import BatchError, StepBatch
 from actors.coordinator import (Coordinator, CoordinatorStateError, DeploymentConfig, RankFailureError,
                                 StartupCaptureError)
-from tests.dist._helpers import decode_script, run_scenario, runtime_cfg
+from tests.dist._helpers import BLOCK, decode_script, run_scenario, runtime_cfg
 
 MODEL = "qwen3-tiny"
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [100, 200, 300, 400, 17], [5] * 20]
@@ -119,6 +119,31 @@ def test_dp2_different_batches_equal_one_rank_each(dp2, reference):
     script.append([None, [("dec", "d1s1"), ("new", "late", [7, 7, 7])]])
     run_scenario(dp2, reference, script)
     assert dp2.status()["last_phase"] == "local"
+
+
+def test_multi_step_decode_equals_single_steps(dp2, reference):
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    tables = [[30, 31, 32], [33, 34, 35]]
+    pre = [StepBatch.from_sequences([p], [0], [t]) for p, t in zip(prompts, tables)]
+    first = dp2.step(pre)
+    dec = [StepBatch.from_sequences([[int(f[0])]], [len(p)], [t]) for f, p, t in zip(first, prompts, tables)]
+    got = dp2.step(dec, num_steps=5)
+    assert dp2.status()["last_phase"] == "local"
+    for d in range(2):
+        assert got[d].shape == (1, 5)
+        want, b = [], pre[d]
+        reference.execute(b)
+        b = dec[d]
+        for _ in range(5):
+            tok = int(reference.execute(b)[0])
+            want.append(tok)
+            b = StepBatch.from_sequences([[tok]], [int(b.num_history[0]) + 1], [tables[d]])
+        assert got[d][0].tolist() == want
+    with pytest.raises(BatchError, match="DP rank 1: multi-step decode needs a decode batch"):
+        dp2.step([dec[0], pre[1]], num_steps=2)
+    short = StepBatch.from_sequences([[1]], [BLOCK - 1], [[30]])
+    with pytest.raises(BatchError, match="DP rank 0: a block table is too short for 2 decode steps"):
+        dp2.step([short, None], num_steps=2)
 
 
 def test_rank_killed_mid_step_raises_then_rebuild_serves(dp2, reference):

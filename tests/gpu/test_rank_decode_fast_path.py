@@ -61,3 +61,24 @@ def test_head_graphs_cover_small_buckets_only(rt):
     assert rt.stats()["head_graphs"]["buckets"] == []
     rt.capture_all()
     assert rt.stats()["head_graphs"]["buckets"] == [1, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize("n", [1, 3, 20])
+@torch.inference_mode()
+def test_multi_step_decode_on_device_equals_single_steps(rt, n):
+    rng = np.random.default_rng(100 + n)
+    seqs, vocab, k = Seqs(rt), rt.model_config.vocab_size, 6
+    prompts = [random_tokens(rng, int(rng.integers(5, 150)), vocab) for _ in range(n)]
+    tables = [seqs.new(len(p) + k + 1) for p in prompts]
+    first = rt.execute(StepBatch.from_sequences(prompts, [0] * n, tables))
+    dec = StepBatch.from_sequences([[int(t)] for t in first], [len(p) for p in prompts], tables)
+    graphs_before = rt.runner.stats.snapshot()["steps"].get("full_graph", 0)
+    multi = rt.execute(dec, num_steps=k)
+    assert multi.shape == (n, k)
+    assert rt.runner.stats.snapshot()["steps"]["full_graph"] == graphs_before + k
+    b, want = dec, []
+    for _ in range(k):  # the same positions again, one step at a time (rewrites identical K/V)
+        toks = rt.execute(b)
+        want.append(toks)
+        b = StepBatch.from_sequences([[int(t)] for t in toks], (b.num_history + 1).tolist(), tables)
+    np.testing.assert_array_equal(multi, np.stack(want, axis=1))

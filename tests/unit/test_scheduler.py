@@ -186,3 +186,42 @@ def test_dp_ranks_share_the_load():
     outs = eng.generate(_prompts(6), max_tokens=4)
     assert len(outs) == 6
     assert any(s[0] is not None and s[1] is not None for s in ex.steps)  # both ranks busy in one step
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("blocks", [400, 14])
+def test_multi_step_decode_gives_the_single_step_tokens(dp, blocks):
+    """decode_steps=5: rounds of several decode steps (tokens fed back by the executor) produce exactly the
+    tokens of one step at a time, with stop tokens, max_tokens, max_model_len and memory pressure (fewer
+    steps when lookahead blocks are short, preemption as usual); every block is free at the end."""
+    prompts = _prompts(24, seed=dp)
+    ex = PagedToyExecutor(num_kv_blocks=blocks, block_size=4, dp_size=dp, max_model_len=36)
+    eng = LLMEngine(ex, EngineConfig(max_num_seqs=32, decode_steps=5))
+    ref = ex.reference
+    stops = [ref(p, 30)[7] if i % 3 == 0 else -1 for i, p in enumerate(prompts)]
+    reqs = [eng.make_request(p, max_tokens=min([3, 17, 30][i % 3], 36 - len(p)),
+                             stop_token_ids=[stops[i]] if stops[i] >= 0 else []) for i, p in enumerate(prompts)]
+    outs = eng.run_to_completion(reqs)
+    assert any(len(p) + r.max_tokens == 36 for p, r in zip(prompts, reqs))  # some run into max_model_len
+    for p, r, o in zip(prompts, reqs, outs):
+        assert o.token_ids == ref(p, r.max_tokens, stop=r.stop_token_ids), (len(p), r.max_tokens)
+    assert ex.multi_steps > 0
+    assert all(s.allocator.num_free == blocks - 1 for s in eng.schedulers)
+
+
+def test_multi_step_decode_is_off_for_sampled_requests_and_validated():
+    ex = PagedToyExecutor(num_kv_blocks=100, block_size=4)
+    eng = LLMEngine(ex, EngineConfig(decode_steps=4))
+    eng.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.7, seed=3), max_tokens=6)
+    assert ex.multi_steps == 0
+    from actors.batch import BatchError, StepBatch
+
+    b = StepBatch.from_sequences([[5]], [6], [[1, 2]])
+    with pytest.raises(BatchError, match="too short for 3 decode steps"):
+        b.check_multi_step(3, 4)
+    with pytest.raises(BatchError, match="decode batch"):
+        StepBatch.from_sequences([[5, 6]], [0], [[1, 2]]).check_multi_step(2, 4)
+    with pytest.raises(BatchError, match="greedy"):
+        StepBatch.from_sequences([[5]], [1], [[1, 2]], temperature=[0.5]).check_multi_step(2, 4)
+    with pytest.raises(ValueError, match="decode_steps"):
+        EngineConfig(decode_steps=0) and LLMEngine(ex, EngineConfig(decode_steps=0))

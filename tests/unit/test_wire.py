@@ -18,14 +18,15 @@ def test_request_round_trips_every_field():
     b = StepBatch.from_sequences([[5, 6, 7], [9]], [0, 130], [[3], [4, 8, 11]], temperature=[0.0, 0.7],
                                  top_k=[0, 40], top_p=[1.0, 0.9], seeds=[-1, 1234567890123])
     plan = plan_step([b, None], cross_dp=True, decode_buckets=[1, 2, 4], token_buckets=[16, 32])
-    (batch, gd, bb, tb), static = decode_request(_body(encode_request(plan, 0)))
-    assert (gd, bb, tb, static) == (plan.global_decode, plan.batch_bucket, plan.token_bucket, plan.static_tokens)
+    (batch, gd, bb, tb), static, steps = decode_request(_body(encode_request(plan, 0)))
+    assert (gd, bb, tb, static, steps) == (plan.global_decode, plan.batch_bucket, plan.token_bucket,
+                                           plan.static_tokens, 1)
     for name in ("token_ids", "q_seqlens", "num_history", "block_tables", "temperature", "top_k", "top_p", "seeds"):
         got, want = getattr(batch, name), getattr(b, name)
         assert got.dtype == want.dtype and got.shape == want.shape, name
         np.testing.assert_array_equal(got, want)
     # the idle DP rank of a cross-DP step runs a dummy step: no batch, same buckets
-    (idle, gd1, bb1, tb1), _ = decode_request(_body(encode_request(plan, 1)))
+    (idle, gd1, bb1, tb1), _, _ = decode_request(_body(encode_request(plan, 1)))
     assert idle is None and (gd1, bb1, tb1) == (gd, bb, tb)
 
 
@@ -33,8 +34,10 @@ def test_idle_rank_without_collectives_runs_nothing():
     b = StepBatch.from_sequences([[1]], [4], [[2]])
     plan = plan_step([b, None], cross_dp=False, decode_buckets=[1], token_buckets=[16])
     assert decode_request(_body(encode_request(plan, 1))) is None
-    (batch, gd, _, _), static = decode_request(_body(encode_request(plan, 0)))
+    (batch, gd, _, _), static, _ = decode_request(_body(encode_request(plan, 0)))
     assert gd is None and static is None and batch.batch_size == 1
+    multi = plan_step([b, None], cross_dp=False, decode_buckets=[1], token_buckets=[16], num_steps=4)
+    assert decode_request(_body(encode_request(multi, 0)))[2] == 4
 
 
 def test_truncated_request_is_rejected():
