@@ -88,7 +88,9 @@ async def one_request(session, url: str, model: str, prompt: list[int], max_toke
     t_end = time.perf_counter()
     first = times[0][0] if times else t_end
     tpot = (times[-1][0] - first) / (ntok - 1) if ntok > 1 else None
-    return {"ttft": first - t0, "tpot": tpot, "tokens": ntok, "latency": t_end - t0}
+    gaps = [b[0] - a[0] for a, b in zip(times, times[1:])]
+    return {"ttft": first - t0, "tpot": tpot, "tokens": ntok, "latency": t_end - t0, "gaps": gaps,
+            "events": len(times)}
 
 
 async def run_level(url: str, model: str, clients: int, per_client: int, prompt_len: int, max_tokens: int,
@@ -111,6 +113,7 @@ async def run_level(url: str, model: str, clients: int, per_client: int, prompt_
     tpots = np.array([r["tpot"] for r in res if r["tpot"] is not None])
     ttfts = np.array([r["ttft"] for r in res])
     toks = sum(r["tokens"] for r in res)
+    gaps = np.array([g for r in res for g in r["gaps"]] or [np.nan])
     return {
         "clients": clients, "requests": len(res), "output_tokens": toks, "wall_s": wall,
         "throughput_tok_s": toks / wall, "requests_per_s": len(res) / wall,
@@ -118,6 +121,9 @@ async def run_level(url: str, model: str, clients: int, per_client: int, prompt_
         "tpot_ms_median": float(np.median(tpots) * 1e3) if len(tpots) else None,
         "tpot_ms_p99": float(np.percentile(tpots, 99) * 1e3) if len(tpots) else None,
         "ttft_ms_median": float(np.median(ttfts) * 1e3), "ttft_ms_p99": float(np.percentile(ttfts, 99) * 1e3),
+        # gaps between consecutive streamed events of a request (several tokens per event with --decode-steps)
+        "event_gap_ms_median": float(np.median(gaps) * 1e3), "event_gap_ms_p99": float(np.percentile(gaps, 99) * 1e3),
+        "tokens_per_event": toks / max(1, sum(r["events"] for r in res)),
     }
 
 
@@ -175,13 +181,15 @@ def print_table(result: dict) -> None:
     print(f"model {result['model']}" + (f"; start-up to first answered request {result['startup_to_first_answer_s']:.2f} s"
                                         if "startup_to_first_answer_s" in result else ""))
     hdr = f"{'clients':>7} {'requests':>8} {'tok/s':>10} {'req/s':>8} {'TPOT med ms':>12} {'TPOT p99 ms':>12} " \
-          f"{'TTFT med ms':>12} {'TTFT p99 ms':>12}"
+          f"{'TTFT med ms':>12} {'TTFT p99 ms':>12} {'gap med ms':>11} {'gap p99 ms':>11} {'tok/event':>9}"
     print(hdr)
     print("-" * len(hdr))
     for lv in result.get("levels", []):
         f = lambda v: f"{v:12.3f}" if v is not None else f"{'-':>12}"  # noqa: E731
         print(f"{lv['clients']:>7} {lv['requests']:>8} {lv['throughput_tok_s']:>10.1f} {lv['requests_per_s']:>8.2f} "
-              f"{f(lv['tpot_ms_median'])} {f(lv['tpot_ms_p99'])} {f(lv['ttft_ms_median'])} {f(lv['ttft_ms_p99'])}")
+              f"{f(lv['tpot_ms_median'])} {f(lv['tpot_ms_p99'])} {f(lv['ttft_ms_median'])} {f(lv['ttft_ms_p99'])} "
+              f"{lv.get('event_gap_ms_median', float('nan')):11.3f} {lv.get('event_gap_ms_p99', float('nan')):11.3f} "
+              f"{lv.get('tokens_per_event', float('nan')):9.2f}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -24,7 +24,10 @@ pytestmark = pytest.mark.multigpu
 
 GRAPH = GraphRunnerConfig(max_decode_batch=16, pcg_max_tokens=1024, pcg_token_stride=512)
 BLOCK = 64
-TIE = 0.05  # a token may differ only where the reference's logit gap is below this (bf16 near-tie)
+# A token may differ only at a bf16 near-tie: where the reference's logit gap is below 1% of the logit scale.
+# Measured on qwen3-0.6b's random weights: logits span ~86 and bf16 moves them by up to 1.7 (2%) against fp32,
+# so a fixed absolute threshold (0.05 before) only held while both sides happened to use the same GEMM kernels.
+TIE_REL = 0.01
 
 
 def rt_cfg(model: str, **kw) -> RuntimeConfig:
@@ -90,7 +93,8 @@ class Compare:
                 if t != rt_:
                     assert not self.exact, f"DP rank {d} seq {i}: token {t} != reference {rt_}"
                     gap = float(ref_logits[i, rt_] - ref_logits[i, t])
-                    assert gap <= TIE, f"DP rank {d} seq {i}: token {t} != {rt_} with reference logit gap {gap:.3f}"
+                    assert gap <= TIE_REL * scale, (f"DP rank {d} seq {i}: token {t} != {rt_} with reference logit gap "
+                                                    f"{gap:.3f} (scale {scale:.1f})")
                     self.mismatch += 1
             self.sc.advance(names[d], o)
 
