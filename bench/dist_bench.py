@@ -26,9 +26,10 @@ from bench.common import write_json
 from graphrunner.config import GraphRunnerConfig
 
 
-def decode_batch(batch: int, context: int, block_size: int, num_blocks: int, vocab: int) -> StepBatch:
-    """`batch` sequences with `context` cached tokens each, one new token (KV content is irrelevant here)."""
-    per = -(-(context + 1) // block_size)
+def decode_batch(batch: int, context: int, block_size: int, num_blocks: int, vocab: int, steps: int = 1) -> StepBatch:
+    """`batch` sequences with `context` cached tokens each, one new token (KV content is irrelevant here);
+    block tables cover `steps` decode steps."""
+    per = -(-(context + steps) // block_size)
     tables = np.zeros((batch, per), dtype=np.int32)
     for i in range(batch):  # distinct blocks while the cache is large enough, then shared (timing only)
         tables[i] = 1 + (np.arange(per) + i * per) % (num_blocks - 1)
@@ -39,14 +40,14 @@ def decode_batch(batch: int, context: int, block_size: int, num_blocks: int, voc
                      top_p=np.ones(batch, np.float32), seeds=np.full(batch, -1, np.int64))
 
 
-def measure(coord: Coordinator, batch: StepBatch, steps: int, warmup: int) -> dict[str, float]:
+def measure(coord: Coordinator, batch: StepBatch, steps: int, warmup: int, num_steps: int = 1) -> dict[str, float]:
     for _ in range(warmup):
-        coord.step([batch])
+        coord.step([batch], num_steps=num_steps)
     coord.rank_step_times(clear=True)
     e2e = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        coord.step([batch])
+        coord.step([batch], num_steps=num_steps)
         e2e.append(time.perf_counter() - t0)
     per_rank = [t[-steps:] for t in coord.rank_step_times(clear=True)]
     in_rank = [max(ts) for ts in zip(*per_rank)]
@@ -78,6 +79,15 @@ def run_tp(args: Any, tp: int) -> dict[str, Any]:
                 if not args.quiet:
                     print(f"  tp={tp} {path:8s} batch {b:3d}: e2e {r['e2e_ms']:.3f} ms, in-rank {r['in_rank_ms']:.3f}"
                           f" ms, overhead {r['overhead_ms']:.3f} ms ({r['overhead_pct']:.1f}%)", flush=True)
+                k = args.decode_steps
+                if k > 1 and path == "pipe":
+                    mb = decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks, mc.vocab_size, k)
+                    r = measure(coord, mb, max(10, args.steps // k), 3, num_steps=k)
+                    r = {f"per_token_{key}": v / k for key, v in r.items() if key.endswith("_ms")}
+                    out["decode"][f"{path}:b{b}"].update(r, decode_steps=k)
+                    if not args.quiet:
+                        print(f"  tp={tp} {path:8s} batch {b:3d}: {k} decode steps per call: e2e "
+                              f"{r['per_token_e2e_ms']:.3f} ms per token", flush=True)
         out["status_overhead"] = coord.status()["overhead"]
     finally:
         coord.shutdown()
@@ -85,12 +95,13 @@ def run_tp(args: Any, tp: int) -> dict[str, Any]:
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = ["tp  path      batch   e2e ms  in-rank ms  overhead ms  overhead %"]
+    lines = ["tp  path      batch   e2e ms  in-rank ms  overhead ms  overhead %  multi-step e2e ms/token"]
     for run in res["runs"]:
         for key, r in run["decode"].items():
             path, b = key.split(":b")
+            multi = f"{r['per_token_e2e_ms']:10.3f} (x{r['decode_steps']})" if "per_token_e2e_ms" in r else ""
             lines.append(f"{run['tp']:<3d} {path:9s} {int(b):5d} {r['e2e_ms']:8.3f} {r['in_rank_ms']:11.3f} "
-                         f"{r['overhead_ms']:12.3f} {r['overhead_pct']:10.1f}")
+                         f"{r['overhead_ms']:12.3f} {r['overhead_pct']:10.1f}  {multi}")
     lines.append("")
     lines.append(f"ray.init: {res['ray_init_s']:.2f} s (once); ray_s = placement + actor start-up")
     lines.append("tp  ray_s  groups_s  weights_s  kv_s  capture_s  total_s")
@@ -112,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--paths", default="pipe,compiled", help="step paths to measure (comma list)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per point (default 300 GPU / 30 CPU)")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--decode-steps", type=int, default=8, help="also time multi-step decode calls (pipe path)")
     p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
     p.add_argument("--max-decode-batch", type=int, default=256)
     p.add_argument("--pcg-max-tokens", type=int, default=4096)
