@@ -51,17 +51,21 @@ class StepBatch:
         for name in ("num_history", "temperature", "top_k", "top_p", "seeds"):
             if getattr(self, name).shape != (b,):
                 raise BatchError(f"{name} has shape {getattr(self, name).shape}, expected ({b},)")
-        if self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
-            raise BatchError(f"block_tables has shape {self.block_tables.shape}, expected ({b}, W)")
-        if (self.q_seqlens < 1).any() or int(self.q_seqlens.sum()) != self.num_tokens:
+        tables = self.block_tables
+        if tables.ndim != 2 or tables.shape[0] != b:
+            raise BatchError(f"block_tables has shape {tables.shape}, expected ({b}, W)")
+        q = self.q_seqlens
+        if q.min() < 1 or int(q.sum()) != self.num_tokens:
             raise BatchError("q_seqlens must be >= 1 and sum to len(token_ids)")
-        if self.num_tokens and (self.token_ids.min() < 0 or self.token_ids.max() >= vocab_size):
+        ids = self.token_ids
+        if self.num_tokens and (ids.min() < 0 or ids.max() >= vocab_size):
             raise BatchError(f"token ids must be in [0, {vocab_size})")
-        need = -(-(self.num_history + self.q_seqlens) // block_size)
-        if (need > self.block_tables.shape[1]).any():
+        need = (self.num_history + q + (block_size - 1)) // block_size
+        width = tables.shape[1]
+        if need.max() > width:
             raise BatchError("a block table is too short for its sequence")
-        cols = np.arange(self.block_tables.shape[1])[None, :] < need[:, None]
-        if (self.block_tables[cols] <= 0).any():
+        used = tables if need.min() == width else tables[np.arange(width)[None, :] < need[:, None]]
+        if used.size and used.min() <= 0:
             raise BatchError("a used block table entry is 0 (the reserved padding block) or negative")
 
     def check_runnable(self, vocab_size: int, block_size: int, max_blocks_per_seq: int, num_kv_blocks: int) -> None:

@@ -95,6 +95,7 @@ class Coordinator:
         self._sizes: tuple[list[int], list[int]] = ([], [])
         self._owns_ray = False
         self._use_gpu = False
+        self._ranks_see_all_gpus = False
         self._startup: dict[str, Any] = {}
         self._last_reset_events: dict[int, list[dict]] = {}
         self._c = _Counters()
@@ -139,6 +140,7 @@ class Coordinator:
             raise
         self._ranks, self._owns_ray = launched.ranks, launched.owns_ray or self._owns_ray
         self._use_gpu, self._model_config = launched.use_gpu, launched.model_config
+        self._ranks_see_all_gpus = launched.ranks_see_all_gpus
         self._num_kv_blocks, self._sizes = launched.num_kv_blocks, launched.sizes
         timings = dict(launched.timings)
         t0 = time.perf_counter()
@@ -174,6 +176,10 @@ class Coordinator:
             dp_of = [self.topo.coords(r).dp_rank for r in range(len(self._ranks))]
             return PipeStepper(self._ranks, dp_of, timeout_s=self.cfg.collective_timeout_s)
         if path == "compiled":
+            if self._ranks_see_all_gpus:
+                raise ValueError("the compiled step path needs Ray's per-actor CUDA_VISIBLE_DEVICES, but these TP "
+                                 "ranks see every GPU (for the symmetric-memory all-reduce): start the deployment "
+                                 "with step_path='compiled' instead")
             return CompiledStepper(self._ranks)
         return PlainStepper(self._ranks)
 

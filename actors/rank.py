@@ -381,7 +381,7 @@ class RankRuntime:
         host = torch.from_numpy(np.stack([later, slots, later + 1])).pin_memory()
         pos_d, slot_d, kv64 = host.to(dev, non_blocking=True).unbind(0)
         kv_d = kv64.to(torch.int32)
-        tables = torch.from_numpy(np.ascontiguousarray(batch.block_tables, dtype=np.int32)).pin_memory()
+        tables = torch.from_numpy(np.require(batch.block_tables, np.int32, ("C", "W"))).pin_memory()
         tables = tables.to(dev, non_blocking=True)
         ones = torch.ones(n, dtype=torch.int32, device=dev)
         rows32 = torch.arange(n, dtype=torch.int32, device=dev)

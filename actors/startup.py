@@ -28,6 +28,7 @@ class Launched:
     num_kv_blocks: int
     sizes: tuple[list[int], list[int]]
     timings: dict[str, float]
+    ranks_see_all_gpus: bool = False
 
 
 def ensure_ray(address: Optional[str], num_cpus: Optional[int]) -> bool:
@@ -54,7 +55,9 @@ def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Laun
     pg = create_placement_group(topo.world, use_gpu, timeout_s=timeout)
     # TP ranks see every GPU of their node and bind their own by id: symmetric memory (the TP all-reduce)
     # tells peers apart by device index, and under Ray's default isolation every rank would be cuda:0.
-    see_all = use_gpu and topo.tp > 1
+    # Not with compiled graphs: Ray's compiled-graph device setup requires its own per-actor CUDA_VISIBLE_DEVICES.
+    path = os.environ.get("GRAPHLINE_STEP_PATH") or cfg.step_path
+    see_all = use_gpu and topo.tp > 1 and path != "compiled"
     opts: dict[str, Any] = {"runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}} \
         if see_all else {}
     workers = [RankWorker.options(num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=bundle_strategy(pg, i),
@@ -94,7 +97,8 @@ def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Laun
         if owns:
             ray.shutdown()
         raise
-    return Launched(ranks, owns, use_gpu, model_config, n_blocks, (list(sizes[0][0]), list(sizes[0][1])), timings)
+    return Launched(ranks, owns, use_gpu, model_config, n_blocks, (list(sizes[0][0]), list(sizes[0][1])), timings,
+                    see_all)
 
 
 def capture_all(ranks: RankSet, decode: Sequence[int], prefill: Sequence[int], *, timeout_s: float,

@@ -34,6 +34,8 @@ _FIELDS = (("token_ids", np.int64, "T"), ("q_seqlens", np.int32, "B"), ("num_his
            ("block_tables", np.int32, "BW"), ("temperature", np.float32, "B"), ("top_k", np.int32, "B"),
            ("top_p", np.float32, "B"), ("seeds", np.int64, "B"))
 
+_SIZES = tuple(np.dtype(dtype).itemsize for _, dtype, _ in _FIELDS)
+
 REPLY_OK, REPLY_NONE, REPLY_ERROR = 0, 1, 2
 
 
@@ -72,15 +74,14 @@ def decode_request(body: memoryview | bytes) -> Optional[tuple]:
         off = _HEAD.size
         b, t, w = _SHAPE.unpack_from(body, off)
         off += _SHAPE.size
-        sizes = {"T": t, "B": b, "BW": b * w}
-        need = off + sum(sizes[key] * np.dtype(dtype).itemsize for _, dtype, key in _FIELDS)
+        counts = (t, b, b, b * w, b, b, b, b)
+        need = off + sum(c * size for c, size in zip(counts, _SIZES))
         if min(b, t, w) < 0 or need != len(body):
             raise WireError(f"request body has {len(body)} bytes, its header says {need} (B={b}, T={t}, W={w})")
         arrays = {}
-        for name, dtype, key in _FIELDS:
-            n = sizes[key]
+        for (name, dtype, _), size, n in zip(_FIELDS, _SIZES, counts):
             arrays[name] = np.frombuffer(body, dtype=dtype, count=n, offset=off)
-            off += n * np.dtype(dtype).itemsize
+            off += n * size
         arrays["block_tables"] = arrays["block_tables"].reshape(b, w)
         batch = StepBatch(**arrays)
     return (batch, _FLAG_DECODE[flag], batch_bucket, token_bucket), (None if static < 0 else static), num_steps

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import threading
 import time
 from collections import deque
@@ -28,6 +29,9 @@ import ray
 
 from actors.errors import RankStepError
 from actors.placement import ActorPlace
+
+PIPE_SPIN_S = 0.003  # how long a GPU rank's step loop polls for the next request before blocking
+
 
 class _TestFault(RuntimeError):
     """An injected failure (tests only)."""
@@ -226,8 +230,16 @@ class RankWorker:
         from actors.wire import REPLY_ERROR, decode_request, encode_reply, encode_tokens
 
         request = os.open(request_path, os.O_RDONLY)  # blocks until the driver opens its end
+        # A GPU rank polls for the next request for a moment after each reply (the driver usually sends it
+        # within a millisecond) instead of sleeping in read(): a wake-up from a blocking read costs tens of
+        # microseconds on a busy host. CPU ranks always block (their cores run the model).
+        spin_s = PIPE_SPIN_S if self.device is not None and self.device.type == "cuda" else 0.0
         try:
             while True:
+                if spin_s:
+                    deadline = time.perf_counter() + spin_s
+                    while time.perf_counter() < deadline and not select.select([request], [], [], 0)[0]:
+                        pass
                 body = read_frame(request)
                 if body is None:  # the driver closed the pipe: the step path was torn down
                     return

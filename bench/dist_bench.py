@@ -71,7 +71,13 @@ def run_tp(args: Any, tp: int) -> dict[str, Any]:
     try:
         mc = coord.model_config
         for path in args.paths.split(","):
-            coord._switch_step_path(path)
+            try:
+                coord._switch_step_path(path)
+            except ValueError as e:  # e.g. compiled graphs with TP ranks that see every GPU
+                out.setdefault("skipped_paths", {})[path] = str(e)
+                if not args.quiet:
+                    print(f"  tp={tp} {path}: skipped: {e}", flush=True)
+                continue
             for b in (int(x) for x in args.batches.split(",")):
                 batch = decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks, mc.vocab_size)
                 r = measure(coord, batch, args.steps, args.warmup)

@@ -35,6 +35,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from launch.server import ServerState
 
     t0 = time.perf_counter()
+    # The engine thread and the HTTP event loop share the GIL: a 0.5 ms switch interval (CPython's default is
+    # 5 ms) bounds how long a finished step waits for a busy event loop to let the engine thread run.
+    sys.setswitchinterval(5e-4)
     executor, kind = build_executor(args)
     try:
         timings = start_executor(executor, args)

@@ -180,11 +180,11 @@ def build_decode_step_host(
         q_seqlens=torch.from_numpy(ones),
         kv_seqlens=torch.from_numpy(kv_lens),
         q_start_loc=torch.from_numpy(rows),
-        block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)),
+        block_tables=torch.from_numpy(np.require(block_tables, np.int32, ("C", "W"))),
         slot_mapping=torch.from_numpy(slots),
         last_token_index=torch.from_numpy(rows.astype(np.int64)),
         max_q_seqlen=1,
         max_kv_seqlen=int(kv_lens.max()),
         block_size=block_size,
     )
-    return torch.from_numpy(np.ascontiguousarray(token_ids, dtype=np.int64)), torch.from_numpy(pos), meta
+    return torch.from_numpy(np.require(token_ids, np.int64, ("C", "W"))), torch.from_numpy(pos), meta
