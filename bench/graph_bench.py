@@ -147,7 +147,8 @@ def main() -> None:
                                            li).argmax(-1)
 
         g = time_step(graph_fn, dev)
-        x = time_step(lambda: rt.execute(_decode_batch(rt, b, args.context)), dev)
+        sb = _decode_batch(rt, b, args.context)
+        x = time_step(lambda: rt.execute(sb), dev)
         e = time_step(eager_fn, dev, iters=10)
         c = None
         if compiled is not None:
