@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from actors.batch import StepBatch
+from graphrunner.capture import end_capture, end_capture_quietly
 from graphrunner.config import GraphRunnerConfig
 from graphrunner.runner import CUDAGraphRunner
 from graphrunner.step import ForwardStep
@@ -202,9 +203,16 @@ class RankRuntime:
         if self._head_pool is None:
             self._head_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._head_pool, stream=self.stream):
-            logits = self.model.compute_logits(hidden, rows)
-            tokens = logits.argmax(dim=-1)
+        # capture_begin/end directly: `torch.cuda.graph` would add a gc.collect() + empty_cache() per bucket
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self._head_pool, capture_error_mode="thread_local")
+            try:
+                logits = self.model.compute_logits(hidden, rows)
+                tokens = logits.argmax(dim=-1)
+            except BaseException:
+                end_capture_quietly(graph, self.device)
+                raise
+            end_capture(graph, self.device)
         torch.cuda.synchronize(self.device)
         self._head_pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
         self._heads[batch] = (graph, logits, tokens)
