@@ -90,4 +90,4 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, ctx, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_with(self.ops.silu_mul_linear, self.gate_up_proj(x))

@@ -126,7 +126,11 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(full[:, r * self.in_per_rank : (r + 1) * self.in_per_rank])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.gemm(x, self.weight)
+        return self.forward_with(self.gemm, x)
+
+    def forward_with(self, gemm, x: torch.Tensor) -> torch.Tensor:
+        """`forward` with another `(x, w) -> y [T, out]` product, e.g. one that applies an activation to x first."""
+        y = gemm(x, self.weight)
         return comm.all_reduce(y, self.ctx.tp_group) if self.reduce_results else y
 
 

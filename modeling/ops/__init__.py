@@ -25,12 +25,14 @@ class KernelOps:
     qk_norm_rope: Callable
     silu_and_mul: Callable
     linear: Callable
+    silu_mul_linear: Callable  # linear(silu_and_mul(x), w), fused where the backend can
     capturable: bool
 
 
-def _collect(name: str, attention, fused, linear: Callable, capturable: bool) -> KernelOps:
+def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, capturable: bool) -> KernelOps:
     return KernelOps(name, attention.store_kv, attention.prefill_attention, attention.decode_attention,
-                     fused.rms_norm, fused.add_rms_norm, fused.qk_norm_rope, fused.silu_and_mul, linear, capturable)
+                     fused.rms_norm, fused.add_rms_norm, fused.qk_norm_rope, fused.silu_and_mul, linear,
+                     silu_mul_linear, capturable)
 
 
 def get_kernel_ops(device: torch.device | str, prefer: str = "auto") -> KernelOps:
@@ -40,9 +42,11 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto") -> KernelOp
         raise ValueError(f"unknown kernel backend {prefer!r}; use auto, torch or triton")
     if prefer == "torch" or (prefer == "auto" and dev.type != "cuda"):
         # The reference ops loop over sequences on the host: usable in graphs only on the full-graph-free paths.
-        return _collect("torch", attention_ref, fused_ref, F.linear, capturable=False)
+        return _collect("torch", attention_ref, fused_ref, F.linear,
+                        lambda x, w: F.linear(fused_ref.silu_and_mul(x), w), capturable=False)
     if dev.type != "cuda":
         raise ValueError("the triton kernel backend needs a CUDA device")
     from modeling.ops import triton_attention, triton_fused, triton_gemm
 
-    return _collect("triton", triton_attention, triton_fused, triton_gemm.linear, capturable=True)
+    return _collect("triton", triton_attention, triton_fused, triton_gemm.linear, triton_gemm.silu_mul_linear,
+                    capturable=True)

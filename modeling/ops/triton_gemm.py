@@ -85,7 +85,7 @@ _CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(X, W, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -101,12 +101,19 @@ def _skinny_gemm_kernel(X, W, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            x_mask = m_mask[:, None]
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
             k_mask = offs_k + k0 < K
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x_mask = m_mask[:, None] & k_mask[None, :]
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if GATED:  # x = silu(gate) * up from X `[M, 2K]`, rounded exactly as `silu_and_mul` rounds them
+            g = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+            u = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(W.dtype.element_ty).to(tl.float32)
+            x = (act * u).to(W.dtype.element_ty)
+        else:
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -184,12 +191,15 @@ def config_for(n: int, k: int, m: int, device: torch.device | None = None) -> Ge
 
 
 def linear_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig,
-                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                       out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
     """The Triton path with an explicit config (benchmarks, tests). x `[M<=16, K]` (unit last stride),
     weight `[N, K]` (unit last stride), both bf16/fp16 CUDA on one device; returns `[M, N]` in
     `out_dtype` (default x.dtype), launched on the current stream. The split-K workspace is a
-    per-call `torch.empty` (graph-pool memory under capture), stream-ordered and freed on return."""
+    per-call `torch.empty` (graph-pool memory under capture), stream-ordered and freed on return.
+    gated: x is `[M, 2K]` (gate then up) and the GEMM input is silu(gate) * up, computed in the kernel."""
     m, k = x.shape
+    if gated:
+        k //= 2
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     cnt = split_k_counters(x.device)
@@ -200,7 +210,7 @@ def linear_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig,
     grid = (triton.cdiv(n, cfg.block_n), split_k)
     _skinny_gemm_kernel[grid](x, weight, y, ws, cnt, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
                               BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
-                              EVEN_K=(k % (split_k * cfg.block_k) == 0),
+                              EVEN_K=(k % (split_k * cfg.block_k) == 0), GATED=gated,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
@@ -222,3 +232,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     if x.stride(1) != 1:
         x = x.contiguous()
     return linear_with_config(x, weight, cfg, out_dtype)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`linear(silu_and_mul(x), weight)` for x `[M, 2K]` (gate then up), weight `[N, K]`: one kernel (the SiLU-gate
+    in the GEMM's prologue, no `[M, K]` intermediate) where `linear` would take the Triton path, else the two
+    operators. Same bits as the unfused pair: the prologue rounds like `silu_and_mul`."""
+    from modeling.ops.triton_fused import silu_and_mul
+
+    if x.dim() != 2 or x.shape[-1] != 2 * weight.shape[-1]:
+        raise ValueError(f"silu_mul_linear: x {tuple(x.shape)} must be [M, 2K] for weight {tuple(weight.shape)}")
+    k = weight.shape[1]
+    cfg = None
+    if (x.shape[0] <= SKINNY_MAX_M and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
+            and weight.stride(1) == 1 and weight.dtype == x.dtype and x.stride(1) == 1):
+        cfg = config_for(weight.shape[0], k, x.shape[0], x.device)
+    if cfg is None:
+        return linear(silu_and_mul(x), weight)
+    return linear_with_config(x, weight, cfg, gated=True)

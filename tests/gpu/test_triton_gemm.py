@@ -139,3 +139,26 @@ def test_split_k_graph_stress_matches_linear(n, k):
         if i % 10 == 0 or i > 90:
             for y, w in zip(outs, ws):
                 torch.testing.assert_close(y.float(), F.linear(x, w).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 40])
+@pytest.mark.parametrize("n,k", [(1024, 3072), (1024, 1536), (4096, 1024)])
+def test_silu_mul_linear_equals_the_unfused_pair_bitwise(m, n, k):
+    """The SiLU-gate prologue rounds exactly like `silu_and_mul`, so the fused down projection is bit-identical
+    (M > 16 and cuBLAS-table shapes take the unfused pair)."""
+    from modeling.ops.triton_fused import silu_and_mul
+    from modeling.ops.triton_gemm import linear, silu_mul_linear
+
+    g = torch.Generator(device="cuda").manual_seed(m * n + k)
+    x = (torch.randn(m, 2 * k, device="cuda", generator=g) * 2).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+    want = linear(silu_and_mul(x), w)
+    assert torch.equal(silu_mul_linear(x, w), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = silu_mul_linear(x, w)
+    x.copy_((torch.randn(x.shape, device="cuda", generator=g) * 2).bfloat16())
+    graph.replay()
+    assert torch.equal(y, linear(silu_and_mul(x), w))
+    with pytest.raises(ValueError, match="must be"):
+        silu_mul_linear(x[:, :-2], w)

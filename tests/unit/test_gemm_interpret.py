@@ -43,6 +43,15 @@ for m, n, k, block_k in json.loads(sys.argv[1]):
             "err16": (y.float() - ref).abs().max().item(), "err32": (y32 - ref).abs().max().item(),
             "bitwise_repeat": torch.equal(y32, again),
             "counters_nonzero": int(gemm.split_k_counters(x.device).count_nonzero())}
+    xg = torch.randn(m, 2 * k, generator=g).half()  # gate then up: the fused SiLU-gate prologue
+    from modeling.ops.triton_fused import silu_and_mul  # the unfused operator, interpreted the same way
+    xs = silu_and_mul(xg)
+    for split_k in json.loads(sys.argv[2]):
+        cfg = gemm.GemmConfig(block_n=16, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2)
+        fused = gemm.linear_with_config(xg, w, cfg, out_dtype=torch.float32, gated=True)
+        plain = gemm.linear_with_config(xs, w, cfg, out_dtype=torch.float32)
+        out[f"gated {m},{n},{k},{block_k},{split_k}"] = {"equal_to_unfused": torch.equal(fused, plain),
+                                                         "shape": list(fused.shape)}
 y = gemm.linear(torch.randn(2, 32), torch.randn(8, 32), out_dtype=torch.float64)  # CPU: F.linear fallback
 out["fallback_dtype"] = str(y.dtype)
 print("RESULT" + json.dumps(out))
@@ -69,6 +78,13 @@ def test_interpreted_kernel_matches_torch(results, m, n, k, block_k, split_k):
     assert r["err32"] < 1e-4
     assert r["bitwise_repeat"]
     assert r["counters_nonzero"] == 0
+
+
+@pytest.mark.parametrize("split_k", SPLITS)
+@pytest.mark.parametrize("m,n,k,block_k", CASES)
+def test_interpreted_gated_prologue_equals_silu_mul_then_gemm(results, m, n, k, block_k, split_k):
+    r = results[f"gated {m},{n},{k},{block_k},{split_k}"]
+    assert r["shape"] == [m, n] and r["equal_to_unfused"]
 
 
 def test_cpu_linear_falls_back_with_out_dtype(results):
