@@ -46,7 +46,8 @@ class RuntimeConfig:
         device memory after weights (CUDA) or uses 512 (CPU).
     max_model_len: longest sequence (prompt + output); sets the block-table width.
     head_graph_max_batch: decode buckets up to this size also capture the LM head + greedy argmax as a
-        graph on the decode graph's output (fp32 logits of `bucket x vocab` in one shared pool); 0 = off.
+        graph on the decode graph's output (fp32 logits of `bucket x vocab` in one shared pool; ~15 MiB at 16
+        for a 152k vocabulary, ~100 MiB at 64); larger buckets run the head eagerly; 0 = off.
     """
 
     model: str = "qwen3-tiny"
@@ -59,7 +60,7 @@ class RuntimeConfig:
     max_model_len: int = 4096
     kernel_backend: str = "auto"
     graph: GraphRunnerConfig = field(default_factory=GraphRunnerConfig)
-    head_graph_max_batch: int = 64
+    head_graph_max_batch: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:

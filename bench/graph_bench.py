@@ -124,10 +124,12 @@ def main() -> None:
     total_capture = time.perf_counter() - t0
     mem_all = torch.cuda.memory_allocated() - mem0
     snap = rt.runner.stats.snapshot()
+    head_bytes = rt.stats()["head_graphs"]["pool_bytes"]
     kv_tok_bytes = 2 * rt.model_config.num_layers * rt.model_config.num_kv_heads * rt.model_config.head_dim * 2
     print(f"# {machine()} | model {args.model} | weights {weight_bytes / 2**30:.3f} GiB | copy bw {bw / 1e12:.2f} TB/s")
     print(f"capture: {len(decode_sizes)} decode buckets in {t_dec:.2f} s, {len(prefill_sizes)} prefill buckets, "
-          f"total {total_capture:.2f} s; decode pool {mem_dec / 2**20:.1f} MiB, all graphs {mem_all / 2**20:.1f} MiB")
+          f"total {total_capture:.2f} s; decode pool {mem_dec / 2**20:.1f} MiB (LM-head graphs of buckets <= "
+          f"{cfg.head_graph_max_batch}: {head_bytes / 2**20:.1f} MiB of it), all graphs {mem_all / 2**20:.1f} MiB")
 
     compiled = None if args.no_compile else _compiled_decode(rt)
     collector = _LogCollector()
@@ -182,6 +184,7 @@ def main() -> None:
         "machine": machine(), "model": args.model, "context": args.context, "copy_bandwidth_Bps": bw,
         "weight_bytes": weight_bytes, "capture_s": capture, "capture_total_s": total_capture,
         "decode_capture_s": t_dec, "decode_graph_bytes": mem_dec, "all_graph_bytes": mem_all,
+        "head_graph_bytes": head_bytes,
         "runner_stats": snap, "decode": decode_rows, "prefill": prefill_rows, "paths": paths,
         "compile_warnings": collector.lines[:20],
     })
