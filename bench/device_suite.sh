@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU test suites and the benchmarks, logs and JSON into $OUT.
 #   bash bench/device_suite.sh tests     # gpu + multigpu tests, graph benchmark
-#   bash bench/device_suite.sh benches   # gemm, distributed and serving benchmarks
+#   bash bench/device_suite.sh benches   # all-reduce, GEMM sweep, distributed and serving benchmarks
 set -u
 out="${OUT:-artifacts}"; mkdir -p "$out"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -18,11 +18,13 @@ tests)
 benches)
   if [ "$ngpu" -ge 2 ]; then
     timeout 150 python3 -m pytest -q -m multigpu tests/multigpu -k "ep or reset" -p no:cacheprovider --timeout 140 2>&1 | quiet | tee "$out/multigpu_ep.log" | tail -4
+    timeout 70 python3 -m bench.allreduce_bench --out "$out/allreduce_bench.json" 2>&1 | quiet | tee "$out/allreduce_bench.log" | tail -8
   fi
-  timeout 90 python3 -m pytest -q -m gpu tests/gpu/test_model_graphs.py -k continuous -p no:cacheprovider 2>&1 | quiet | tail -3
-  timeout 40 python3 -m bench.gemm_bench 2>&1 | quiet | tee "$out/gemm_bench.log" | tail -16
+  timeout 200 python3 -m bench.gemm_tune --out "$out/gemm_tune.json" 2>&1 | quiet | tee "$out/gemm_tune.log" | tail -20
   tps=1; [ "$ngpu" -ge 2 ] && tps=1,2
-  timeout 170 python3 -m bench.dist_bench --model qwen3-0.6b --tp "$tps" --batches 1,64 --steps 100 --out "$out/dist_bench.json" 2>&1 | quiet | tee "$out/dist_bench.log" | tail -20
-  timeout 130 python3 bench/serve_bench.py --model qwen3-0.6b --out "$out/serve_bench.json" 2>&1 | quiet | tee "$out/serve_bench.log" | tail -14
+  timeout 200 python3 -m bench.dist_bench --model qwen3-0.6b --tp "$tps" --batches 1,64 --paths pipe,compiled --steps 200 --decode-steps 8 --out "$out/dist_bench.json" 2>&1 | quiet | tee "$out/dist_bench.log" | tail -16
+  for k in 1 8; do
+    timeout 110 python3 bench/serve_bench.py --model qwen3-0.6b --server-arg=--decode-steps=$k --out "$out/serve_bench_steps$k.json" 2>&1 | grep -v "\[server\]" | tee "$out/serve_bench_steps$k.log" | tail -6
+  done
   ;;
 esac
