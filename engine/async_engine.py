@@ -42,11 +42,15 @@ class EngineObserver:
 
 
 class RequestStream:
-    """Async iterator of one request's `RequestOutput`s (deltas in `new_token_ids`) until finished."""
+    """Async iterator of one request's `RequestOutput`s (deltas in `new_token_ids`) until finished.
+
+    Filled from the event loop's thread only (`AsyncLLMEngine._dispatch`); one consumer. A deque and one
+    waiter future (rather than an `asyncio.Queue`) keep the per-token delivery cost small."""
 
     def __init__(self, request: Request):
         self.request = request
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items: collections.deque = collections.deque()
+        self._waiter: Optional[asyncio.Future] = None
         self.finished = False
 
     @property
@@ -54,7 +58,10 @@ class RequestStream:
         return self.request.request_id
 
     def _put(self, item: Any) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -62,14 +69,19 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        return self._unwrap(item)
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._unwrap(self._items.popleft())
 
     def drain_nowait(self) -> list[RequestOutput]:
         """Outputs already queued (to coalesce several steps into one write)."""
         items = []
-        while not self.finished and not self._queue.empty():
-            items.append(self._unwrap(self._queue.get_nowait()))
+        while not self.finished and self._items:
+            items.append(self._unwrap(self._items.popleft()))
         return items
 
     def _unwrap(self, item: Any) -> RequestOutput:

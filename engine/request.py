@@ -134,7 +134,7 @@ def validate_request(req: Request, limits: ModelLimits) -> None:
                            f"{limits.max_blocks_per_request}", "max_tokens", "kv_capacity_exceeded")
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """One request's progress after a step. `new_token_ids` are the tokens since the previous output
     (streaming); `token_ids` all generated tokens, filled in the final output (`finished`) only;

@@ -140,7 +140,7 @@ class Scheduler:
         tokens need are allocated now (fewer steps when they are short; never preempts for them)."""
         k = self.cfg.decode_steps
         run = self.running
-        if k <= 1 or not run or any(s.request.sampling.temperature > 0 for s in run):
+        if k <= 1 or not run or any(s.sampling_row[0] > 0 for s in run):
             return 1
         k = min(k, min(self.cfg.max_model_len - s.num_tokens for s in run))
         left = [s.request.max_tokens - s.num_output_tokens for s in run if s.request.max_tokens is not None]
@@ -204,29 +204,28 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _build(self, seqs: list[Sequence]) -> StepBatch:
-        width = max(len(s.block_table) for s in seqs)
-        tokens: list[int] = []
-        q: list[int] = []
-        hist: list[int] = []
-        rows: list[list[int]] = []
-        for s in seqs:
-            n0 = s.num_computed
-            if len(s.token_ids) - n0 == 1:
-                tokens.append(s.token_ids[-1])
-            else:
-                tokens.extend(s.token_ids[n0:])
-            q.append(len(s.token_ids) - n0)
-            hist.append(n0)
-            bt = s.block_table
-            rows.append(bt if len(bt) == width else bt + [0] * (width - len(bt)))
-        sp = [s.request.sampling for s in seqs]
+        n = len(seqs)
+        tables_lists = [s.block_table for s in seqs]
+        width = max(map(len, tables_lists))
+        tables = np.zeros((n, width), dtype=np.int32)
+        for i, bt in enumerate(tables_lists):
+            tables[i, : len(bt)] = bt
+        hist = [s.num_computed for s in seqs]
+        if all(len(s.token_ids) - h == 1 for s, h in zip(seqs, hist)):  # decode: one new token each
+            tokens = [s.token_ids[-1] for s in seqs]
+            q = np.ones(n, dtype=np.int32)
+        else:
+            tokens = [t for s, h in zip(seqs, hist) for t in s.token_ids[h:]]
+            q = np.array([len(s.token_ids) - h for s, h in zip(seqs, hist)], dtype=np.int32)
+        rows = [s.sampling_row for s in seqs]
+        greedy = all(r == (0.0, 0, 1.0, -1) for r in rows)
         return StepBatch(
-            token_ids=np.array(tokens, dtype=np.int64), q_seqlens=np.array(q, dtype=np.int32),
-            num_history=np.array(hist, dtype=np.int32), block_tables=np.array(rows, dtype=np.int32),
-            temperature=np.array([p.temperature for p in sp], dtype=np.float32),
-            top_k=np.array([p.top_k for p in sp], dtype=np.int32),
-            top_p=np.array([p.top_p for p in sp], dtype=np.float32),
-            seeds=np.array([-1 if p.seed is None else p.seed for p in sp], dtype=np.int64),
+            token_ids=np.array(tokens, dtype=np.int64), q_seqlens=q, num_history=np.array(hist, dtype=np.int32),
+            block_tables=tables,
+            temperature=np.zeros(n, np.float32) if greedy else np.array([r[0] for r in rows], dtype=np.float32),
+            top_k=np.zeros(n, np.int32) if greedy else np.array([r[1] for r in rows], dtype=np.int32),
+            top_p=np.ones(n, np.float32) if greedy else np.array([r[2] for r in rows], dtype=np.float32),
+            seeds=np.full(n, -1, np.int64) if greedy else np.array([r[3] for r in rows], dtype=np.int64),
         )
 
     def update(self, sched: ScheduledBatch, next_tokens: np.ndarray, now: Optional[float] = None) -> list[Sequence]:

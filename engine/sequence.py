@@ -21,7 +21,8 @@ class SeqStatus(str, enum.Enum):
 
 class Sequence:
     __slots__ = ("request", "token_ids", "prompt_len", "block_table", "num_computed", "status", "finish_reason",
-                 "num_preemptions", "first_token_time", "last_token_time", "_emitted", "dp_rank", "error")
+                 "num_preemptions", "first_token_time", "last_token_time", "_emitted", "dp_rank", "error",
+                 "sampling_row")
 
     def __init__(self, request: Request, dp_rank: int = 0):
         self.request = request
@@ -37,6 +38,9 @@ class Sequence:
         self._emitted = 0  # generated tokens already reported in a RequestOutput
         self.dp_rank = dp_rank
         self.error: Optional[str] = None
+        sp = request.sampling
+        # (temperature, top_k, top_p, seed or -1): this sequence's row of a step's sampling arrays
+        self.sampling_row = (sp.temperature, sp.top_k, sp.top_p, -1 if sp.seed is None else sp.seed)
 
     @property
     def request_id(self) -> str:
@@ -70,14 +74,10 @@ class Sequence:
         new = self.token_ids[start:]
         self._emitted += len(new)
         done = self.status is SeqStatus.FINISHED
-        return RequestOutput(
-            request_id=self.request_id, prompt_token_ids=self.request.prompt_token_ids, new_token_ids=new,
-            token_ids=self.token_ids[self.prompt_len:] if done else [], num_generated=self._emitted,
-            finished=done, finish_reason=self.finish_reason,
-            arrival_time=self.request.arrival_time, first_token_time=self.first_token_time,
-            finish_time=self.last_token_time if done else None, num_preemptions=self.num_preemptions,
-            error=self.error,
-        )
+        req = self.request
+        return RequestOutput(req.request_id, req.prompt_token_ids, new, self.token_ids[self.prompt_len:] if done else [],
+                             self._emitted, done, self.finish_reason, req.arrival_time, self.first_token_time,
+                             self.last_token_time if done else None, self.num_preemptions, self.error)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "

@@ -112,57 +112,93 @@ async def _last(stream) -> RequestOutput:
     return last
 
 
+class _ChunkWriter:
+    """Server-sent completion chunks of one response: the envelope (id, object, created, model) is serialised
+    once; each event serialises only its choices."""
+
+    def __init__(self, resp: web.StreamResponse, rid: str, model: str, created: int):
+        self.resp = resp
+        head = json.dumps(stream_chunk(rid, model, created, []))
+        self._head = "data: " + head[: head.rindex('"choices": []')] + '"choices": ['
+
+    async def choices(self, choices: list[dict], usage: Optional[dict] = None) -> None:
+        tail = "]" if usage is None else '], "usage": ' + json.dumps(usage)
+        await self.resp.write((self._head + ", ".join(json.dumps(c) for c in choices) + tail + "}\n\n").encode())
+
+    async def error(self, exc: BaseException) -> None:
+        err = ApiError(503, str(exc), None, "engine_failed", "server_error").body()
+        await self.resp.write(f"data: {json.dumps(err)}\n\n".encode())
+
+
+def _delta(outs: list[RequestOutput], detok: "IncrementalDetokenizer", index: int) -> tuple[dict, RequestOutput]:
+    new = outs[0].new_token_ids if len(outs) == 1 else [t for o in outs for t in o.new_token_ids]
+    last = outs[-1]
+    reason = last.finish_reason.value if last.finished and last.finish_reason else None
+    return choice(index, detok.push(new, final=last.finished), new, reason), last
+
+
 async def _stream(request: web.Request, state: ServerState, creq, reqs, rid: str, created: int) -> web.StreamResponse:
     eng = state.engine
     streams = [eng.submit(r) for r in reqs]  # validated already: submit only fails if the engine is dead
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((index, out, stream.drain_nowait()))
-        except Exception as exc:  # noqa: BLE001 - reported in-band
-            queue.put_nowait((index, exc, []))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    out = _ChunkWriter(resp, rid, creq.model, created)
     detok = [IncrementalDetokenizer(state.tokenizer) for _ in reqs]
     finals: list[Optional[RequestOutput]] = [None] * len(reqs)
     try:
-        remaining = len(reqs)
-        while remaining:
-            index, out, more = await queue.get()
-            if isinstance(out, Exception):
-                err = ApiError(503, str(out), None, "engine_failed", "server_error").body()
-                await resp.write(f"data: {json.dumps(err)}\n\n".encode())
-                remaining -= 1
-                continue
-            outs = [out, *more]
-            new = [t for o in outs for t in o.new_token_ids]
-            last = outs[-1]
-            reason = last.finish_reason.value if last.finished and last.finish_reason else None
-            text = detok[index].push(new, final=last.finished)
-            chunk = stream_chunk(rid, creq.model, created, [choice(index, text, new, reason)])
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            if last.finished:
-                finals[index] = last
-                remaining -= 1
+        if len(streams) == 1:  # the common case: read the request's stream directly, one task, no fan-in queue
+            try:
+                async for first in streams[0]:
+                    ch, last = _delta([first, *streams[0].drain_nowait()], detok[0], 0)
+                    await out.choices([ch])
+                    if last.finished:
+                        finals[0] = last
+            except Exception as exc:  # noqa: BLE001 - reported in-band
+                await out.error(exc)
+        else:
+            await _stream_many(streams, detok, finals, out)
         if creq.include_usage:
             done = [o for o in finals if o is not None]
             p, c = sum(o.num_prompt_tokens for o in done), sum(len(o.token_ids) for o in done)
-            usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-            await resp.write(f"data: {json.dumps(stream_chunk(rid, creq.model, created, [], usage))}\n\n".encode())
+            await out.choices([], {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     finally:
-        for t in tasks:
-            t.cancel()
         for s in streams:
             if not s.finished:
                 eng.abort(s.request_id)
     return resp
+
+
+async def _stream_many(streams, detok, finals, out: _ChunkWriter) -> None:
+    """Several prompts in one request: their streams fan in to one queue, chunks go out as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for first in stream:
+                queue.put_nowait((index, first, stream.drain_nowait()))
+        except Exception as exc:  # noqa: BLE001 - reported in-band
+            queue.put_nowait((index, exc, []))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, first, more = await queue.get()
+            if isinstance(first, Exception):
+                await out.error(first)
+                remaining -= 1
+                continue
+            ch, last = _delta([first, *more], detok[index], index)
+            await out.choices([ch])
+            if last.finished:
+                finals[index] = last
+                remaining -= 1
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 # ---- models, health, status, metrics
