@@ -136,10 +136,12 @@ class ServerMetrics(EngineObserver):
     # ---- EngineObserver (engine thread)
     def on_step(self, info: StepInfo) -> None:
         phase = info.kind
-        self.step_seconds.labels(phase).observe(info.seconds)
-        self.step_tokens.labels(phase).inc(info.num_tokens)
+        per_step = info.seconds / info.num_steps  # a multi-step decode round counts as its steps
+        for _ in range(info.num_steps):
+            self.step_seconds.labels(phase).observe(per_step)
+        self.step_tokens.labels(phase).inc(info.num_tokens * info.num_steps)
         if self.ray:
-            self.ray.observe("graphline_step_seconds", info.seconds, {"phase": phase})
+            self.ray.observe("graphline_step_seconds", per_step, {"phase": phase})
 
     def on_request_finished(self, out: RequestOutput) -> None:
         reason = out.finish_reason.value if out.finish_reason else "unknown"
