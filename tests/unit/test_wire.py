@@ -54,3 +54,29 @@ def test_replies():
     assert st == REPLY_OK and sec == 0.25 and toks.tolist() == [3, 1 << 40]
     assert decode_reply(_body(encode_tokens(None, 0.0)))[::2] == (REPLY_NONE, None)
     assert decode_reply(_body(encode_reply(REPLY_ERROR, 0.0, "rank 1: boom".encode())))[2] == "rank 1: boom"
+
+
+def test_frames_larger_than_the_pipe_buffer_cross_a_real_pipe():
+    """A 4k-token prefill of 32 sequences (~350 KB) exceeds a pipe's default 64 KiB: the writer blocks until the
+    reader drains it, and the frame arrives whole; end-of-file after the writer closes reads as None."""
+    import os
+    import threading
+
+    from actors.pipes import read_frame, write_all
+
+    toks = [list(range(1, 129))] * 32
+    b = StepBatch.from_sequences(toks, [0] * 32, [list(range(1 + 3 * i, 4 + 3 * i)) for i in range(32)])
+    b = StepBatch(np.arange(4096 * 10, dtype=np.int64) % 1000, np.full(32, 1280, np.int32), b.num_history,
+                  np.tile(np.arange(1, 21, dtype=np.int32), (32, 1)), b.temperature, b.top_k, b.top_p, b.seeds)
+    frame = encode_request(plan_step([b], cross_dp=False, decode_buckets=[1], token_buckets=[16]), 0)
+    assert len(frame) > 300_000
+    r, w = os.pipe()
+    writer = threading.Thread(target=lambda: (write_all(w, frame), write_all(w, frame), os.close(w)))
+    writer.start()
+    for _ in range(2):
+        (got, *_), _, _ = decode_request(read_frame(r))
+        np.testing.assert_array_equal(got.token_ids, b.token_ids)
+        np.testing.assert_array_equal(got.block_tables, b.block_tables)
+    assert read_frame(r) is None
+    writer.join()
+    os.close(r)
