@@ -91,6 +91,24 @@ def test_dp2_ep2_mixed_local_phases_equal_one_rank(dp2ep2, reference):
     assert st["overhead"]["driver_step_ms_mean"] >= st["overhead"]["in_rank_step_ms_mean"] > 0
 
 
+def test_multi_step_decode_across_ep_with_an_idle_dp_rank(dp2ep2, reference):
+    """Collectives cross DP groups: the idle DP rank runs the same number of dummy decode steps, and the
+    active rank's tokens equal single steps on one rank."""
+    prompt, table = [11, 12, 13, 14, 15], [40, 41]
+    first = dp2ep2.step([StepBatch.from_sequences([prompt], [0], [table]), None])[0]
+    dec = StepBatch.from_sequences([[int(first[0])]], [len(prompt)], [table])
+    got = dp2ep2.step([dec, None], num_steps=4)
+    assert got[1] is None and got[0].shape == (1, 4)
+    assert dp2ep2.status()["last_phase"] == "decode"
+    reference.execute(StepBatch.from_sequences([prompt], [0], [table]))
+    b, want = dec, []
+    for _ in range(4):
+        tok = int(reference.execute(b)[0])
+        want.append(tok)
+        b = StepBatch.from_sequences([[tok]], [int(b.num_history[0]) + 1], [table])
+    assert got[0][0].tolist() == want
+
+
 def test_hung_rank_raises_within_30s_then_rebuild_serves(dp2ep2, reference):
     import ray
 
