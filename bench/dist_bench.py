@@ -4,8 +4,9 @@
     python -m bench.dist_bench --model qwen3-tiny --device cpu --out /tmp/d.json   # CPU smoke check
 
 For each TP size: start a coordinator (timings: Ray, process groups, weights, KV, capture),
-then for each step path (compiled graph, plain actor calls) and each batch size run decode
-steps through `Coordinator.step` (inputs in, next tokens back on the driver). Each rank
+then for each step path (pipe, compiled graph, plain actor calls) and each batch size run decode
+steps through `Coordinator.step` (inputs in, next tokens back on the driver); on the pipe path
+also calls of `--decode-steps` decode steps each (multi-step decode, reported per token). Each rank
 records the time of its `execute` call (host-to-device, forward or graph replay, LM head,
 sampling, device-to-host); the coordinator overhead of a step is the driver's end-to-end
 time minus the slowest rank's in-rank time of that step. Medians are reported.

@@ -6,8 +6,10 @@ and start-up to the first answered request.
     graphline bench --model qwen3-tiny --executor local --max-tokens 16 --concurrency 1,4
 
 Every client streams (server-sent events) so the first token and every later token are timed
-on arrival. TPOT of a request = (last token time - first token time) / (tokens - 1). Prints a
-table and writes JSON (`--out`, default artifacts/serve_bench.json).
+on arrival. TPOT of a request = (last token time - first token time) / (tokens - 1); "gap" is the
+time between consecutive events of a request and "tokens per event" how many tokens each carried
+(several with `--server-arg=--decode-steps=8`, multi-step decode). Prints a table and writes JSON
+(`--out`, default artifacts/serve_bench.json).
 """
 from __future__ import annotations
 
