@@ -168,10 +168,11 @@ class Coordinator:
         path = path or os.environ.get("GRAPHLINE_STEP_PATH") or self.cfg.step_path
         if path not in STEP_PATHS:
             raise ValueError(f"GRAPHLINE_STEP_PATH must be one of {STEP_PATHS}, got {path!r}")
+        local = all_local(self._ranks.places)
         if path == "auto":
-            path = "pipe" if all_local(self._ranks.places) else ("compiled" if self._use_gpu else "plain")
+            path = "pipe" if local else ("compiled" if self._use_gpu else "plain")
         if path == "pipe":
-            if not all_local(self._ranks.places):
+            if not local:
                 raise ValueError("the pipe step path needs every rank on the driver's host")
             dp_of = [self.topo.coords(r).dp_rank for r in range(len(self._ranks))]
             return PipeStepper(self._ranks, dp_of, timeout_s=self.cfg.collective_timeout_s)
@@ -194,11 +195,8 @@ class Coordinator:
             if b is not None:
                 self._validate(d, b, num_steps)
         decode_sizes, prefill_sizes = self._sizes
-        try:
-            plan = plan_step(batches, cross_dp=self.topo.collectives_cross_dp, decode_buckets=decode_sizes,
-                             token_buckets=prefill_sizes, num_steps=num_steps)
-        except BatchError as e:
-            raise BatchError(f"num_steps={num_steps}: {e}") from None
+        plan = plan_step(batches, cross_dp=self.topo.collectives_cross_dp, decode_buckets=decode_sizes,
+                         token_buckets=prefill_sizes, num_steps=num_steps)
         if plan is None:
             return [None] * self.topo.dp
         t0 = time.perf_counter()

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from actors.batch import BatchError, StepBatch
+from actors.batch import StepBatch
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,11 @@ def round_up(n: int, buckets: Sequence[int]) -> int:
 def plan_step(batches: Sequence[Optional[StepBatch]], *, cross_dp: bool, decode_buckets: Sequence[int],
               token_buckets: Sequence[int], num_steps: int = 1) -> Optional[StepPlan]:
     """The plan of one step, or None when every DP rank is idle. `num_steps > 1` needs every active batch
-    to decode (the caller checks each batch with `StepBatch.check_multi_step`)."""
+    to decode: the caller checks each batch with `StepBatch.check_multi_step` first."""
     active = [b for b in batches if b is not None]
     if not active:
         return None
     batches = tuple(batches)
-    if num_steps > 1 and not all(b.is_decoding for b in active):
-        raise BatchError("multi-step decode needs every DP rank to decode or be idle")
     if not cross_dp:
         return StepPlan(batches, None, phase="local", num_steps=num_steps)
     if all(b.is_decoding for b in active):

@@ -336,7 +336,7 @@ class RankRuntime:
         decision = self.runner.decide(step)
         if decision.path is not RunnerPath.FULL_GRAPH:
             return None
-        hidden = self.runner(step)
+        hidden = self.runner.run(step, decision)
         n = step.batch_size
         head = self._heads.get(decision.decode_key.batch)
         if head is None:
@@ -364,7 +364,7 @@ class RankRuntime:
                 return out
         # general path: one step at a time, tokens fed back through the host
         cols = []
-        for j in range(num_steps):
+        for _ in range(num_steps):
             toks = self._execute(batch, global_decode, batch_bucket, token_bucket, True)
             cols.append(toks)
             batch = dataclasses.replace(batch, token_ids=np.asarray(toks, dtype=np.int64),

@@ -138,11 +138,16 @@ class CUDAGraphRunner:
         The path is decided before any side effect. A graph output is a view of
         reusable storage: consume it before the next call.
         """
+        return self.run(step, self.decide(step))
+
+    def run(self, step: ForwardStep, decision: Decision) -> torch.Tensor:
+        """`__call__` with the path already decided by `decide(step)` (a caller that needs the decision, e.g.
+        its bucket, decides once). Same output contract as `__call__`."""
         with torch.inference_mode():
             if self._cuda and torch.cuda.current_stream(self.device) != self.stream:
                 with self._on_rank_stream():
-                    return self._execute(step, self._policy.decide(step, self._preparing > 0), serving=True)
-            return self._execute(step, self._policy.decide(step, self._preparing > 0), serving=True)
+                    return self._execute(step, decision, serving=True)
+            return self._execute(step, decision, serving=True)
 
     def _execute(self, step: ForwardStep, decision: Decision, serving: bool) -> torch.Tensor:
         path = decision.path
