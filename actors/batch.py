@@ -6,7 +6,7 @@ in batch order; `token_ids` is the flat concatenation of each sequence's new tok
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -60,13 +60,22 @@ class StepBatch:
         ids = self.token_ids
         if self.num_tokens and (ids.min() < 0 or ids.max() >= vocab_size):
             raise BatchError(f"token ids must be in [0, {vocab_size})")
-        need = (self.num_history + q + (block_size - 1)) // block_size
+        gap = self._table_gap(self.num_history + q, block_size)
+        if gap == "short":
+            raise BatchError("a block table is too short for its sequence")
+        if gap == "unallocated":
+            raise BatchError("a used block table entry is 0 (the reserved padding block) or negative")
+
+    def _table_gap(self, tokens: np.ndarray, block_size: int) -> Optional[str]:
+        """Whether the block tables hold `tokens` `[B]` tokens per sequence: "short" (fewer columns than blocks
+        needed), "unallocated" (a needed entry is 0 or negative) or None (covered)."""
+        tables = self.block_tables
+        need = (tokens + (block_size - 1)) // block_size
         width = tables.shape[1]
         if need.max() > width:
-            raise BatchError("a block table is too short for its sequence")
+            return "short"
         used = tables if need.min() == width else tables[np.arange(width)[None, :] < need[:, None]]
-        if used.size and used.min() <= 0:
-            raise BatchError("a used block table entry is 0 (the reserved padding block) or negative")
+        return "unallocated" if used.size and used.min() <= 0 else None
 
     def check_runnable(self, vocab_size: int, block_size: int, max_blocks_per_seq: int, num_kv_blocks: int) -> None:
         """`validate` plus the limits of a deployment: block-table width and the cache's block count."""
@@ -88,11 +97,10 @@ class StepBatch:
             raise BatchError("multi-step decode needs a decode batch (one new token per sequence)")
         if self.temperature.any():
             raise BatchError("multi-step decode is greedy only: every temperature must be 0")
-        need = -(-(self.num_history.astype(np.int64) + num_steps) // block_size)
-        if (need > self.block_tables.shape[1]).any():
+        gap = self._table_gap(self.num_history.astype(np.int64) + num_steps, block_size)
+        if gap == "short":
             raise BatchError(f"a block table is too short for {num_steps} decode steps")
-        cols = np.arange(self.block_tables.shape[1])[None, :] < need[:, None]
-        if (self.block_tables[cols] <= 0).any():
+        if gap == "unallocated":
             raise BatchError(f"a block table lacks blocks for {num_steps} decode steps (entry 0 or negative)")
 
     @staticmethod

@@ -215,23 +215,27 @@ def linear_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig,
     return y
 
 
+def _triton_config(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
+    """The Triton launch config for x `[M, K]` @ weight `[N, K]`^T, or None where `F.linear` serves: x not 2-D
+    CUDA bf16/fp16 with M <= SKINNY_MAX_M, a weight of another dtype or without unit last stride, or a shape
+    where cuBLAS measured faster."""
+    if (x.dim() != 2 or x.shape[0] > SKINNY_MAX_M or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda
+            or weight.stride(1) != 1 or weight.dtype != x.dtype):
+        return None
+    return config_for(weight.shape[0], weight.shape[1], x.shape[0], x.device)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`F.linear(x, weight)` for x `[..., K]`, weight `[N, K]`; the Triton path when x is 2-D CUDA bf16/fp16
     with rows <= SKINNY_MAX_M and weight has unit last stride. `out_dtype` (default x.dtype) is the output
     dtype; the Triton path writes it straight from the fp32 accumulator (fp32 logits), the `F.linear`
     fallback (larger M, fp32, CPU, strided weight) casts its x.dtype result. Call once per device before
     CUDA graph capture (allocates the split-K counters); same-device calls must be stream-ordered."""
-    if (x.dim() != 2 or x.shape[0] > SKINNY_MAX_M or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda
-            or weight.stride(1) != 1 or weight.dtype != x.dtype):
-        y = F.linear(x, weight)
-        return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
-    cfg = config_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
+    cfg = _triton_config(x, weight)
     if cfg is None:
         y = F.linear(x, weight)
         return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    return linear_with_config(x, weight, cfg, out_dtype)
+    return linear_with_config(x if x.stride(1) == 1 else x.contiguous(), weight, cfg, out_dtype)
 
 
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -242,11 +246,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     if x.dim() != 2 or x.shape[-1] != 2 * weight.shape[-1]:
         raise ValueError(f"silu_mul_linear: x {tuple(x.shape)} must be [M, 2K] for weight {tuple(weight.shape)}")
-    k = weight.shape[1]
-    cfg = None
-    if (x.shape[0] <= SKINNY_MAX_M and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
-            and weight.stride(1) == 1 and weight.dtype == x.dtype and x.stride(1) == 1):
-        cfg = config_for(weight.shape[0], k, x.shape[0], x.device)
+    cfg = _triton_config(x, weight)
     if cfg is None:
         return linear(silu_and_mul(x), weight)
-    return linear_with_config(x, weight, cfg, gated=True)
+    return linear_with_config(x if x.stride(1) == 1 else x.contiguous(), weight, cfg, gated=True)
