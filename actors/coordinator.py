@@ -164,23 +164,28 @@ class Coordinator:
     def _capture_timeout(self) -> float:
         return self.cfg.collective_timeout_s + 300.0
 
-    def _make_stepper(self, path: Optional[str] = None):
+    def _resolve_step_path(self, path: Optional[str] = None) -> str:
+        """"pipe" | "compiled" | "plain" for this rank group, or ValueError naming why `path` cannot serve it."""
         path = path or os.environ.get("GRAPHLINE_STEP_PATH") or self.cfg.step_path
         if path not in STEP_PATHS:
             raise ValueError(f"GRAPHLINE_STEP_PATH must be one of {STEP_PATHS}, got {path!r}")
         local = all_local(self._ranks.places)
         if path == "auto":
             path = "pipe" if local else ("compiled" if self._use_gpu else "plain")
+        if path == "pipe" and not local:
+            raise ValueError("the pipe step path needs every rank on the driver's host")
+        if path == "compiled" and self._ranks_see_all_gpus:
+            raise ValueError("the compiled step path needs Ray's per-actor CUDA_VISIBLE_DEVICES, but these TP "
+                             "ranks see every GPU (for the symmetric-memory all-reduce): start the deployment "
+                             "with step_path='compiled' instead")
+        return path
+
+    def _make_stepper(self, path: Optional[str] = None):
+        path = self._resolve_step_path(path)
         if path == "pipe":
-            if not local:
-                raise ValueError("the pipe step path needs every rank on the driver's host")
             dp_of = [self.topo.coords(r).dp_rank for r in range(len(self._ranks))]
             return PipeStepper(self._ranks, dp_of, timeout_s=self.cfg.collective_timeout_s)
         if path == "compiled":
-            if self._ranks_see_all_gpus:
-                raise ValueError("the compiled step path needs Ray's per-actor CUDA_VISIBLE_DEVICES, but these TP "
-                                 "ranks see every GPU (for the symmetric-memory all-reduce): start the deployment "
-                                 "with step_path='compiled' instead")
             return CompiledStepper(self._ranks)
         return PlainStepper(self._ranks)
 
@@ -241,6 +246,7 @@ class Coordinator:
     def _switch_step_path(self, path: str) -> None:
         """Benchmarks/tests: replace the step path ("pipe" | "compiled" | "plain") on the live rank group."""
         self._require("serving")
+        path = self._resolve_step_path(path)  # a path that cannot serve raises before the current one is dropped
         if self._stepper is not None:
             self._stepper.teardown()
         self._stepper = self._make_stepper(path)

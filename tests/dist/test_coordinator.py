@@ -144,6 +144,9 @@ def test_multi_step_decode_equals_single_steps(dp2, reference):
     short = StepBatch.from_sequences([[1]], [BLOCK - 1], [[30]])
     with pytest.raises(BatchError, match="DP rank 0: a block table is too short for 2 decode steps"):
         dp2.step([short, None], num_steps=2)
+    with pytest.raises(ValueError, match="GRAPHLINE_STEP_PATH must be one of"):
+        dp2._switch_step_path("bogus")
+    assert dp2.step_path == "pipe" and dp2.step(dec)[0].shape == (1,)  # the live step path was kept
 
 
 def test_rank_killed_mid_step_raises_then_rebuild_serves(dp2, reference):
