@@ -30,7 +30,7 @@ import numpy as np
 
 from actors.batch import BatchError, StepBatch
 from actors.errors import CoordinatorStateError, RankFailureError, StartupCaptureError
-from actors.pipes import PipeStepper, all_local
+from actors.pipes import DRIVER_POLL_S, PipeStepper, all_local
 from actors.protocol import plan_step
 from actors.rank import RuntimeConfig
 from actors.rankset import CompiledStepper, PlainStepper, RankCallError, RankSet
@@ -184,7 +184,9 @@ class Coordinator:
         path = self._resolve_step_path(path)
         if path == "pipe":
             dp_of = [self.topo.coords(r).dp_rank for r in range(len(self._ranks))]
-            return PipeStepper(self._ranks, dp_of, timeout_s=self.cfg.collective_timeout_s)
+            env = os.environ.get("GRAPHLINE_DRIVER_POLL_S")
+            poll_s = float(env) if env else (DRIVER_POLL_S if self._use_gpu else 0.0)
+            return PipeStepper(self._ranks, dp_of, timeout_s=self.cfg.collective_timeout_s, poll_s=poll_s)
         if path == "compiled":
             return CompiledStepper(self._ranks)
         return PlainStepper(self._ranks)

@@ -4,8 +4,16 @@ Per rank, two FIFOs in a private directory under /dev/shm: requests (driver -> r
 replies (rank -> driver), carrying the packed frames of `actors.wire`. Each rank runs a
 plain thread (`RankWorker.start_pipe_loop`) that blocks in `read` on its request pipe,
 runs the step, and writes its reply; the driver writes every rank's request, then waits
-in `select` for the replies. Blocking reads release the GIL, so neither side spins and
-an engine thread waiting for a step leaves the HTTP event loop free.
+in `select` for the replies. Waiting releases the GIL, so an engine thread waiting for a
+step leaves the HTTP event loop free.
+
+Wake-up latency: a thread woken from a blocking `select` on a busy host starts tens of
+microseconds after the reply lands, a large share of a 1 ms decode step. The driver
+therefore remembers how long the last step of the same shape took (phase, batch sizes,
+decode steps) and sleeps in `select` only until `POLL_MARGIN_S` before that, then polls
+(`select` with a zero timeout, GIL released on each call) for up to `poll_s` past it,
+then blocks again. A shape seen for the first time polls from the start for `poll_s`.
+`poll_s = 0` (CPU ranks, whose cores run the model) always blocks.
 
 Why pipes rather than a Ray compiled graph: a step costs two small writes and two
 wake-ups (tens of microseconds) instead of Ray's serialisation and channel round trip
@@ -34,6 +42,9 @@ from actors.rankset import RankCallError, RankFault, RankSet
 from actors.wire import LENGTH, REPLY_ERROR, decode_reply, encode_request
 
 _F_SETPIPE_SZ = 1031  # Linux fcntl: pipe capacity (large prefill frames in one write)
+POLL_MARGIN_S = 0.0003  # start polling this long before the expected reply
+DRIVER_POLL_S = 0.002  # how long past the expected reply the driver polls (GPU ranks) before it blocks
+_MAX_SHAPES = 4096  # remembered step shapes (prefill token counts vary): forgotten all at once beyond this
 
 
 def read_exact(fd: int, n: int) -> Optional[bytearray]:
@@ -84,9 +95,11 @@ class PipeStepper:
 
     name = "pipe"
 
-    def __init__(self, ranks: RankSet, dp_of_rank: Sequence[int], timeout_s: float = 60.0):
+    def __init__(self, ranks: RankSet, dp_of_rank: Sequence[int], timeout_s: float = 60.0, poll_s: float = 0.0):
         self.ranks = ranks
         self.dp_of_rank = list(dp_of_rank)
+        self.poll_s = poll_s
+        self._expected: dict[tuple, float] = {}  # step shape -> seconds its last step took (driver view)
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.dir = tempfile.mkdtemp(prefix="graphline-steps-", dir=base)
         self.req_fds: list[int] = []
@@ -141,12 +154,25 @@ class PipeStepper:
             raise RankCallError("step", faults, {})
         results: dict[int, tuple[Any, float]] = {}
         pending = set(self.resp_fds)
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
+        key = (plan.phase, plan.num_steps, plan.batch_bucket, plan.token_bucket,
+               tuple(None if b is None else (b.batch_size, b.num_tokens) for b in plan.batches))
+        expected = self._expected.get(key)
+        poll_from = start + max(0.0, expected - POLL_MARGIN_S) if expected is not None else start
+        poll_until = (start + expected if expected is not None else start) + self.poll_s
         while pending and not faults:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 break
-            ready, _, _ = select.select(list(pending), [], [], left)
+            if not self.poll_s or now >= poll_until:
+                wait = left  # block
+            elif now < poll_from:
+                wait = poll_from - now  # sleep until just before the expected reply
+            else:
+                wait = 0.0  # poll
+            ready, _, _ = select.select(list(pending), [], [], wait)
             for fd in ready:
                 pending.discard(fd)
                 r = self._rank_of_fd[fd]
@@ -161,6 +187,10 @@ class PipeStepper:
                     if payload is not None and plan.num_steps > 1:
                         payload = payload.reshape(-1, plan.num_steps)
                     results[r] = (payload, seconds)
+        if not pending and not faults:
+            if len(self._expected) >= _MAX_SHAPES:
+                self._expected.clear()
+            self._expected[key] = time.monotonic() - start
         if faults:
             raise RankCallError("step", sorted(faults, key=lambda f: f.rank), results)
         if pending:

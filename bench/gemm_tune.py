@@ -30,7 +30,10 @@ import torch.nn.functional as F
 from bench.common import copy_bandwidth, machine, write_json
 
 SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
-          "lm_head": (151936, 1024)}
+          "down_gated": (1024, 3072), "lm_head": (151936, 1024)}
+# Shapes whose GEMM input is silu(gate) * up of x `[M, 2K]`, computed in the kernel's prologue; their "cuBLAS"
+# column is the unfused pair (`silu_and_mul` kernel + `linear` as the table picks it).
+GATED = {"down_gated"}
 MS = (1, 4, 16)
 COPIES, LM_HEAD_COPIES, LM_HEAD_CALLS = 28, 2, 8
 SMEM_LIMIT = 200 * 1024
@@ -40,9 +43,10 @@ Cfg = tuple[int, int, int, int, int]  # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, n
 def sweep_configs(name: str, n: int, k: int) -> list[Cfg]:
     """The swept configs of one shape: K % (SPLIT_K * BLOCK_K) == 0, brief-formula shared memory <= 200 KiB."""
     out = []
+    gated = name in GATED  # the prologue's loads are not pipelined: also one-iteration splits (K / (SK * BK) == 1)
     for bn in (16, 32, 64):
-        for bk in (128, 256, 512):
-            for sk in (1, 2, 4, 8):
+        for bk in ((64, 128, 256) if gated else (128, 256, 512)):
+            for sk in ((1, 2, 3, 4, 6, 8, 12, 16, 24) if gated else (1, 2, 4, 8)):
                 if k % (sk * bk) or (name == "lm_head" and (sk > 1 or bn < 32)):
                     continue
                 for warps in (4, 8):
@@ -58,27 +62,27 @@ def current_config(n: int, k: int) -> Cfg:
     return (bn, 256 if k % bk else bk, 1, 4, stages)
 
 
-def _compile_worker(job: tuple[list[Cfg], int]) -> list[str]:
-    """Spawned process: launch each config once on a tiny problem (same Triton specialisation as the sweep)."""
+def _compile_worker(job: tuple[list[tuple[Cfg, bool]], int]) -> list[str]:
+    """Spawned process: launch each (config, gated) once on a tiny problem (same Triton specialisation as the sweep)."""
     cfgs, device_index = job
     from modeling.ops.triton_gemm import GemmConfig, linear_with_config
 
     torch.cuda.set_device(device_index)
     errors = []
-    for c in cfgs:
+    for c, gated in cfgs:
         cfg = GemmConfig(*c)
         k = cfg.split_k * cfg.block_k
-        x = torch.zeros(1, k, dtype=torch.bfloat16, device="cuda")
+        x = torch.zeros(1, 2 * k if gated else k, dtype=torch.bfloat16, device="cuda")
         w = torch.zeros(2 * cfg.block_n, k, dtype=torch.bfloat16, device="cuda")
         try:
-            linear_with_config(x, w, cfg)
+            linear_with_config(x, w, cfg, gated=gated)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - reported, the sweep records the config as failed
             errors.append(f"{c}: {type(e).__name__}: {e}")
     return errors
 
 
-def precompile(cfgs: list[Cfg], jobs: int, device_index: int) -> list[str]:
+def precompile(cfgs: list[tuple[Cfg, bool]], jobs: int, device_index: int) -> list[str]:
     """Compile every config once (into Triton's on-disk cache); returns failure messages."""
     if jobs <= 0 or len(cfgs) < 2:
         return _compile_worker((cfgs, device_index))
@@ -134,8 +138,10 @@ def _fmt(cfg: Cfg | None) -> str:
 
 
 def tune_shape(name: str, n: int, k: int, ms: tuple[int, ...], timer: GraphTimer, bw: float) -> list[dict]:
-    from modeling.ops.triton_gemm import GemmConfig, config_for, linear_with_config
+    from modeling.ops.triton_fused import silu_and_mul
+    from modeling.ops.triton_gemm import GemmConfig, config_for, linear, linear_with_config
 
+    gated = name in GATED
     copies = LM_HEAD_COPIES if name == "lm_head" else COPIES
     calls = LM_HEAD_CALLS if name == "lm_head" else COPIES
     g = torch.Generator(device="cuda").manual_seed(n + k)
@@ -144,21 +150,24 @@ def tune_shape(name: str, n: int, k: int, ms: tuple[int, ...], timer: GraphTimer
     cfgs = sweep_configs(name, n, k)
     rows = []
     for m in ms:
-        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        ref = F.linear(x, weights[(calls - 1) % copies]).float()
+        x = torch.randn(m, 2 * k if gated else k, device="cuda", generator=g).bfloat16()
+        ref = F.linear(silu_and_mul(x) if gated else x, weights[(calls - 1) % copies]).float()
 
         def measure(cfg: Cfg, x: torch.Tensor = x, ref: torch.Tensor = ref) -> dict:
             gc = GemmConfig(*cfg)
             try:
-                us, y, same = timer.run(lambda i: linear_with_config(x, weights[i % copies], gc), calls)
+                us, y, same = timer.run(lambda i: linear_with_config(x, weights[i % copies], gc, gated=gated), calls)
             except Exception as e:  # noqa: BLE001 - a config that fails to launch is recorded, not fatal
                 return {"config": list(cfg), "error": f"{type(e).__name__}: {e}"[:300]}
             ok = bool(torch.allclose(y.float(), ref, atol=2e-2, rtol=2e-2))
             return {"config": list(cfg), "us": us, "correct": ok, "deterministic": same}
 
-        cublas_us, _, _ = timer.run(lambda i, x=x: F.linear(x, weights[i % copies]), calls)
+        if gated:
+            cublas_us, _, _ = timer.run(lambda i, x=x: linear(silu_and_mul(x), weights[i % copies]), calls)
+        else:
+            cublas_us, _, _ = timer.run(lambda i, x=x: F.linear(x, weights[i % copies]), calls)
         current = measure(current_config(n, k))
-        t = config_for(n, k, m)
+        t = config_for(n, k, m, gated=gated)
         table = ({"config": None, "us": cublas_us, "correct": True, "deterministic": True} if t is None
                  else measure((t.block_n, t.block_k, t.split_k, t.num_warps, t.num_stages)))
         sweep = [measure(c) for c in cfgs]
@@ -176,7 +185,16 @@ def tune_shape(name: str, n: int, k: int, ms: tuple[int, ...], timer: GraphTimer
 
 
 def configs_source(rows: list[dict]) -> str:
-    lines = ["_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {"]
+    lines = []
+    for table, want_gated in (("_CONFIGS", False), ("_GATED_CONFIGS", True)):
+        lines.append(f"{table}: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {{")
+        lines += _config_lines([r for r in rows if (r["shape"] in GATED) == want_gated])
+        lines.append("}")
+    return "\n".join(lines)
+
+
+def _config_lines(rows: list[dict]) -> list[str]:
+    lines = []
     for r in rows:
         if r["best"] is None:
             continue
@@ -187,8 +205,7 @@ def configs_source(rows: list[dict]) -> str:
         lines.append(f"    ({r['n']}, {r['k']}, {r['m']}): {_fmt(tuple(r['best']['config']))},"
                      f"  # {r['shape']} M{'=' if r['m'] == 1 else '<='}{r['m']}: {r['best']['us']:.2f} us, cuBLAS {r['cublas_us']:.2f},"
                      f" roofline {r['roofline_us']:.2f}")
-    lines.append("}")
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -206,15 +223,16 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     names = [s for s in args.shapes.split(",") if s]
     ms = tuple(int(m) for m in args.ms.split(","))
-    all_cfgs: set[Cfg] = set()
+    all_cfgs: set[tuple[Cfg, bool]] = set()
     for name in names:
         n, k = SHAPES[name]
-        all_cfgs.update(sweep_configs(name, n, k))
-        all_cfgs.add(current_config(n, k))
+        gated = name in GATED
+        all_cfgs.update((c, gated) for c in sweep_configs(name, n, k))
+        all_cfgs.add((current_config(n, k), gated))
         for m in ms:
-            t = config_for(n, k, m, dev)
+            t = config_for(n, k, m, dev, gated=gated)
             if t is not None:
-                all_cfgs.add((t.block_n, t.block_k, t.split_k, t.num_warps, t.num_stages))
+                all_cfgs.add(((t.block_n, t.block_k, t.split_k, t.num_warps, t.num_stages), gated))
     compile_errors = precompile(sorted(all_cfgs), args.jobs, dev.index)
     t_compile = time.perf_counter() - t0
     print(f"compiled {len(all_cfgs)} configs in {t_compile:.1f} s ({len(compile_errors)} failed)", flush=True)

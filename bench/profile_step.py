@@ -1,5 +1,7 @@
-"""Where a step's time goes: device kernel table for a decode graph replay and a piecewise prefill
-replay, and the host-side profile of the piecewise replay (Python functions by cumulative time).
+"""Where a step's time goes: the timeline of a rank's decode step (host work before the graph launch,
+the launch calls, kernels against the gaps between them, the tail to the token on the host), the
+device kernel table for a decode graph replay and a piecewise prefill replay, and the host-side
+profiles of the rank's decode path and the piecewise replay (Python functions by own time).
 
     python -m bench.profile_step --model qwen3-0.6b --batch 1 --tokens 512
 """
@@ -19,6 +21,57 @@ from actors.rank import RankRuntime, RuntimeConfig
 from bench.graph_bench import _decode_batch, _decode_step, _prefill_step
 from graphrunner.config import GraphRunnerConfig
 from parallel.context import ParallelContext
+
+
+def decode_timeline(fn, iters: int = 20) -> dict[str, float]:
+    """Median microseconds per call of `fn` (one synchronous decode step) from a profiler trace: `host_pre`
+    (call start to the first graph launch), `launch` (host time inside cudaGraphLaunch calls), `launch_to_gpu`
+    (first launch start to first kernel start), `gpu_span` (first kernel start to last kernel end),
+    `kernels` (sum of kernel durations), `gaps` (span minus kernels), `tail` (last kernel end to call end),
+    `wall`, and `num_kernels`. The profiler instruments every node of a graph launch, which inflates `launch`
+    and `launch_to_gpu` (~0.2-0.45 ms here against 7-25 us host time per replay without it, see
+    `bench.launch_bench`); the kernel and gap figures are not affected."""
+    import json
+    import os
+    import tempfile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            with torch.profiler.record_function(f"timeline_step_{i}"):
+                fn()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    steps = sorted((e for e in events if str(e.get("name", "")).startswith("timeline_step_") and e.get("ph") == "X"),
+                   key=lambda e: e["ts"])
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    launches = [e for e in events if e.get("name") == "cudaGraphLaunch" and e.get("ph") == "X"]
+    rows: dict[str, list[float]] = {k: [] for k in ("host_pre", "launch", "launch_to_gpu", "gpu_span", "kernels",
+                                                    "gaps", "tail", "wall", "num_kernels")}
+    for i, st in enumerate(steps):
+        t0, t1 = st["ts"], st["ts"] + st["dur"]
+        nxt = steps[i + 1]["ts"] if i + 1 < len(steps) else float("inf")
+        ks = [k for k in kernels if t0 <= k["ts"] < nxt]
+        ls = sorted((e for e in launches if t0 <= e["ts"] < t1), key=lambda e: e["ts"])
+        if not ks or not ls:
+            continue
+        first, last = ks[0]["ts"], max(k["ts"] + k["dur"] for k in ks)
+        busy = sum(k["dur"] for k in ks)
+        rows["host_pre"].append(ls[0]["ts"] - t0)
+        rows["launch"].append(sum(e["dur"] for e in ls))
+        rows["launch_to_gpu"].append(first - ls[0]["ts"])
+        rows["gpu_span"].append(last - first)
+        rows["kernels"].append(busy)
+        rows["gaps"].append(last - first - busy)
+        rows["tail"].append(t1 - last)
+        rows["wall"].append(st["dur"])
+        rows["num_kernels"].append(len(ks))
+    return {k: statistics.median(v) for k, v in rows.items() if v}
 
 
 def _kernel_table(fn, iters: int = 10, rows: int = 25) -> str:
@@ -66,6 +119,9 @@ def main() -> None:
     print(f"## rank execute (decode fast path), batch {args.batch}: median {1e3 * statistics.median(times):.3f} ms; "
           f"host profile of 300 calls by own time")
     print(s.getvalue())
+    tl = decode_timeline(lambda: rt.execute(sb))
+    print(f"## rank decode step timeline, batch {args.batch} (median us per step, under the profiler)")
+    print("  " + "  ".join(f"{k} {v:.1f}" for k, v in tl.items()))
     d = _decode_step(rt, args.batch, args.context)
     print(f"## decode graph replay, batch {args.batch}, context {args.context} (10 steps)")
     print(_kernel_table(lambda: rt.runner(d)))

@@ -68,16 +68,33 @@ class Qwen3Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_caches: Sequence[Any], attn_metadata: Any) -> torch.Tensor:
+        return self.o_proj(self.attend(positions, x, kv_caches, attn_metadata))
+
+    def attend(self, positions: torch.Tensor, x: torch.Tensor, kv_caches: Sequence[Any], attn_metadata: Any) -> torch.Tensor:
+        """Everything before the output projection: x `[T, H]` -> attention output `[T, Hq_local * D]`."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
-        q, k = self.ops.qk_norm_rope(
-            q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
-            self.q_norm.weight, self.k_norm.weight, self.rope.cos, self.rope.sin, positions, self.q_norm.eps)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = self.attn(q, k, v, kv_caches, self.layer_idx, attn_metadata, self.scale)
+        # q/k go in RAW: the operator applies the per-head norm + rotary fused with the KV store (one kernel).
+        prologue = AttentionImpl.Prologue(self.q_norm.weight, self.k_norm.weight, self.rope.cos, self.rope.sin,
+                                          positions, self.q_norm.eps)
+        o = self.attn(q, k, v, kv_caches, self.layer_idx, attn_metadata, self.scale, prologue)
         if o.shape[0] < t:  # bucket-shaped eager: rows past the real tokens are zero, as a plan's padded bridge makes them
             o = F.pad(o, (0, 0, 0, 0, 0, t - o.shape[0]))
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return o.reshape(t, self.num_heads * self.head_dim)
+
+
+def project_add_norm(proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, ops: KernelOps,
+                     gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(y + residual), y + residual) for y = proj(x) (gated: proj(silu_and_mul(x))), x `[T, in]`, residual
+    `[T, H]`. Without TP the projection, the residual add and the norm are one operator (`linear_add_rms_norm`,
+    one kernel on the decode path); under TP the all-reduce sits between the GEMM and the add."""
+    if proj.ctx.tp_size == 1:
+        return ops.linear_add_rms_norm(x, proj.weight, residual, norm.weight, norm.eps, gated=gated)
+    y = proj.forward_with(ops.silu_mul_linear, x) if gated else proj(x)
+    return norm(y, residual)
 
 
 class Qwen3MLP(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 from modeling.attention import AttentionImpl
 from modeling.config import ModelConfig
 from modeling.cudagraph import DecodeGraphBuffersMixin
-from modeling.layers import Qwen3Attention, Qwen3MLP, RMSNorm, RotaryEmbedding
+from modeling.layers import Qwen3Attention, Qwen3MLP, RMSNorm, RotaryEmbedding, project_add_norm
 from modeling.moe import SparseMoeBlock
 from modeling.ops import KernelOps, get_kernel_ops
 from parallel.context import ParallelContext
@@ -33,16 +33,18 @@ class Qwen3DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops, device)
+        self.ops = ops
 
-    def forward(self, positions, hidden, residual, kv_caches, attn_metadata):
-        """Returns (mlp output, residual stream before it); the next layer fuses their sum into its norm."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_caches, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def forward(self, positions, hidden, residual, kv_caches, attn_metadata, next_norm: RMSNorm):
+        """hidden: this layer's input, already normed by its `input_layernorm`; residual: the stream it was normed
+        from. Returns (next_norm(stream'), stream'): the next layer's normed input (or, with the model's final
+        norm, the output) and the new stream. Each residual add + norm rides on the projection before it."""
+        o = self.self_attn.attend(positions, hidden, kv_caches, attn_metadata)
+        hidden, residual = project_add_norm(self.self_attn.o_proj, o, residual, self.post_attention_layernorm, self.ops)
+        if isinstance(self.mlp, Qwen3MLP):
+            up = self.mlp.gate_up_proj(hidden)
+            return project_add_norm(self.mlp.down_proj, up, residual, next_norm, self.ops, gated=True)
+        return next_norm(self.mlp(hidden), residual)
 
 
 class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
@@ -83,10 +85,12 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
                 **constants: Any) -> torch.Tensor:
         if constants:
             raise TypeError(f"Qwen3ForCausalLM.forward takes no extra arguments, got {sorted(constants)}")
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(position_ids, hidden, residual, kv_caches, attn_metadata)
-        return self.norm(hidden, residual)[0]
+        residual = self.embed_tokens(input_ids)
+        hidden = self.layers[0].input_layernorm(residual)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            hidden, residual = layer(position_ids, hidden, residual, kv_caches, attn_metadata, next_norm)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""

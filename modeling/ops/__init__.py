@@ -23,16 +23,26 @@ class KernelOps:
     rms_norm: Callable
     add_rms_norm: Callable
     qk_norm_rope: Callable
+    qk_norm_rope_store: Callable  # qk_norm_rope then store_kv of its k (and v), one kernel where the backend can
     silu_and_mul: Callable
     linear: Callable
     silu_mul_linear: Callable  # linear(silu_and_mul(x), w), fused where the backend can
+    linear_add_rms_norm: Callable  # add_rms_norm(linear(x, w) or silu_mul_linear(x, w), residual, ...), one kernel where it can
     capturable: bool
 
 
-def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, capturable: bool) -> KernelOps:
-    return KernelOps(name, attention.store_kv, attention.prefill_attention, attention.decode_attention,
-                     fused.rms_norm, fused.add_rms_norm, fused.qk_norm_rope, fused.silu_and_mul, linear,
-                     silu_mul_linear, capturable)
+def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, linear_add_rms_norm: Callable,
+             capturable: bool) -> KernelOps:
+    return KernelOps(name=name, store_kv=attention.store_kv, prefill_attention=attention.prefill_attention,
+                     decode_attention=attention.decode_attention, rms_norm=fused.rms_norm,
+                     add_rms_norm=fused.add_rms_norm, qk_norm_rope=fused.qk_norm_rope,
+                     qk_norm_rope_store=fused.qk_norm_rope_store, silu_and_mul=fused.silu_and_mul, linear=linear,
+                     silu_mul_linear=silu_mul_linear, linear_add_rms_norm=linear_add_rms_norm, capturable=capturable)
+
+
+def _torch_linear_add_rms_norm(x, weight, residual, norm_weight, eps, *, gated=False):
+    y = F.linear(fused_ref.silu_and_mul(x) if gated else x, weight)
+    return fused_ref.add_rms_norm(y, residual, norm_weight, eps)
 
 
 def get_kernel_ops(device: torch.device | str, prefer: str = "auto") -> KernelOps:
@@ -43,10 +53,10 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto") -> KernelOp
     if prefer == "torch" or (prefer == "auto" and dev.type != "cuda"):
         # The reference ops loop over sequences on the host: usable in graphs only on the full-graph-free paths.
         return _collect("torch", attention_ref, fused_ref, F.linear,
-                        lambda x, w: F.linear(fused_ref.silu_and_mul(x), w), capturable=False)
+                        lambda x, w: F.linear(fused_ref.silu_and_mul(x), w), _torch_linear_add_rms_norm, capturable=False)
     if dev.type != "cuda":
         raise ValueError("the triton kernel backend needs a CUDA device")
     from modeling.ops import triton_attention, triton_fused, triton_gemm
 
     return _collect("triton", triton_attention, triton_fused, triton_gemm.linear, triton_gemm.silu_mul_linear,
-                    capturable=True)
+                    triton_gemm.linear_add_rms_norm, capturable=True)

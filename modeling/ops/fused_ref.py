@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from modeling.ops import attention_ref
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x `[..., H]`, weight `[H]` -> `[..., H]` in x's dtype."""
@@ -37,6 +39,17 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     c = cos[positions].unsqueeze(1).to(q.dtype)
     s = sin[positions].unsqueeze(1).to(q.dtype)
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                       eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`qk_norm_rope` of RAW q/k, then `attention_ref.store_kv` of the normalised k and of v at `slot_mapping`
+    (rows with slot < 0 or i >= len(slot_mapping) are not stored). Returns the normalised, rotated q `[T, Hq, D]`."""
+    q, k = qk_norm_rope(q, k, q_weight, k_weight, cos, sin, positions, eps)
+    attention_ref.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

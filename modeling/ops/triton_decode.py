@@ -4,18 +4,36 @@ Shapes: q `[B, Hq, D]` (last dim contiguous), caches `[N, bs, Hkv, D]`
 (bf16, fp16 or fp32, same dtype as q), block_tables int32 `[B, W]`,
 kv_seqlens int32 `[B]`; returns `[B, Hq, D]` in q's dtype. Hq = group * Hkv.
 
-Kernel 1 runs on the static grid `(B, Hkv, S)`: program (b, h, s) takes all
-`group` query heads of KV head h together (padded to >= 16 rows for tl.dot)
-over its share of sequence b's KV tiles, the share computed in-kernel from
-kv_seqlens. With S > 1 it writes a normalised partial output and its log2-sum-
-exp to fp32 scratch and kernel 2 combines the splits; with S == 1 it writes
-the output directly. S depends only on (B, Hkv, W, bs, SM count), never on
+`_decode_split_kernel` runs on the static grid `(B, Hkv, S)`: program (b, h, s)
+takes all `group` query heads of KV head h together (padded to >= 16 rows for
+tl.dot) over its share of sequence b's KV tiles, the share computed in-kernel
+from kv_seqlens. With S == 1 it writes the output directly. With S > 1 it writes
+a normalised partial output and its log2-sum-exp to fp32 scratch
+(`[B, Hq, S, D]`, `[B, Hq, S]`), and the S partials of (b, h) are combined in
+the fixed order s = 0..S-1 (`_combine_splits`), either
+- in the same launch (default): each program then bumps the int32 arrival
+  counter of (b, h) (acq_rel, gpu scope); the program that arrives last combines,
+  writes the output and resets the counter to 0; or
+- by a second launch, `_decode_reduce_kernel` on grid `(B, Hkv)` (the fallback
+  when B * Hkv exceeds the counter slots, or with `single_launch=False`).
+Both give the same bits. S depends only on (B, Hkv, W, bs, SM count), never on
 live lengths, and nothing here synchronises with the host: the call can be
 captured in a CUDA graph and replayed with other lengths and block tables.
+
+Process-wide state (documented exception to the no-global-state rule, as in
+`triton_gemm`): one zero-initialised int32 counter tensor per device,
+`_COUNTER_SLOTS` entries (slot b * Hkv + h), allocated by the first
+`decode_attention` call on that device, which must run outside CUDA graph
+capture (the warm-up before every capture guarantees it; a capture that would
+allocate raises `DecodeNotWarmedUpError`). Every launch leaves the counters at
+zero. All calls share them, so decode launches on one device must be stream-
+ordered (one forward stream per rank, as the runner does): two launches running
+concurrently on different streams of one device are unsupported.
 """
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +41,14 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-TARGET_WAVES = 4  # aim for about this many programs per SM in kernel 1
+TARGET_WAVES = 4  # aim for about this many programs per SM in the split kernel
 MAX_SPLITS = 64
+COMBINE_CHUNK = 8  # splits one combine step loads at once (16 raised ptxas spills of the split kernel, sm_90)
+_COUNTER_SLOTS = 1 << 16  # one per (sequence, KV head): B * Hkv <= 65536 (e.g. 256 sequences x 256 KV heads)
+
+
+class DecodeNotWarmedUpError(RuntimeError):
+    """The decode arrival counters of a device would be allocated inside CUDA graph capture."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +92,74 @@ def decode_config(
     return DecodeConfig(block_n=block_n, num_splits=splits, num_warps=4, num_stages=num_stages)
 
 
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def decode_counters(device: torch.device) -> torch.Tensor:
+    """The device's int32 `[_COUNTER_SLOTS]` split-arrival counters (zero between launches); allocated on first use.
+
+    Lives for the process; separate from `triton_gemm.split_k_counters`. Raises `DecodeNotWarmedUpError` if the
+    first use is inside CUDA graph capture. (A CPU device only occurs under TRITON_INTERPRET=1.)
+    """
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cnt = _counters.get(device)
+    if cnt is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise DecodeNotWarmedUpError("call modeling.ops.triton_decode.decode_attention once on this device "
+                                         "before capture")
+        cnt = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+        _counters[device] = cnt
+    return cnt
+
+
+@triton.jit
+def _active_splits(kv_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Splits of a kv_len-token sequence that own >= 1 tile; they are the first ones (0 for kv_len == 0)."""
+    n_tiles = tl.cdiv(kv_len, BLOCK_N)
+    per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), 1)
+    return tl.cdiv(n_tiles, per_split)
+
+
+@triton.jit
+def _combine_splits(PART_O, PART_LSE, OUT, b, kvh, n_active, stride_ob, stride_oh,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                    CACHE: tl.constexpr):
+    """Write the output rows of KV head `kvh`'s GROUP query heads of sequence b from their split partials.
+
+    out = sum_s w_s * o_s / sum_s w_s with w_s = exp2(lse_s - max lse), accumulated in the fixed order
+    s = 0, 1, .. over the first `n_active` splits only (empty splits write nothing and are not read; masked
+    slots of the last chunk add exact zeros); zeros when n_active == 0. The data meet only elementwise ops and
+    a max, so the bits do not depend on the layout the calling kernel gives them. Splits are read BLOCK_C at a
+    time: one memory round trip per chunk, registers bounded by the chunk.
+    """
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_h
+    rows = (b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS  # split 0 of each head
+    lse_all = tl.load(PART_LSE + rows[:, None] + offs_s[None, :], mask=h_mask[:, None] & (offs_s < n_active)[None, :],
+                      other=float("-inf"), cache_modifier=CACHE)
+    m = tl.max(lse_all, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    num = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    den = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for c in range(0, n_active, BLOCK_C):  # BLOCK_C independent loads in flight, then their fixed-order sum
+        for j in tl.static_range(BLOCK_C):
+            live = offs_h < tl.where(n_active > c + j, GROUP, 0)  # h_mask & (split c + j < n_active)
+            w = tl.exp2(tl.load(PART_LSE + rows + c + j, mask=live, other=float("-inf"), cache_modifier=CACHE) - m)
+            part = tl.load(PART_O + (rows + c + j)[:, None] * HEAD_DIM + offs_d[None, :],
+                           mask=live[:, None] & d_mask[None, :], other=0.0, cache_modifier=CACHE)
+            num += part * w[:, None]
+            den += w
+    out = num / tl.where(den > 0.0, den, 1.0)[:, None]
+    o_ptrs = OUT + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+
+
 @triton.jit
 def _decode_split_kernel(
     Q,
@@ -78,6 +170,7 @@ def _decode_split_kernel(
     OUT,
     PART_O,
     PART_LSE,
+    COUNTERS,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -94,8 +187,12 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SINGLE_LAUNCH: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -108,8 +205,9 @@ def _decode_split_kernel(
     t_begin = split * per_split
     t_end = tl.minimum(t_begin + per_split, n_tiles)
     if NUM_SPLITS > 1:
-        if t_begin >= t_end:
-            return  # the reduce kernel never reads empty splits
+        if not SINGLE_LAUNCH:
+            if t_begin >= t_end:
+                return  # the reduce kernel never reads empty splits
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -132,14 +230,14 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for t in range(t_begin, t_end):
+    for t in range(t_begin, t_end):  # no trip for an empty split of the single launch
         tok = t * BLOCK_N + offs_n
         n_mask = tok < kv_len
         page = tl.load(table + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
         row = (tok % PAGE)[:, None]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + page[:, None] * stride_kb + row * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # fp32 scalar argument
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -149,16 +247,28 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_ptrs = OUT + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=out_mask)
     else:
         # scratch is contiguous [B, Hq, NUM_SPLITS, HEAD_DIM] and [B, Hq, NUM_SPLITS]
         row_id = (b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
-        tl.store(PART_O + row_id[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
-        tl.store(PART_LSE + row_id, m_i + tl.log2(l_i), mask=g_mask)
+        if t_begin < t_end:  # empty splits write nothing: the combine reads only the first n_active splits
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            tl.store(PART_O + row_id[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
+            tl.store(PART_LSE + row_id, m_i + tl.log2(l_i), mask=g_mask)
+        if SINGLE_LAUNCH:
+            slot = b * tl.num_programs(1) + kvh
+            # All threads' partial stores precede the (single-thread) release of the counter increment.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(COUNTERS + slot, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                # Last arrival: its acquire saw every other program's release; .cg reads bypass L1.
+                _combine_splits(PART_O, PART_LSE, OUT, b, kvh, _active_splits(kv_len, BLOCK_N, NUM_SPLITS), stride_ob,
+                                stride_oh, GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_H, BLOCK_S, BLOCK_C, BLOCK_D, ".cg")
+                tl.store(COUNTERS + slot, 0)  # all S programs of (b, h) have arrived: nobody reads it this launch
 
 
 @triton.jit
@@ -169,33 +279,20 @@ def _decode_reduce_kernel(
     OUT,
     stride_ob,
     stride_oh,
+    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    kv_len = tl.load(KV_LENS + b)
-    n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), 1)
-    n_active = tl.cdiv(n_tiles, per_split)
-
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < n_active
-    d_mask = offs_d < HEAD_DIM
-    row_id = (b.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS + offs_s
-    lse = tl.load(PART_LSE + row_id, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    parts = tl.load(PART_O + row_id[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    num = tl.sum(parts * w[:, None], 0)
-    den = tl.sum(w, 0)
-    out = num / tl.where(den > 0.0, den, 1.0)  # no active split (kv_len 0): zeros
-    tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_mask)
+    kvh = tl.program_id(1)
+    n_active = _active_splits(tl.load(KV_LENS + b), BLOCK_N, NUM_SPLITS)
+    _combine_splits(PART_O, PART_LSE, OUT, b, kvh, n_active, stride_ob, stride_oh,
+                    GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_H, BLOCK_S, BLOCK_C, BLOCK_D, "")
 
 
 def decode_attention(
@@ -207,10 +304,17 @@ def decode_attention(
     scale: float,
     *,
     config: DecodeConfig | None = None,
+    single_launch: bool | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence (`q`: `[B, Hq, D]`) over its whole cached context.
+    """One query token per sequence (`q`: `[B, Hq, D]`) over its whole cached context; returns `[B, Hq, D]`.
 
     `config` overrides the static heuristic (benchmarks); it must not depend on live lengths.
+    `single_launch` (None: `GRAPHLINE_DECODE_SINGLE_LAUNCH`, default on) combines the splits in the split
+    kernel's last-arriving program; False (or
+    B * Hkv > `_COUNTER_SLOTS`) launches `_decode_reduce_kernel` instead; both give the same bits. Launched on
+    the current stream; scratch is a per-call `torch.empty` (graph-pool memory under capture). The first call
+    on a device allocates its arrival counters and must run outside CUDA graph capture; calls on one device
+    must be stream-ordered (see the module docstring).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -220,6 +324,7 @@ def decode_attention(
         raise ValueError(f"decode_attention: caches {tuple(k_cache.shape)} do not fit q {tuple(q.shape)}")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    counters = decode_counters(q.device)  # every call, so any warm-up allocates them before capture
     group = num_q_heads // num_kv_heads
     page = k_cache.shape[1]
     cfg = config or decode_config(
@@ -229,11 +334,17 @@ def decode_attention(
     if batch == 0:
         return out
     splits = cfg.num_splits
+    if single_launch is None:
+        single_launch = os.environ.get("GRAPHLINE_DECODE_SINGLE_LAUNCH", "1") != "0"
+    single_launch = single_launch and splits > 1 and batch * num_kv_heads <= counters.numel()
     if splits > 1:
         part_o = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    block_h = triton.next_power_of_2(group)
+    block_s = triton.next_power_of_2(splits)
+    block_c = min(block_s, COMBINE_CHUNK)
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q,
@@ -244,6 +355,7 @@ def decode_attention(
         out,
         part_o,
         part_lse,
+        counters,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -260,29 +372,37 @@ def decode_attention(
         HEAD_DIM=head_dim,
         PAGE=page,
         NUM_SPLITS=splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        SINGLE_LAUNCH=single_launch,
+        BLOCK_G=max(16, block_h),
         BLOCK_N=cfg.block_n,
+        BLOCK_H=block_h,
+        BLOCK_S=block_s,
+        BLOCK_C=block_c,
         BLOCK_D=block_d,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        _decode_reduce_kernel[(batch, num_q_heads)](
+    if splits > 1 and not single_launch:
+        _decode_reduce_kernel[(batch, num_kv_heads)](
             part_o,
             part_lse,
             kv_seqlens,
             out,
             out.stride(0),
             out.stride(1),
+            GROUP=group,
             HEAD_DIM=head_dim,
             NUM_SPLITS=splits,
             BLOCK_N=cfg.block_n,
-            BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_H=block_h,
+            BLOCK_S=block_s,
+            BLOCK_C=block_c,
             BLOCK_D=block_d,
-            num_warps=4 if splits * block_d >= 2048 else 2,
+            num_warps=4,
         )
     return out
 
 
-__all__ = ["DecodeConfig", "decode_config", "decode_attention", "device_sm_count", "LOG2E"]
+__all__ = ["DecodeConfig", "DecodeNotWarmedUpError", "decode_attention", "decode_config", "decode_counters",
+           "device_sm_count", "LOG2E"]

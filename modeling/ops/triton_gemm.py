@@ -38,6 +38,9 @@ import triton.language as tl
 SKINNY_MAX_M = 16
 _BLOCK_M = 16  # tl.dot needs >= 16 rows; rows >= M are masked
 _COUNTER_SLOTS = 1 << 16
+_NORM_SLOT = _COUNTER_SLOTS - 1  # the fused add + RMSNorm's whole-row arrival counter; N-tiles use slots below
+FUSED_NORM_MAX_M = 4  # beyond this the last program's row loop costs more than the separate norm kernel saves
+FUSED_NORM_MAX_N = 8192  # one row lives in the registers of one program
 _SMEM_BUDGET = 100 * 1024  # bytes per CTA in the heuristic: two CTAs fit in an SM's 227 KiB
 
 
@@ -82,10 +85,44 @@ _CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {
 }
 
 
+# The same keys for the SiLU-gated GEMM (x `[M, 2K]`, silu(gate) * up in the prologue); None: the unfused pair
+# (`silu_and_mul` kernel + `linear`) was faster. Shapes not in the table use `_CONFIGS` / `default_config`.
+_GATED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {
+    (1024, 3072, 1): None,  # down M=1: the gated prologue with the ungated winner took 11.7 us in the decode step
+    (1024, 3072, 4): None,
+    (1024, 3072, 16): None,
+}
+
+
+@triton.jit
+def _add_rms_norm_rows(Y, CNT, R, RS, NW, NO, eps, M, N, stride_ym,
+                       NORM_SLOT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Called by each program that wrote a finished N-tile of Y: the last of them (second-level arrival
+    counter CNT[NORM_SLOT]) computes RS = Y + R and NO = rms_norm(RS) * NW for all M rows, rounded exactly
+    like `triton_fused.add_rms_norm` (the fp32 sum of squares may be ordered differently)."""
+    tl.debug_barrier()  # this program's Y stores precede its release below
+    done = tl.atomic_add(CNT + NORM_SLOT, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        offs = tl.arange(0, BLOCK_H)
+        mask = offs < N
+        w = tl.load(NW + offs, mask=mask, other=0.0).to(tl.float32)
+        for m in range(0, M):
+            y = tl.load(Y + m * stride_ym + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            r = tl.load(R + m * N + offs, mask=mask, other=0.0).to(tl.float32)
+            s = (y + r).to(RS.dtype.element_ty)
+            tl.store(RS + m * N + offs, s, mask=mask)
+            sf = s.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
+            n = (sf * rstd).to(RS.dtype.element_ty).to(tl.float32)
+            tl.store(NO + m * N + offs, (n * w).to(NO.dtype.element_ty), mask=mask)
+        tl.store(CNT + NORM_SLOT, 0)
+
+
 @triton.jit(do_not_specialize=["M"])
-def _skinny_gemm_kernel(X, W, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_ym,
+def _skinny_gemm_kernel(X, W, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_ym, R, RS, NW, NO, eps,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+                        NORM: tl.constexpr, NORM_SLOT: tl.constexpr, BLOCK_H: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -121,6 +158,8 @@ def _skinny_gemm_kernel(X, W, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=y_mask)
+        if NORM:
+            _add_rms_norm_rows(Y, CNT, R, RS, NW, NO, eps, M, N, stride_ym, NORM_SLOT, BLOCK_H)
     else:
         ws_tile = offs_m[:, None] * N + offs_n[None, :]
         tl.store(WS + pid_k * M * N + ws_tile, acc, mask=y_mask)
@@ -134,6 +173,8 @@ def _skinny_gemm_kernel(X, W, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_
                 total += tl.load(WS + s * M * N + ws_tile, mask=y_mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=y_mask)
             tl.store(CNT + pid_n, 0)  # every program of this tile has arrived: nobody reads it again this launch
+            if NORM:
+                _add_rms_norm_rows(Y, CNT, R, RS, NW, NO, eps, M, N, stride_ym, NORM_SLOT, BLOCK_H)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -180,14 +221,41 @@ def default_config(n: int, k: int, mc: int, sms: int = 132) -> GemmConfig:
     return GemmConfig(block_n, block_k, split_k, 4, stages)
 
 
-def config_for(n: int, k: int, m: int, device: torch.device | None = None) -> GemmConfig | None:
-    """The launch config `linear` uses for weight `[n, k]` and `m` rows; None = cuBLAS is faster there."""
+def config_for(n: int, k: int, m: int, device: torch.device | None = None, gated: bool = False) -> GemmConfig | None:
+    """The launch config `linear` (gated: `silu_mul_linear`) uses for weight `[n, k]` and `m` rows; None = cuBLAS
+    (gated: the unfused pair) is faster there."""
     mc = m_class(m)
+    if gated and (n, k, mc) in _GATED_CONFIGS:
+        entry = _GATED_CONFIGS[(n, k, mc)]
+        return None if entry is None else GemmConfig(*entry)
     if (n, k, mc) in _CONFIGS:
         entry = _CONFIGS[(n, k, mc)]
         return None if entry is None else GemmConfig(*entry)
     sms = _sm_count(device.index if device is not None and device.index is not None else torch.cuda.current_device())
     return default_config(n, k, mc, sms)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig, y: torch.Tensor, gated: bool,
+            norm: tuple | None = None) -> None:
+    """One `_skinny_gemm_kernel` launch writing y `[M, N]`; `norm` = (residual, norm_weight, eps, normed out,
+    sum out) turns on the fused residual add + RMSNorm epilogue."""
+    m, k = x.shape
+    if gated:
+        k //= 2
+    n = weight.shape[0]
+    cnt = split_k_counters(x.device)
+    split_k = cfg.split_k
+    if triton.cdiv(n, cfg.block_n) >= _NORM_SLOT:
+        split_k = 1
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
+    residual, norm_weight, eps, normed, summed = norm if norm is not None else (y, y, 0.0, y, y)
+    _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), split_k)](
+        x, weight, y, ws, cnt, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        residual, summed, norm_weight, normed, eps,
+        BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+        EVEN_K=(k % (split_k * cfg.block_k) == 0), GATED=gated, NORM=norm is not None, NORM_SLOT=_NORM_SLOT,
+        BLOCK_H=triton.next_power_of_2(n) if norm is not None else 16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def linear_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig,
@@ -197,32 +265,31 @@ def linear_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig,
     `out_dtype` (default x.dtype), launched on the current stream. The split-K workspace is a
     per-call `torch.empty` (graph-pool memory under capture), stream-ordered and freed on return.
     gated: x is `[M, 2K]` (gate then up) and the GEMM input is silu(gate) * up, computed in the kernel."""
-    m, k = x.shape
-    if gated:
-        k //= 2
-    n = weight.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    cnt = split_k_counters(x.device)
-    split_k = cfg.split_k
-    if triton.cdiv(n, cfg.block_n) > cnt.numel():
-        split_k = 1
-    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
-    grid = (triton.cdiv(n, cfg.block_n), split_k)
-    _skinny_gemm_kernel[grid](x, weight, y, ws, cnt, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                              BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
-                              EVEN_K=(k % (split_k * cfg.block_k) == 0), GATED=gated,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype, device=x.device)
+    _launch(x, weight, cfg, y, gated)
     return y
 
 
-def _triton_config(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
+def linear_add_rms_norm_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig, residual: torch.Tensor,
+                                    norm_weight: torch.Tensor, eps: float,
+                                    gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear_with_config` fused with the residual add + RMSNorm that follows it, in one launch: returns
+    (rms_norm(y + residual) * norm_weight, y + residual), both new `[M, N]` tensors in x's dtype. residual
+    `[M, N]` contiguous and norm_weight `[N]` in x's dtype; y itself is an internal temporary."""
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    normed, summed = torch.empty_like(y), torch.empty_like(y)
+    _launch(x, weight, cfg, y, gated, (residual, norm_weight, eps, normed, summed))
+    return normed, summed
+
+
+def _triton_config(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> GemmConfig | None:
     """The Triton launch config for x `[M, K]` @ weight `[N, K]`^T, or None where `F.linear` serves: x not 2-D
     CUDA bf16/fp16 with M <= SKINNY_MAX_M, a weight of another dtype or without unit last stride, or a shape
     where cuBLAS measured faster."""
     if (x.dim() != 2 or x.shape[0] > SKINNY_MAX_M or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda
             or weight.stride(1) != 1 or weight.dtype != x.dtype):
         return None
-    return config_for(weight.shape[0], weight.shape[1], x.shape[0], x.device)
+    return config_for(weight.shape[0], weight.shape[1], x.shape[0], x.device, gated)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -246,7 +313,30 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     if x.dim() != 2 or x.shape[-1] != 2 * weight.shape[-1]:
         raise ValueError(f"silu_mul_linear: x {tuple(x.shape)} must be [M, 2K] for weight {tuple(weight.shape)}")
-    cfg = _triton_config(x, weight)
+    cfg = _triton_config(x, weight, gated=True)
     if cfg is None:
         return linear(silu_and_mul(x), weight)
     return linear_with_config(x if x.stride(1) == 1 else x.contiguous(), weight, cfg, gated=True)
+
+
+def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float, *, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm(linear(x, weight), residual, norm_weight, eps)` (gated: `silu_mul_linear(x, weight)`):
+    (normed `[M, N]`, sum `[M, N]`). One kernel where the GEMM takes the Triton path, M <= FUSED_NORM_MAX_M,
+    N <= FUSED_NORM_MAX_N and residual/norm_weight match x's dtype; else the GEMM and `add_rms_norm` kernels.
+    Rounded like the unfused pair; the fp32 sum of squares may be ordered differently."""
+    from modeling.ops.triton_fused import add_rms_norm, silu_and_mul
+
+    n = weight.shape[0]
+    if gated and (x.dim() != 2 or x.shape[-1] != 2 * weight.shape[-1]):
+        raise ValueError(f"linear_add_rms_norm: gated x {tuple(x.shape)} must be [M, 2K] for weight {tuple(weight.shape)}")
+    if gated and _triton_config(x, weight, gated=True) is None and _triton_config(x, weight) is not None:
+        x, gated = silu_and_mul(x), False  # the gated prologue measured slower than the separate kernel here
+    cfg = _triton_config(x, weight, gated)
+    if (cfg is None or x.shape[0] > FUSED_NORM_MAX_M or n > FUSED_NORM_MAX_N or residual.shape != (x.shape[0], n)
+            or residual.dtype != x.dtype or norm_weight.shape != (n,) or norm_weight.dtype != x.dtype):
+        y = silu_mul_linear(x, weight) if gated else linear(x, weight)
+        return add_rms_norm(y, residual, norm_weight, eps)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    return linear_add_rms_norm_with_config(x, weight, cfg, residual.contiguous(), norm_weight.contiguous(), eps,
+                                           gated=gated)

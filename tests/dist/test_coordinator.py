@@ -149,6 +149,21 @@ def test_multi_step_decode_equals_single_steps(dp2, reference):
     assert dp2.step_path == "pipe" and dp2.step(dec)[0].shape == (1,)  # the live step path was kept
 
 
+def test_polling_driver_gives_the_same_tokens_and_learns_step_shapes(dp2, reference, monkeypatch):
+    monkeypatch.setenv("GRAPHLINE_DRIVER_POLL_S", "0.002")  # CPU ranks block by default: force the polling wait
+    dp2._switch_step_path("pipe")
+    try:
+        assert dp2._stepper.poll_s == 0.002
+        run_scenario(dp2, reference, decode_script(2, PROMPTS[:2], steps=3))
+        shapes = dp2._stepper._expected
+        assert shapes and all(0.0 < s < 20.0 for s in shapes.values())
+        assert {k[0] for k in shapes} == {"local"} and any(k[4] == ((1, 1), (1, 1)) for k in shapes)
+    finally:
+        monkeypatch.delenv("GRAPHLINE_DRIVER_POLL_S")
+        dp2._switch_step_path("pipe")
+    assert dp2._stepper.poll_s == 0.0
+
+
 def test_rank_killed_mid_step_raises_then_rebuild_serves(dp2, reference):
     import ray
 

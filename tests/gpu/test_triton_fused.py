@@ -207,6 +207,125 @@ def test_qk_norm_rope_positions_edges() -> None:
     _close(oq[0], ref.rms_norm(q[0], qw, EPS))
 
 
+# -------------------------------------------------------------------------------------- qk_norm_rope_store
+
+PAGE = 64  # Qwen3-0.6B serving shapes: Hq 16, Hkv 8, D 128, bf16
+QWEN3_06B = dict(hq=16, hkv=8, d=128, dtype=torch.bfloat16)
+
+
+def _store_case(t: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int,
+                slot_dtype: torch.dtype = torch.int64, cache_dtype: torch.dtype | None = None):
+    """Raw strided q/k/v views of one qkv output, weights, tables, positions, `n` distinct slots (every third
+    one -1) and non-zero caches (rows that must stay untouched are visible)."""
+    torch.manual_seed(seed)
+    cos, sin = _rope_tables(d)
+    width = (hq + 2 * hkv) * d
+    qkv = (2.0 * torch.randn(t, width, device=DEV)).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    qw, kw = _weight(d, dtype), _weight(d, dtype)
+    pos = torch.randint(0, 40000, (t,), device=DEV, dtype=torch.int64)
+    pages = max(4, 2 * (n // PAGE + 1))
+    slots = torch.randperm(pages * PAGE, device=DEV)[:n]
+    slots[1::3] = -1
+    slots = slots.to(slot_dtype)
+    cdt = cache_dtype or dtype
+    kc = torch.randn(pages, PAGE, hkv, d, device=DEV).to(cdt)
+    vc = torch.randn(pages, PAGE, hkv, d, device=DEV).to(cdt)
+    return qkv, q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d), qw, kw, cos, sin, pos, slots, kc, vc
+
+
+def _run_store(case) -> torch.Tensor:
+    """qk_norm_rope_store on a `_store_case` tuple (writes its caches)."""
+    _, q, k, v, qw, kw, cos, sin, pos, slots, kc, vc = case
+    return tri.qk_norm_rope_store(q, k, v, qw, kw, cos, sin, pos, EPS, kc, vc, slots)
+
+
+def _check_store(t: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int, **kw) -> None:
+    from modeling.ops import triton_store
+
+    qkv, q, k, v, qw, kw_, cos, sin, pos, slots, kc0, vc0 = _store_case(t, n, hq, hkv, d, dtype, seed, **kw)
+    qkv0 = qkv.clone()
+    kc, vc = kc0.clone(), vc0.clone()
+    out = tri.qk_norm_rope_store(q, k, v, qw, kw_, cos, sin, pos, EPS, kc, vc, slots)
+    # unfused Triton: bitwise the same q, caches and untouched rows
+    uq, uk = tri.qk_norm_rope(q, k, qw, kw_, cos, sin, pos, EPS)
+    ukc, uvc = kc0.clone(), vc0.clone()
+    triton_store.store_kv(uk, v, ukc, uvc, slots)
+    torch.cuda.synchronize()
+    assert out.shape == (t, hq, d) and out.is_contiguous() and out.dtype == uq.dtype
+    torch.testing.assert_close(out, uq, atol=0, rtol=0)
+    torch.testing.assert_close(kc, ukc, atol=0, rtol=0)
+    torch.testing.assert_close(vc, uvc, atol=0, rtol=0)
+    assert torch.equal(qkv, qkv0), "inputs must not be modified"
+    stored = slots[slots >= 0].long()
+    keep = torch.ones(kc.shape[0] * PAGE, dtype=torch.bool, device=DEV)
+    keep[stored] = False
+    flat = lambda c: c.view(-1, hkv, d)  # noqa: E731
+    assert torch.equal(flat(kc)[keep], flat(kc0)[keep]) and torch.equal(flat(vc)[keep], flat(vc0)[keep])
+    # and close to the torch reference (qk_norm_rope then attention_ref.store_kv)
+    rkc, rvc = kc0.clone(), vc0.clone()
+    rq = ref.qk_norm_rope_store(q, k, v, qw, kw_, cos, sin, pos, EPS, rkc, rvc, slots.long())
+    _close(out, rq)
+    _close(kc, rkc)
+    torch.testing.assert_close(vc, rvc, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("t,n", [(1, 1), (7, 7), (7, 5), (64, 64), (64, 50)])
+def test_qk_norm_rope_store_equals_unfused_qwen3_06b(t: int, n: int) -> None:
+    """Fused == qk_norm_rope + store_kv bitwise (q, both caches); every third slot -1, or fewer slots than rows."""
+    _check_store(t, n, **QWEN3_06B, seed=t * 13 + n)
+
+
+def test_qk_norm_rope_store_single_row_skipped() -> None:
+    """T = 1 with slot -1 or no slots: q is still computed, nothing is stored."""
+    qkv, q, k, v, qw, kw, cos, sin, pos, _, kc0, vc0 = _store_case(1, 1, **QWEN3_06B, seed=10)
+    kc, vc = kc0.clone(), vc0.clone()
+    out = tri.qk_norm_rope_store(q, k, v, qw, kw, cos, sin, pos, EPS, kc, vc,
+                                 torch.full((1,), -1, device=DEV, dtype=torch.int64))
+    torch.testing.assert_close(out, tri.qk_norm_rope(q, k, qw, kw, cos, sin, pos, EPS)[0], atol=0, rtol=0)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    out = tri.qk_norm_rope_store(q, k, v, qw, kw, cos, sin, pos, EPS, kc, vc,
+                                 torch.empty(0, device=DEV, dtype=torch.int64))  # no slots at all
+    torch.testing.assert_close(out, tri.qk_norm_rope(q, k, qw, kw, cos, sin, pos, EPS)[0], atol=0, rtol=0)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+
+
+@pytest.mark.parametrize("t,d,heads,dtype", list(itertools.product([3, 256], HEAD_DIMS, HEADS, DTYPES)))
+def test_qk_norm_rope_store_shapes(t: int, d: int, heads: tuple[int, int], dtype: torch.dtype) -> None:
+    _check_store(t, t - 1, heads[0], heads[1], d, dtype, seed=t + d + heads[0], slot_dtype=torch.int32)
+
+
+def test_qk_norm_rope_store_casts_into_cache_dtype() -> None:
+    """fp32 activations into a bf16 cache: k rounded as qk_norm_rope returns it, then cast, like store_kv."""
+    _check_store(7, 6, 16, 8, 128, torch.float32, seed=11, cache_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("t", [1, 7, 64])
+def test_qk_norm_rope_store_cuda_graph(t: int) -> None:
+    """Captured once on static buffers, replayed with new q/k/v, positions and slots: equals eager unfused."""
+    from modeling.ops import triton_store
+
+    static = list(_store_case(t, t, **QWEN3_06B, seed=t))
+    qkv, q, k, v, qw, kw, cos, sin, pos, slots, kc, vc = static
+    tri.qk_norm_rope_store(q, k, v, qw, kw, cos, sin, pos, EPS, kc, vc, slots)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.qk_norm_rope_store(q, k, v, qw, kw, cos, sin, pos, EPS, kc, vc, slots)
+    for seed in (100 + t, 200 + t):
+        fresh = _store_case(t, t, **QWEN3_06B, seed=seed)
+        for name in (0, 8, 9, 10, 11):  # qkv, positions, slots, caches
+            static[name].copy_(fresh[name])
+        ukc, uvc = kc.clone(), vc.clone()
+        graph.replay()
+        uq, uk = tri.qk_norm_rope(q, k, qw, kw, cos, sin, pos, EPS)
+        triton_store.store_kv(uk, v, ukc, uvc, slots)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, uq, atol=0, rtol=0)
+        torch.testing.assert_close(kc, ukc, atol=0, rtol=0)
+        torch.testing.assert_close(vc, uvc, atol=0, rtol=0)
+
+
 # -------------------------------------------------------------------------------------------- silu_and_mul
 
 
@@ -260,16 +379,21 @@ def _single_launch_cases():
     qw, kw = _weight(d, dtype), _weight(d, dtype)
     pos = torch.randint(0, 40000, (t,), device=DEV)
     g = torch.randn(t, 2 * 3072, device=DEV).to(dtype)
+    st = _store_case(t, t, hq, hkv, d, dtype, seed=12)
+    st64 = _store_case(64, 60, hq, hkv, d, dtype, seed=13)  # the per-token variant
     return {
         "rms_norm": lambda: tri.rms_norm(x, w, EPS),
         "rms_norm_heads": lambda: tri.rms_norm(q, qw, EPS),
         "add_rms_norm": lambda: tri.add_rms_norm(x, r, w, EPS),
         "qk_norm_rope": lambda: tri.qk_norm_rope(q, k, qw, kw, cos, sin, pos, EPS),
+        "qk_norm_rope_store": lambda: _run_store(st),
+        "qk_norm_rope_store_tokens": lambda: _run_store(st64),
         "silu_and_mul": lambda: tri.silu_and_mul(g),
     }
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "rms_norm_heads", "add_rms_norm", "qk_norm_rope", "silu_and_mul"])
+@pytest.mark.parametrize("name", ["rms_norm", "rms_norm_heads", "add_rms_norm", "qk_norm_rope", "qk_norm_rope_store",
+                                  "qk_norm_rope_store_tokens", "silu_and_mul"])
 def test_one_kernel_launch(name: str) -> None:
     launches = _kernel_launches(_single_launch_cases()[name])
     assert len(launches) == 1, f"{name} launched {launches}"

@@ -15,10 +15,10 @@ from modeling.ops import attention_ref as ref
 
 try:
     from modeling.ops import triton_attention as tri
-    from modeling.ops.triton_decode import DecodeConfig
+    from modeling.ops.triton_decode import DecodeConfig, decode_counters
 except ImportError:  # no triton: collection still succeeds, every test is skipped
     tri = None
-    DecodeConfig = None
+    DecodeConfig = decode_counters = None
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(tri is None, reason="triton is not installed")]
 
@@ -215,6 +215,86 @@ def test_decode_cuda_graph_replay_with_new_lengths(batch_size: int) -> None:
         expected = ref.decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5)
         torch.cuda.synchronize()
         _close(out, expected)
+
+
+QWEN3_06B = (16, 8, 128, 64, torch.bfloat16)  # Hq, Hkv, D, block size, dtype
+
+
+def _counters_zero(device: torch.device) -> bool:
+    torch.cuda.synchronize()
+    return int(decode_counters(device).count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 64])
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype", [QWEN3_06B, (8, 2, 64, 16, torch.float16), (4, 2, 64, 16, torch.float32)])
+def test_decode_single_launch_equals_two_kernels(
+    batch_size: int, hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype
+) -> None:
+    """The last-arrival combine gives the split + reduce kernels' bits; empty splits, padded rows, racing programs."""
+    rng = random.Random(batch_size * 1000 + hq * d + bs)
+    lens = [4096] + [rng.choice([1, 2, bs - 1, bs, bs + 1, rng.randint(1, 4096)]) for _ in range(batch_size - 1)]
+    batch = PagedBatch([(1, n - 1) for n in lens], hkv, d, bs, dtype, seed=batch_size + hq + bs)
+    m = batch.m
+    kv_lens = m.kv_seqlens.clone()
+    if batch_size > 1:
+        kv_lens[-1] = 0  # a padded row: every split empty, output zeros
+    q = torch.randn(batch_size, hq, d, device=DEV).to(dtype)
+    args = (q, batch.k_cache, batch.v_cache, m.block_tables, kv_lens, d**-0.5)
+    expected = ref.decode_attention(*args)
+    configs = [None, DecodeConfig(block_n=32, num_splits=64, num_warps=4, num_stages=2),
+               DecodeConfig(block_n=64, num_splits=3, num_warps=4, num_stages=2)]
+    for cfg in configs:
+        one = tri.decode_attention(*args, config=cfg)
+        two = tri.decode_attention(*args, config=cfg, single_launch=False)
+        _close(one, expected)
+        assert torch.equal(one, two), f"single launch differs from split + reduce ({cfg})"
+        for _ in range(5):  # the arrival order changes between launches, the bits must not
+            assert torch.equal(tri.decode_attention(*args, config=cfg), one), cfg
+        assert _counters_zero(q.device), cfg
+        if batch_size > 1:
+            assert torch.count_nonzero(one[-1]) == 0
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 64])
+def test_decode_single_launch_cuda_graph_replays(batch_size: int) -> None:
+    """Replays with new lengths (0 included) equal eager single-launch and two-kernel calls; counters stay zero."""
+    hq, hkv, d, bs, dtype = QWEN3_06B
+    width, scale = 128, d**-0.5
+    rng = random.Random(batch_size + 17)
+    first = PagedBatch([(1, rng.randint(0, 3000)) for _ in range(batch_size)], hkv, d, bs, dtype, 2, width)
+    q = torch.randn(batch_size, hq, d, device=DEV, dtype=dtype)
+    tables, lens = first.m.block_tables.clone(), first.m.kv_seqlens.clone()
+    k_cache, v_cache = first.k_cache, first.v_cache
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tri.decode_attention(q, k_cache, v_cache, tables, lens, scale)  # compile, allocate the counters
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.decode_attention(q, k_cache, v_cache, tables, lens, scale)
+
+    for step in range(4):
+        shape = [(1, rng.choice([0, 1, 63, 64, rng.randint(0, 8191)])) for _ in range(batch_size)]
+        slices = [
+            SequenceSlice([0] * n, h, [rng.randrange(1, first.num_blocks) for _ in range(-(-(n + h) // bs))])
+            for n, h in shape
+        ]
+        _, _, meta = build_step(slices, bs, DEV, max_blocks_per_seq=width)
+        tables.copy_(meta.block_tables)
+        lens.copy_(meta.kv_seqlens)
+        if step % 2 and batch_size > 1:
+            lens[0] = 0  # padded row
+        q.copy_(torch.randn_like(q))
+        for _ in range(2):
+            graph.replay()
+            eager = tri.decode_attention(q, k_cache, v_cache, tables, lens, scale)
+            two = tri.decode_attention(q, k_cache, v_cache, tables, lens, scale, single_launch=False)
+            assert _counters_zero(q.device), step
+            assert torch.equal(out, eager) and torch.equal(out, two), step
+        _close(out, ref.decode_attention(q, k_cache, v_cache, tables, lens, scale))
 
 
 # ----------------------------------------------------------------------------- prefill
