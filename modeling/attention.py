@@ -85,8 +85,6 @@ _paged_attention_boundary = eager_boundary(output=OutputPolicy.PADDED_TOKENS, to
 class AttentionImpl:
     """Per-model attention operator holder (shared by all layers). Not an nn.Module: no weights."""
 
-    Prologue = QKPrologue  # layers build their raw-q/k prologue with `AttentionImpl.Prologue(...)`
-
     def __init__(self, ops: KernelOps):
         self.ops = ops
         self._fn = paged_attention
