@@ -88,9 +88,9 @@ _CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {
 # The same keys for the SiLU-gated GEMM (x `[M, 2K]`, silu(gate) * up in the prologue); None: the unfused pair
 # (`silu_and_mul` kernel + `linear`) was faster. Shapes not in the table use `_CONFIGS` / `default_config`.
 _GATED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {
-    (1024, 3072, 1): None,  # down M=1: the gated prologue with the ungated winner took 11.7 us in the decode step
-    (1024, 3072, 4): None,
-    (1024, 3072, 16): None,
+    (1024, 3072, 1): None,  # down M=1: unfused 5.89 us, best gated 8.25 (docs/results/gemm_tune_gated.log)
+    (1024, 3072, 4): None,  # down M<=4: unfused 5.99 us, best gated 8.55
+    (1024, 3072, 16): None,  # not swept; the prologue lost at every swept M
 }
 
 
