@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU test suites and the benchmarks, logs and JSON into $OUT.
-#   bash bench/device_suite.sh tests     # gpu + multigpu tests, graph benchmark
+#   bash bench/device_suite.sh tests     # gpu + multigpu tests, graph and launch benchmarks
 #   bash bench/device_suite.sh benches   # all-reduce, GEMM sweep, distributed and serving benchmarks
 set -u
 out="${OUT:-artifacts}"; mkdir -p "$out"
@@ -14,13 +14,14 @@ tests)
     timeout 260 python3 -m pytest -q -m multigpu tests/multigpu -p no:cacheprovider --timeout 240 -rs 2>&1 | quiet | tee "$out/multigpu_tests.log" | tail -15
   fi
   timeout 130 python3 -m bench.graph_bench --out "$out/graph_bench.json" 2>&1 | quiet | tee "$out/graph_bench.log" | tail -16
+  timeout 60 python3 -m bench.launch_bench --sections chains,segments --out "$out/launch_bench.json" 2>&1 | quiet | tee "$out/launch_bench.log" | tail -12
   ;;
 benches)
   if [ "$ngpu" -ge 2 ]; then
     timeout 150 python3 -m pytest -q -m multigpu tests/multigpu -k "ep or reset" -p no:cacheprovider --timeout 140 2>&1 | quiet | tee "$out/multigpu_ep.log" | tail -4
     timeout 70 python3 -m bench.allreduce_bench --out "$out/allreduce_bench.json" 2>&1 | quiet | tee "$out/allreduce_bench.log" | tail -8
   fi
-  timeout 200 python3 -m bench.gemm_tune --out "$out/gemm_tune.json" 2>&1 | quiet | tee "$out/gemm_tune.log" | tail -20
+  timeout 300 python3 -m bench.gemm_tune --out "$out/gemm_tune.json" 2>&1 | quiet | tee "$out/gemm_tune.log" | tail -20
   tps=1; [ "$ngpu" -ge 2 ] && tps=1,2
   timeout 200 python3 -m bench.dist_bench --model qwen3-0.6b --tp "$tps" --batches 1,64 --paths pipe,compiled --steps 200 --decode-steps 8 --out "$out/dist_bench.json" 2>&1 | quiet | tee "$out/dist_bench.log" | tail -16
   for k in 1 8; do
