@@ -9,17 +9,14 @@ bitwise equality with the two-kernel path and the counter reset; the memory orde
 concurrent programs needs a GPU (tests/gpu/test_triton_kernels.py).
 """
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.unit._interpret import run_interpreted
+
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
 DTYPES = ("float32", "float16")
 # name -> (Hq, Hkv, D, block size, table width, kv lengths, [(BLOCK_N, splits) or None = decode_config])
 CASES = {
@@ -86,13 +83,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(CASES), json.dumps(DTYPES)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
-    assert proc.returncode == 0 and line, proc.stderr[-4000:]
-    return json.loads(line[-1][len("RESULT"):])
+    return run_interpreted(_CHILD, CASES, DTYPES)
 
 
 _PARAMS = [pytest.param(name, dt, c, id=f"{name}-{dt}-{'default' if c is None else 'n%d_s%d' % c}")

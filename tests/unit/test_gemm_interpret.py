@@ -8,17 +8,13 @@ the interpreter, not the kernel. The interpreter runs programs one after another
 the split-K arithmetic, masking, the last-arrival branch and the counter reset; the memory
 ordering between concurrent programs needs a GPU (tests/gpu/test_triton_gemm.py).
 """
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.unit._interpret import run_interpreted
+
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
 SPLITS = (1, 2, 4, 8)
 CASES = [(3, 64, 256, 32), (1, 50, 200, 32), (16, 64, 256, 64)]  # (M, N, K, BLOCK_K); K=200 is uneven
 
@@ -73,13 +69,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(CASES), json.dumps(SPLITS)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
-    assert proc.returncode == 0 and line, proc.stderr[-4000:]
-    return json.loads(line[-1][len("RESULT"):])
+    return run_interpreted(_CHILD, CASES, SPLITS)
 
 
 @pytest.mark.parametrize("split_k", SPLITS)

@@ -14,11 +14,6 @@
    built on CPU (no-op pieces) binds the prologue item by item: positions as a non-owning view of
    the plan's position_ids input, weights/tables as views of the model's storage, eps a constant.
 """
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +21,7 @@ import torch
 from modeling.attention import QKPrologue, paged_attention
 from modeling.attn_metadata import SequenceSlice, build_step
 from modeling.ops import attention_ref, fused_ref, get_kernel_ops
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit._interpret import run_interpreted
 
 # (name, dtype, cache dtype, T rows, slot count, slot dtype); page 4, Hq 4, Hkv 2, D 32 (GQA group 2)
 CASES = [
@@ -100,13 +94,7 @@ print("RESULT" + json.dumps(out))
 @pytest.fixture(scope="module")
 def results() -> dict:
     pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(CASES)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
-    assert proc.returncode == 0 and line, proc.stderr[-4000:]
-    return json.loads(line[-1][len("RESULT"):])
+    return run_interpreted(_CHILD, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
