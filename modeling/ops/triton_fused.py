@@ -112,6 +112,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def add_rms_norm_row(x, R_ROW, SUM_ROW, OUT_ROW, w, offs, mask, h, eps):
+    """One row of add_rms_norm, shared with the GEMM epilogue (`triton_gemm`): x and w are the row's fp32 values
+    and the norm weight at `offs` (valid where `mask`), R_ROW / SUM_ROW / OUT_ROW point at the row's residual, sum
+    and normed output, h is the row length. Stores the sum rounded to SUM's dtype, then the norm of that
+    rounded sum."""
+    r = tl.load(R_ROW + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(SUM_ROW.dtype.element_ty)
+    tl.store(SUM_ROW + offs, s, mask=mask)
+    sf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / h + eps)
+    n = (sf * rstd).to(SUM_ROW.dtype.element_ty).to(tl.float32)
+    tl.store(OUT_ROW + offs, (n * w).to(OUT_ROW.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     X,
     R,
@@ -128,14 +143,8 @@ def _add_rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    s = (x + r).to(SUM.dtype.element_ty)
-    tl.store(SUM + row * H + offs, s, mask=mask)
-    sf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)
-    n = (sf * rstd).to(SUM.dtype.element_ty).to(tl.float32)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + row * H + offs, (n * w).to(OUT.dtype.element_ty), mask=mask)
+    add_rms_norm_row(x, R + row * stride_r, SUM + row * H, OUT + row * H, w, offs, mask, H, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from modeling.ops.triton_fused import add_rms_norm, add_rms_norm_row, silu_and_mul
+
 SKINNY_MAX_M = 16
 _BLOCK_M = 16  # tl.dot needs >= 16 rows; rows >= M are masked
 _COUNTER_SLOTS = 1 << 16
@@ -98,8 +100,8 @@ _GATED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None
 def _add_rms_norm_rows(Y, CNT, R, RS, NW, NO, eps, M, N, stride_ym,
                        NORM_SLOT: tl.constexpr, BLOCK_H: tl.constexpr):
     """Called by each program that wrote a finished N-tile of Y: the last of them (second-level arrival
-    counter CNT[NORM_SLOT]) computes RS = Y + R and NO = rms_norm(RS) * NW for all M rows, rounded exactly
-    like `triton_fused.add_rms_norm` (the fp32 sum of squares may be ordered differently)."""
+    counter CNT[NORM_SLOT]) computes RS = Y + R and NO = rms_norm(RS) * NW for all M rows with
+    `triton_fused.add_rms_norm`'s row code (the fp32 sum of squares may be ordered differently: another layout)."""
     tl.debug_barrier()  # this program's Y stores precede its release below
     done = tl.atomic_add(CNT + NORM_SLOT, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
@@ -108,13 +110,7 @@ def _add_rms_norm_rows(Y, CNT, R, RS, NW, NO, eps, M, N, stride_ym,
         w = tl.load(NW + offs, mask=mask, other=0.0).to(tl.float32)
         for m in range(0, M):
             y = tl.load(Y + m * stride_ym + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            r = tl.load(R + m * N + offs, mask=mask, other=0.0).to(tl.float32)
-            s = (y + r).to(RS.dtype.element_ty)
-            tl.store(RS + m * N + offs, s, mask=mask)
-            sf = s.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
-            n = (sf * rstd).to(RS.dtype.element_ty).to(tl.float32)
-            tl.store(NO + m * N + offs, (n * w).to(NO.dtype.element_ty), mask=mask)
+            add_rms_norm_row(y, R + m * N, RS + m * N, NO + m * N, w, offs, mask, N, eps)
         tl.store(CNT + NORM_SLOT, 0)
 
 
@@ -309,8 +305,6 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`linear(silu_and_mul(x), weight)` for x `[M, 2K]` (gate then up), weight `[N, K]`: one kernel (the SiLU-gate
     in the GEMM's prologue, no `[M, K]` intermediate) where `linear` would take the Triton path, else the two
     operators. Same bits as the unfused pair: the prologue rounds like `silu_and_mul`."""
-    from modeling.ops.triton_fused import silu_and_mul
-
     if x.dim() != 2 or x.shape[-1] != 2 * weight.shape[-1]:
         raise ValueError(f"silu_mul_linear: x {tuple(x.shape)} must be [M, 2K] for weight {tuple(weight.shape)}")
     cfg = _triton_config(x, weight, gated=True)
@@ -325,8 +319,6 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
     (normed `[M, N]`, sum `[M, N]`). One kernel where the GEMM takes the Triton path, M <= FUSED_NORM_MAX_M,
     N <= FUSED_NORM_MAX_N and residual/norm_weight match x's dtype; else the GEMM and `add_rms_norm` kernels.
     Rounded like the unfused pair; the fp32 sum of squares may be ordered differently."""
-    from modeling.ops.triton_fused import add_rms_norm, silu_and_mul
-
     n = weight.shape[0]
     if gated and (x.dim() != 2 or x.shape[-1] != 2 * weight.shape[-1]):
         raise ValueError(f"linear_add_rms_norm: gated x {tuple(x.shape)} must be [M, 2K] for weight {tuple(weight.shape)}")
