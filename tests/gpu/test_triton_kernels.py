@@ -180,6 +180,18 @@ def test_decode_noncontiguous_q_and_large_batch() -> None:
     _close(out, expected)
 
 
+def _refill_decode_tables(rng: random.Random, fixed_lengths: tuple, num_blocks: int, bs: int, width: int,
+                          tables: torch.Tensor, lens: torch.Tensor) -> None:
+    """New history lengths (one of `fixed_lengths` or a random one up to 8k, one new token each) and random block
+    ids (decode only reads the cache, so sequences may share blocks), copied into the graph's tables and lens."""
+    shape = [(1, rng.choice([*fixed_lengths, rng.randint(0, 8191)])) for _ in range(lens.shape[0])]
+    slices = [SequenceSlice([0] * n, h, [rng.randrange(1, num_blocks) for _ in range(-(-(n + h) // bs))])
+              for n, h in shape]
+    _, _, meta = build_step(slices, bs, DEV, max_blocks_per_seq=width)
+    tables.copy_(meta.block_tables)
+    lens.copy_(meta.kv_seqlens)
+
+
 @pytest.mark.parametrize("batch_size", [2, 48])
 def test_decode_cuda_graph_replay_with_new_lengths(batch_size: int) -> None:
     d, hkv, group, bs, width = 128, 8, 2, 64, 128
@@ -201,15 +213,7 @@ def test_decode_cuda_graph_replay_with_new_lengths(batch_size: int) -> None:
 
     # new lengths (shorter and longer, up to 8k) and new block ids over the same cache
     for step in range(3):
-        shape = [(1, rng.choice([0, 63, 64, rng.randint(0, 8191)])) for _ in range(batch_size)]
-        # decode only reads the cache, so sequences may share (random) blocks
-        slices = [
-            SequenceSlice([0] * n, h, [rng.randrange(1, first.num_blocks) for _ in range(-(-(n + h) // bs))])
-            for n, h in shape
-        ]
-        _, _, meta = build_step(slices, bs, DEV, max_blocks_per_seq=width)
-        tables.copy_(meta.block_tables)
-        lens.copy_(meta.kv_seqlens)
+        _refill_decode_tables(rng, (0, 63, 64), first.num_blocks, bs, width, tables, lens)
         q.copy_(torch.randn_like(q))
         graph.replay()
         expected = ref.decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5)
@@ -277,14 +281,7 @@ def test_decode_single_launch_cuda_graph_replays(batch_size: int) -> None:
         out = tri.decode_attention(q, k_cache, v_cache, tables, lens, scale)
 
     for step in range(4):
-        shape = [(1, rng.choice([0, 1, 63, 64, rng.randint(0, 8191)])) for _ in range(batch_size)]
-        slices = [
-            SequenceSlice([0] * n, h, [rng.randrange(1, first.num_blocks) for _ in range(-(-(n + h) // bs))])
-            for n, h in shape
-        ]
-        _, _, meta = build_step(slices, bs, DEV, max_blocks_per_seq=width)
-        tables.copy_(meta.block_tables)
-        lens.copy_(meta.kv_seqlens)
+        _refill_decode_tables(rng, (0, 1, 63, 64), first.num_blocks, bs, width, tables, lens)
         if step % 2 and batch_size > 1:
             lens[0] = 0  # padded row
         q.copy_(torch.randn_like(q))
