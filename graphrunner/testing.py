@@ -357,3 +357,17 @@ def decode_bucket_eager(model: Any, step: ForwardStep, bucket: int, graph_meta: 
     model.fill_buffers(buffers, step, bucket)
     ctx = model.update_context(buffers, step, bucket)
     return model.get_outputs(model(**model_kwargs(ctx)), step.num_tokens)
+
+
+class NoopPiece:
+    """Stands in for torch.cuda.CUDAGraph when a piecewise plan is built on CPU (`graph_factory=NoopPiece`): the
+    "captured" code already ran eagerly during the build, so capture and replay do nothing."""
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        pass
+
+    def capture_end(self):
+        pass
+
+    def replay(self):
+        pass

@@ -26,22 +26,9 @@ from graphrunner.forward_args import model_kwargs
 from graphrunner.piecewise_builder import ArgumentBinder, _CaptureBuilder
 from graphrunner.plan import EagerStep, GraphStep, PiecewisePlan, _EagerSlotRef, _FrameValueRef, iter_templates
 from graphrunner.standard import REQUEST_LIFETIME_FRAME_NAMES, frame_inputs
-from graphrunner.testing import ToyDecoder, toy_attention, toy_dummy_factory, toy_kv_caches
+from graphrunner.testing import NoopPiece, ToyDecoder, toy_attention, toy_dummy_factory, toy_kv_caches
 
 CPU = torch.device("cpu")
-
-
-class NoopPiece:
-    """Stands in for torch.cuda.CUDAGraph on CPU: the 'captured' code already ran eagerly."""
-
-    def capture_begin(self, pool=None, capture_error_mode="global"):
-        pass
-
-    def capture_end(self):
-        pass
-
-    def replay(self):
-        pass
 
 
 def builder(frame, capacity=16, pool=None, guard=True, inputs=None):

@@ -188,21 +188,12 @@ def test_piecewise_plan_binds_prologue_item_by_item():
     from graphrunner.piecewise_builder import _CaptureBuilder
     from graphrunner.plan import EagerStep, _Const, _SeqTemplate, _TensorRef
     from graphrunner.standard import REQUEST_LIFETIME_FRAME_NAMES
+    from graphrunner.testing import NoopPiece
     from modeling.attention import _paged_attention_boundary
     from modeling.config import get_preset
     from modeling.kv_cache import KVCacheSpec, PagedKVCache
     from modeling.loader import init_random
     from modeling.qwen3 import Qwen3ForCausalLM
-
-    class NoopPiece:  # stands in for torch.cuda.CUDAGraph: the "captured" code runs eagerly
-        def capture_begin(self, pool=None, capture_error_mode="global"):
-            pass
-
-        def capture_end(self):
-            pass
-
-        def replay(self):
-            pass
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(get_preset("qwen3-tiny"))
