@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary tables: fp32 cos/sin `[max_pos, D]` (applied with the KV store by `KernelOps.qk_norm_rope_store`)."""
+    """Neox-style (rotate-half) rotary tables: fp32 cos/sin `[max_pos, D]` (applied by `KernelOps.qk_norm_rope_store`)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, device=None):
         super().__init__()
@@ -78,8 +78,8 @@ class Qwen3Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # q/k go in RAW: the operator applies the per-head norm + rotary fused with the KV store (one kernel).
-        prologue = QKPrologue(self.q_norm.weight, self.k_norm.weight, self.rope.cos, self.rope.sin,
-                                          positions, self.q_norm.eps)
+        prologue = QKPrologue(self.q_norm.weight, self.k_norm.weight, self.rope.cos, self.rope.sin, positions,
+                              self.q_norm.eps)
         o = self.attn(q, k, v, kv_caches, self.layer_idx, attn_metadata, self.scale, prologue)
         if o.shape[0] < t:  # bucket-shaped eager: rows past the real tokens are zero, as a plan's padded bridge makes them
             o = F.pad(o, (0, 0, 0, 0, 0, t - o.shape[0]))

@@ -40,8 +40,12 @@ def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Cal
                      silu_mul_linear=silu_mul_linear, linear_add_rms_norm=linear_add_rms_norm, capturable=capturable)
 
 
+def _torch_silu_mul_linear(x, weight):
+    return F.linear(fused_ref.silu_and_mul(x), weight)
+
+
 def _torch_linear_add_rms_norm(x, weight, residual, norm_weight, eps, *, gated=False):
-    y = F.linear(fused_ref.silu_and_mul(x) if gated else x, weight)
+    y = _torch_silu_mul_linear(x, weight) if gated else F.linear(x, weight)
     return fused_ref.add_rms_norm(y, residual, norm_weight, eps)
 
 
@@ -53,7 +57,7 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto") -> KernelOp
     if prefer == "torch" or (prefer == "auto" and dev.type != "cuda"):
         # The reference ops loop over sequences on the host: usable in graphs only on the full-graph-free paths.
         return _collect("torch", attention_ref, fused_ref, F.linear,
-                        lambda x, w: F.linear(fused_ref.silu_and_mul(x), w), _torch_linear_add_rms_norm, capturable=False)
+                        _torch_silu_mul_linear, _torch_linear_add_rms_norm, capturable=False)
     if dev.type != "cuda":
         raise ValueError("the triton kernel backend needs a CUDA device")
     from modeling.ops import triton_attention, triton_fused, triton_gemm

@@ -41,7 +41,7 @@ SKINNY_MAX_M = 16
 _BLOCK_M = 16  # tl.dot needs >= 16 rows; rows >= M are masked
 _COUNTER_SLOTS = 1 << 16
 _NORM_SLOT = _COUNTER_SLOTS - 1  # the fused add + RMSNorm's whole-row arrival counter; N-tiles use slots below
-FUSED_NORM_MAX_M = 4  # beyond this the last program's row loop costs more than the separate norm kernel saves
+FUSED_NORM_MAX_M = 4  # the last program normalises the rows one by one: kept to small M (larger M not measured)
 FUSED_NORM_MAX_N = 8192  # one row lives in the registers of one program
 _SMEM_BUDGET = 100 * 1024  # bytes per CTA in the heuristic: two CTAs fit in an SM's 227 KiB
 
@@ -322,9 +322,11 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
     n = weight.shape[0]
     if gated and (x.dim() != 2 or x.shape[-1] != 2 * weight.shape[-1]):
         raise ValueError(f"linear_add_rms_norm: gated x {tuple(x.shape)} must be [M, 2K] for weight {tuple(weight.shape)}")
-    if gated and _triton_config(x, weight, gated=True) is None and _triton_config(x, weight) is not None:
-        x, gated = silu_and_mul(x), False  # the gated prologue measured slower than the separate kernel here
     cfg = _triton_config(x, weight, gated)
+    if gated and cfg is None:
+        cfg = _triton_config(x, weight)
+        if cfg is not None:  # the gated prologue measured slower than the separate kernel here
+            x, gated = silu_and_mul(x), False
     if (cfg is None or x.shape[0] > FUSED_NORM_MAX_M or n > FUSED_NORM_MAX_N or residual.shape != (x.shape[0], n)
             or residual.dtype != x.dtype or norm_weight.shape != (n,) or norm_weight.dtype != x.dtype):
         y = silu_mul_linear(x, weight) if gated else linear(x, weight)
