@@ -2,6 +2,11 @@
 
 One `StepBatch` per DP rank per step, built by that rank's scheduler. Sequences are
 in batch order; `token_ids` is the flat concatenation of each sequence's new tokens.
+
+Previous-step references: a token id `-(j + 1)` (`prev_token(j)`) stands for the token this
+DP rank's previous step sampled for its row j (the last step's, for a multi-step decode).
+The rank fills it in on the device, so a driver can submit step k+1 before step k's tokens
+have come back (`Coordinator.submit`) and the device never waits for the host.
 """
 from __future__ import annotations
 
@@ -13,6 +18,13 @@ import numpy as np
 
 class BatchError(ValueError):
     """A step batch is malformed (shapes, lengths, ids)."""
+
+
+def prev_token(row: int) -> int:
+    """The token id that refers to row `row` of the previous step's tokens (see the module docstring)."""
+    if row < 0:
+        raise ValueError(f"row must be >= 0, got {row}")
+    return -(row + 1)
 
 
 @dataclass
@@ -44,7 +56,9 @@ class StepBatch:
     def is_decoding(self) -> bool:
         return bool((self.q_seqlens == 1).all())
 
-    def validate(self, vocab_size: int, block_size: int) -> None:
+    def validate(self, vocab_size: int, block_size: int, prev_rows: int = 0) -> None:
+        """Shapes, lengths, ids and block-table coverage. `prev_rows`: how many rows of the previous step's
+        tokens negative ids may refer to (0: none may)."""
         b = self.batch_size
         if b == 0:
             raise BatchError("empty batch")
@@ -58,8 +72,12 @@ class StepBatch:
         if q.min() < 1 or int(q.sum()) != self.num_tokens:
             raise BatchError("q_seqlens must be >= 1 and sum to len(token_ids)")
         ids = self.token_ids
-        if self.num_tokens and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise BatchError(f"token ids must be in [0, {vocab_size})")
+        if self.num_tokens and (ids.min() < -prev_rows or ids.max() >= vocab_size):
+            if ids.max() >= vocab_size or not prev_rows:
+                where = "" if prev_rows else " (negative ids refer to a previous step, and there is none)"
+                raise BatchError(f"token ids must be in [0, {vocab_size}){where}")
+            raise BatchError(f"token id {int(ids.min())} refers to row {-int(ids.min()) - 1} of the previous step, "
+                             f"which had {prev_rows} rows")
         gap = self._table_gap(self.num_history + q, block_size)
         if gap == "short":
             raise BatchError("a block table is too short for its sequence")
@@ -77,9 +95,10 @@ class StepBatch:
         used = tables if need.min() == width else tables[np.arange(width)[None, :] < need[:, None]]
         return "unallocated" if used.size and used.min() <= 0 else None
 
-    def check_runnable(self, vocab_size: int, block_size: int, max_blocks_per_seq: int, num_kv_blocks: int) -> None:
+    def check_runnable(self, vocab_size: int, block_size: int, max_blocks_per_seq: int, num_kv_blocks: int,
+                       prev_rows: int = 0) -> None:
         """`validate` plus the limits of a deployment: block-table width and the cache's block count."""
-        self.validate(vocab_size, block_size)
+        self.validate(vocab_size, block_size, prev_rows)
         if self.block_tables.shape[1] > max_blocks_per_seq:
             raise BatchError(f"block tables of width {self.block_tables.shape[1]} exceed max_model_len "
                              f"({max_blocks_per_seq} blocks)")

@@ -10,7 +10,12 @@ start():  Ray (init or connect) -> placement group + one `RankWorker` per rank, 
 step():   decides the global phase (`actors.protocol.plan_step`), fans the plan out, returns
           the TP-rank-0 tokens per DP rank. Failures (dead or hung rank, an exception in a
           rank) tear the whole group down and raise RankFailureError; `rebuild()` restarts.
-reset():  every rank: runner.reset() (graphs, plans) -> DeepEP buffer -> barrier; then
+submit() / collect(): the two halves of step(). Up to `MAX_IN_FLIGHT` steps may be submitted
+          before the oldest is collected; a later step's token ids may refer to the previous
+          step's tokens (`actors.batch.prev_token`), which the ranks fill in on the device. On
+          the pipe path each rank launches a step when its request arrives, so the device runs
+          step k+1 while the driver handles step k's tokens (other paths run at submit).
+reset():  drain (in-flight steps finish; their tickets keep the tokens), then every rank: runner.reset() (graphs, plans) -> DeepEP buffer -> barrier; then
           optional weight reload / KV resize and re-capture.
 Step paths (`DeploymentConfig.step_path`, or `GRAPHLINE_STEP_PATH` which overrides it):
 - pipe: packed frames through per-rank named pipes to a resident loop in every rank
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -39,8 +45,9 @@ from parallel.dispatch import KINDS
 from parallel.topology import Topology
 
 STEP_PATHS = ("auto", "pipe", "compiled", "plain")
+MAX_IN_FLIGHT = 2  # submitted and not yet collected steps: one on the device, one queued behind it
 
-__all__ = ["DeploymentConfig", "Coordinator", "RankFailureError", "StartupCaptureError", "CoordinatorStateError"]
+__all__ = ["DeploymentConfig", "Coordinator", "StepTicket", "RankFailureError", "StartupCaptureError", "CoordinatorStateError"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,19 @@ class DeploymentConfig:
         return Topology.of(tp=self.tp, dp=self.dp, ep=self.ep)
 
 
+class StepTicket:
+    """A step submitted with `Coordinator.submit`; `Coordinator.collect` returns its tokens (oldest first).
+
+    `plan`: the step's plan (None when every DP rank was idle); `outs`: per rank (tokens, in-rank seconds)
+    once received (at submit on step paths that cannot run ahead; when a reset drained it)."""
+
+    __slots__ = ("plan", "present", "submitted", "outs")
+
+    def __init__(self, plan: Any, present: tuple[bool, ...]):
+        self.plan, self.present, self.submitted = plan, present, time.perf_counter()
+        self.outs: Optional[list] = None
+
+
 @dataclass
 class _Counters:
     steps: int = 0
@@ -99,6 +119,9 @@ class Coordinator:
         self._startup: dict[str, Any] = {}
         self._last_reset_events: dict[int, list[dict]] = {}
         self._c = _Counters()
+        self._in_flight: deque[StepTicket] = deque()
+        self._prev_rows: list[int] = [0] * self.topo.dp  # per DP rank: rows its previous step's tokens have
+        self._last_collect = 0.0  # perf_counter at the end of the last collect
         self._test_faults: dict[int, dict] = {}  # tests only: rank -> fault options, applied at start()
 
     # ------------------------------------------------------------------ properties
@@ -195,35 +218,84 @@ class Coordinator:
     def step(self, batches: list[StepBatch | None], num_steps: int = 1) -> list[np.ndarray | None]:
         """One step: next tokens int64 `[B]` per DP rank (None for idle ones). `num_steps > 1`: multi-step
         decode (greedy decode batches whose block tables cover `num_steps` more tokens), int64 `[B, num_steps]`."""
+        return self.collect(self.submit(batches, num_steps))
+
+    def submit(self, batches: list[StepBatch | None], num_steps: int = 1) -> StepTicket:
+        """Validate, plan and send one step without waiting for its tokens; `collect` returns them. Negative
+        token ids refer to the previous submitted step's tokens of the same DP rank (`prev_token`). At most
+        `MAX_IN_FLIGHT` steps may be in flight; a bad batch raises BatchError and sends nothing."""
         self._require("serving")
         if len(batches) != self.topo.dp:
             raise ValueError(f"step needs one batch (or None) per DP rank: got {len(batches)}, dp = {self.topo.dp}")
+        if len(self._in_flight) >= MAX_IN_FLIGHT:
+            raise CoordinatorStateError(f"{len(self._in_flight)} steps are in flight (at most {MAX_IN_FLIGHT}): "
+                                        "collect() the oldest first")
         for d, b in enumerate(batches):
             if b is not None:
                 self._validate(d, b, num_steps)
         decode_sizes, prefill_sizes = self._sizes
         plan = plan_step(batches, cross_dp=self.topo.collectives_cross_dp, decode_buckets=decode_sizes,
                          token_buckets=prefill_sizes, num_steps=num_steps)
-        if plan is None:
+        ticket = StepTicket(plan, tuple(b is not None for b in batches))
+        if plan is not None:
+            try:
+                if hasattr(self._stepper, "send"):
+                    self._stepper.send(plan)
+                else:
+                    ticket.outs = self._stepper.run(plan, self.cfg.step_timeout_s)
+            except RankCallError as e:
+                raise self._fail(e) from None
+        for d, b in enumerate(batches):
+            if b is not None:
+                self._prev_rows[d] = b.batch_size
+        self._in_flight.append(ticket)
+        return ticket
+
+    def collect(self, ticket: StepTicket) -> list[np.ndarray | None]:
+        """The tokens of a submitted step, per DP rank (None for idle ones): waits for them. Steps are collected
+        in the order they were submitted."""
+        if ticket.outs is None or ticket in self._in_flight:
+            self._require("serving")
+            if not self._in_flight or self._in_flight[0] is not ticket:
+                raise CoordinatorStateError("collect() the oldest submitted step first" if ticket in self._in_flight
+                                            else "this step is not in flight on this coordinator")
+            self._receive(self._in_flight[0])
+            self._in_flight.popleft()
+        if ticket.plan is None:
             return [None] * self.topo.dp
-        t0 = time.perf_counter()
-        try:
-            outs = self._stepper.run(plan, self.cfg.step_timeout_s)
-        except RankCallError as e:
-            raise self._fail(e) from None
-        dt = time.perf_counter() - t0
+        outs = ticket.outs
+        return [outs[r][0] if ticket.present[d] else None for d, r in enumerate(self.topo.dp_leaders())]
+
+    def _receive(self, ticket: StepTicket) -> None:
+        """Receive an in-flight step's replies into `ticket.outs` and count it."""
+        plan = ticket.plan
+        if plan is None:
+            return
+        if ticket.outs is None:
+            try:
+                ticket.outs = self._stepper.receive(plan, self.cfg.step_timeout_s)
+            except RankCallError as e:
+                raise self._fail(e) from None
+        now = time.perf_counter()
         c = self._c
         c.steps += 1
         c.last_phase = plan.phase
         c.phases[plan.phase] = c.phases.get(plan.phase, 0) + 1
-        c.driver_s += dt
-        c.in_rank_s += max(t for _, t in outs)
-        return [outs[r][0] if batches[d] is not None else None for d, r in enumerate(self.topo.dp_leaders())]
+        c.driver_s += now - max(ticket.submitted, self._last_collect)
+        c.in_rank_s += max(t for _, t in ticket.outs)
+        self._last_collect = now
+
+    def _drain(self) -> None:
+        """Receive every in-flight step (their tickets keep the tokens for a later `collect`)."""
+        while self._in_flight:
+            self._receive(self._in_flight[0])
+            self._in_flight.popleft()
 
     def _validate(self, dp_rank: int, b: StepBatch, num_steps: int = 1) -> None:
         rt = self.cfg.runtime
         try:
-            b.check_runnable(self._model_config.vocab_size, rt.block_size, rt.max_blocks_per_seq, self._num_kv_blocks)
+            b.check_runnable(self._model_config.vocab_size, rt.block_size, rt.max_blocks_per_seq, self._num_kv_blocks,
+                             prev_rows=self._prev_rows[dp_rank])
             b.check_multi_step(num_steps, rt.block_size)
         except BatchError as e:
             raise BatchError(f"DP rank {dp_rank}: {e}") from None
@@ -249,6 +321,7 @@ class Coordinator:
         """Benchmarks/tests: replace the step path ("pipe" | "compiled" | "plain") on the live rank group."""
         self._require("serving")
         path = self._resolve_step_path(path)  # a path that cannot serve raises before the current one is dropped
+        self._drain()
         if self._stepper is not None:
             self._stepper.teardown()
         self._stepper = self._make_stepper(path)
@@ -258,6 +331,8 @@ class Coordinator:
         self._require("serving")
         if num_kv_blocks is not None and num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {num_kv_blocks}")
+        self._drain()
+        self._prev_rows = [0] * self.topo.dp  # the ranks drop their previous-step tokens
         ranks, out = self._ranks, {}
         timeout = self.cfg.collective_timeout_s + 60.0
         t0 = time.perf_counter()
@@ -306,6 +381,11 @@ class Coordinator:
         if self._state == "shutdown":
             return
         if self._ranks is not None and not self._ranks.killed and self._state == "serving":
+            try:
+                self._drain()
+            except RankFailureError:
+                pass  # torn down already
+        if self._ranks is not None and not self._ranks.killed and self._state == "serving":
             if self._stepper is not None:
                 self._stepper.teardown()
                 self._stepper = None
@@ -322,6 +402,8 @@ class Coordinator:
             self._owns_ray = False
 
     def _teardown(self) -> None:
+        self._in_flight.clear()
+        self._prev_rows = [0] * self.topo.dp
         if self._ranks is not None:
             self._ranks.kill()
         if self._stepper is not None:

@@ -7,6 +7,11 @@ runs the step, and writes its reply; the driver writes every rank's request, the
 in `select` for the replies. Waiting releases the GIL, so an engine thread waiting for a
 step leaves the HTTP event loop free.
 
+Submitting ahead: `send` and `receive` are separate, so a driver may send step k+1 before it
+receives step k (its token ids can refer to step k's tokens, `actors.batch.prev_token`); each
+rank launches a step as soon as its request arrives and replies in request order, so the
+device runs step k+1 right after step k while the driver handles step k's tokens.
+
 Wake-up latency: a thread woken from a blocking `select` on a busy host starts tens of
 microseconds after the reply lands, a large share of a 1 ms decode step. The driver
 therefore remembers how long the last step of the same shape took (phase, batch sizes,
@@ -36,6 +41,7 @@ import select
 import shutil
 import tempfile
 import time
+from collections import deque
 from typing import Any, Optional, Sequence
 
 from actors.rankset import RankCallError, RankFault, RankSet
@@ -100,6 +106,8 @@ class PipeStepper:
         self.dp_of_rank = list(dp_of_rank)
         self.poll_s = poll_s
         self._expected: dict[tuple, float] = {}  # step shape -> seconds its last step took (driver view)
+        self._sent: deque[float] = deque()  # send times of the plans whose replies are still due, oldest first
+        self._last_reply = 0.0  # when the last reply was received (monotonic)
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.dir = tempfile.mkdtemp(prefix="graphline-steps-", dir=base)
         self.req_fds: list[int] = []
@@ -139,6 +147,12 @@ class PipeStepper:
 
     def run(self, plan: Any, timeout_s: float) -> list[tuple[Any, float]]:
         """Send every rank its share of `plan`; returns (tokens or None, in-rank seconds) per rank."""
+        self.send(plan)
+        return self.receive(plan, timeout_s)
+
+    def send(self, plan: Any) -> None:
+        """Write every rank's request for `plan` and return without waiting. Replies come back in the order the
+        plans were sent; `receive` takes the oldest. Raises RankCallError when a rank's pipe is closed."""
         frames: dict[int, bytes] = {}
         faults: list[RankFault] = []
         for r, fd in enumerate(self.req_fds):
@@ -152,12 +166,22 @@ class PipeStepper:
                 faults.append(RankFault(r, "died", "its step pipe is closed: the actor process exited"))
         if faults:
             raise RankCallError("step", faults, {})
+        self._sent.append(time.monotonic())
+
+    def receive(self, plan: Any, timeout_s: float) -> list[tuple[Any, float]]:
+        """Every rank's reply to the oldest plan sent and not yet received (`plan` must be that one):
+        (tokens or None, in-rank seconds) per rank. Raises RankCallError for a dead, failing or hung rank."""
+        if not self._sent:
+            raise RuntimeError("receive() without a plan in flight")
+        sent = self._sent.popleft()
+        behind = self._last_reply > sent  # another step ran on the ranks when this one was sent
+        start = max(sent, self._last_reply)  # when the ranks could start on it
         results: dict[int, tuple[Any, float]] = {}
+        faults: list[RankFault] = []
         pending = set(self.resp_fds)
-        start = time.monotonic()
-        deadline = start + timeout_s
+        deadline = time.monotonic() + timeout_s
         key = (plan.phase, plan.num_steps, plan.batch_bucket, plan.token_bucket,
-               tuple(None if b is None else (b.batch_size, b.num_tokens) for b in plan.batches))
+               tuple(None if b is None else (b.batch_size, b.num_tokens) for b in plan.batches), behind)
         expected = self._expected.get(key)
         poll_from = start + max(0.0, expected - POLL_MARGIN_S) if expected is not None else start
         poll_until = (start + expected if expected is not None else start) + self.poll_s
@@ -188,9 +212,10 @@ class PipeStepper:
                         payload = payload.reshape(-1, plan.num_steps)
                     results[r] = (payload, seconds)
         if not pending and not faults:
+            self._last_reply = time.monotonic()
             if len(self._expected) >= _MAX_SHAPES:
                 self._expected.clear()
-            self._expected[key] = time.monotonic() - start
+            self._expected[key] = self._last_reply - start
         if faults:
             raise RankCallError("step", sorted(faults, key=lambda f: f.rank), results)
         if pending:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from actors.batch import StepBatch
+from actors.batch import BatchError, StepBatch
 from graphrunner.capture import end_capture, end_capture_quietly
 from graphrunner.config import GraphRunnerConfig
 from graphrunner.runner import CUDAGraphRunner
@@ -93,6 +93,33 @@ def resolve_device(spec: str, local_gpu: int = 0) -> torch.device:
     return torch.device(spec)
 
 
+class PendingTokens:
+    """The next tokens of a launched step on their way to the host.
+
+    `host`: int64 tensor on the host (pinned for a CUDA rank) that a device-to-host copy on the rank's forward
+    stream fills, `[B]` or `[num_steps, B]` for multi-step decode; `event`: recorded after that copy (None when
+    the tokens are already on the host: CPU ranks, idle steps). Lifetime: owned by the caller; `result()` returns
+    a copy, so the staging tensor can be dropped after it."""
+
+    __slots__ = ("host", "event", "multi")
+
+    def __init__(self, host: Optional[torch.Tensor], event: Any = None, multi: bool = False):
+        self.host, self.event, self.multi = host, event, multi
+
+    def ready(self) -> bool:
+        """Whether `result()` returns without waiting for the device."""
+        return self.event is None or self.event.query()
+
+    def result(self) -> Optional[np.ndarray]:
+        """int64 `[B]` (`[B, num_steps]` for multi-step decode) next tokens, or None for an idle step."""
+        if self.host is None:
+            return None
+        if self.event is not None:
+            self.event.synchronize()
+        out = self.host.numpy()
+        return out.T.copy() if self.multi else out.copy()
+
+
 class RankRuntime:
     """Owns one rank's model shard, KV cache and graph runner (lifetime: the rank's process)."""
 
@@ -119,6 +146,10 @@ class RankRuntime:
         # Tests: called with each step's fp32 logits `[B, V]` (a device view, valid during the call), whichever
         # path produced them (eager LM head or the captured head graph).
         self.logits_observer: Optional[Callable[[torch.Tensor], None]] = None
+        # The tokens of this rank's latest real step (device int64 `[B]`, the last step's column for multi-step
+        # decode): what a negative token id of the next batch refers to (`StepBatch` "previous-step references").
+        # A view of a head graph's output or a step's own tensor, valid until a later step of the stream writes it.
+        self._last_tokens: Optional[torch.Tensor] = None
 
     def on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -268,66 +299,128 @@ class RankRuntime:
     @torch.inference_mode()
     def execute(self, batch: Optional[StepBatch], global_decode: Optional[bool] = None, batch_bucket: int = 0,
                 token_bucket: int = 0, validated: bool = False, num_steps: int = 1) -> Optional[np.ndarray]:
-        """Run one forward step; returns int64 `[B]` next tokens, or None for an idle (dummy) step.
+        """Run one forward step and wait for it: `launch(...).result()`."""
+        return self.launch(batch, global_decode, batch_bucket, token_bucket, validated, num_steps).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: Optional[StepBatch], global_decode: Optional[bool] = None, batch_bucket: int = 0,
+               token_bucket: int = 0, validated: bool = False, num_steps: int = 1) -> PendingTokens:
+        """Enqueue one forward step on the forward stream and return without waiting for the device; the
+        returned `PendingTokens` yields int64 `[B]` next tokens, or None for an idle (dummy) step.
 
         An idle rank runs a harmless dummy step of the global bucket so collectives pair up.
         `validated=True` skips the batch checks when the caller (the coordinator) already ran
-        `StepBatch.check_runnable` on the driver, so the per-step hot path does them once.
+        `StepBatch.check_runnable` on the driver, so the per-step hot path does them once; previous-step
+        references (negative token ids) are always checked here, against this rank's own last step.
         `num_steps > 1` (multi-step decode, greedy decode batches only): run that many decode steps
-        back to back, each fed the previous step's tokens, and return int64 `[B, num_steps]`; the
+        back to back, each fed the previous step's tokens, and yield int64 `[B, num_steps]`; the
         block tables must already cover `num_history + num_steps` tokens (`StepBatch.check_multi_step`).
+        Steps launched back to back run in order; a later step may refer to an earlier one's tokens
+        before they reached the host (that is what lets a driver keep the device busy).
         """
         with self.on_stream():
+            if batch is None:
+                for _ in range(num_steps):
+                    self._run_dummy(global_decode, batch_bucket, token_bucket)
+                return PendingTokens(None)
+            if not validated:
+                self.check_batch(batch)
+                batch.check_multi_step(num_steps, self.cfg.block_size)
+            ids, ids_dev = self._resolve_ids(batch.token_ids)
             if num_steps == 1:
-                return self._execute(batch, global_decode, batch_bucket, token_bucket, validated)
-            return self._execute_multi(batch, global_decode, batch_bucket, token_bucket, validated, num_steps)
+                tokens = self._step_tokens(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket)
+                self._last_tokens = tokens
+            else:
+                tokens = self._multi_step_tokens(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket,
+                                                 num_steps)
+                self._last_tokens = tokens[-1]
+            return self._read_back(tokens, multi=num_steps > 1)
+
+    def _read_back(self, tokens: torch.Tensor, multi: bool) -> PendingTokens:
+        if tokens.device.type != "cuda":
+            return PendingTokens(tokens.contiguous(), None, multi)
+        host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return PendingTokens(host, event, multi)
 
     def check_batch(self, batch: StepBatch) -> None:
         """Raise `BatchError` for a batch this rank cannot run (before any device work)."""
         batch.check_runnable(self.model_config.vocab_size, self.cfg.block_size, self.cfg.max_blocks_per_seq,
-                             self.kv_cache.spec.num_blocks)
+                             self.kv_cache.spec.num_blocks, prev_rows=self.prev_rows)
 
-    def _execute(self, batch, global_decode, batch_bucket, token_bucket, validated):
-        if batch is None:
-            decode = global_decode is not False
-            n = max(batch_bucket, 1) if decode else max(token_bucket, 1)
-            step = self._dummy_step(n, max(batch_bucket, 1) if decode else 1, decode)
-            step = dataclasses.replace(step, global_decode=global_decode, batch_bucket_hint=batch_bucket,
-                                       token_bucket_hint=token_bucket)
-            self.runner(step)
-            return None
-        if not validated:
-            self.check_batch(batch)
+    @property
+    def prev_rows(self) -> int:
+        """How many rows of this rank's latest step a negative token id may refer to (0: none)."""
+        return 0 if self._last_tokens is None else int(self._last_tokens.shape[0])
+
+    def _resolve_ids(self, ids: np.ndarray) -> tuple[np.ndarray, Optional[torch.Tensor]]:
+        """Previous-step references: `ids` int64 `[T]` where `-(j + 1)` stands for row j of this rank's latest
+        step's tokens. Returns (host ids with references as 0, device int64 `[T]` ids with references filled in,
+        or None when there are none). The fill is enqueued on the forward stream, after the step that made them.
+        Raises BatchError (nothing enqueued) for a reference this rank cannot satisfy."""
+        if ids.size == 0 or int(ids.min()) >= 0:
+            return ids, None
+        refs = ids < 0
+        src = -ids[refs] - 1
+        rows = self.prev_rows
+        if rows == 0:
+            raise BatchError("a token id refers to the previous step's tokens, but this rank has run no step "
+                             "since it started or was reset")
+        if int(src.max()) >= rows:
+            raise BatchError(f"a token id refers to row {int(src.max())} of the previous step, which had {rows} rows")
+        prev = self._last_tokens
+        host = np.where(refs, ids, 0)
+        n = int(ids.shape[0])
+        if refs.all() and n <= rows and np.array_equal(src, np.arange(n)):
+            return host, prev[:n]  # the steady state of a decode loop: row i continues row i
+        dev = torch.from_numpy(host).to(self.device, non_blocking=True)
+        idx = torch.from_numpy(np.stack([np.flatnonzero(refs), src])).to(self.device, non_blocking=True)
+        dev.index_copy_(0, idx[0], prev.index_select(0, idx[1]))
+        return host, dev
+
+    def _run_dummy(self, global_decode, batch_bucket, token_bucket) -> None:
+        decode = global_decode is not False
+        n = max(batch_bucket, 1) if decode else max(token_bucket, 1)
+        step = self._dummy_step(n, max(batch_bucket, 1) if decode else 1, decode)
+        step = dataclasses.replace(step, global_decode=global_decode, batch_bucket_hint=batch_bucket,
+                                   token_bucket_hint=token_bucket)
+        self.runner(step)
+
+    def _step_tokens(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
+                     batch_bucket, token_bucket) -> torch.Tensor:
+        """Enqueue one step; its next tokens, int64 `[B]` on the rank's device (not waited for)."""
         if batch.num_tokens == batch.batch_size and self.device.type == "cuda":
-            out = self._decode_fast(batch, global_decode, batch_bucket, token_bucket)
+            out = self._decode_fast(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket)
             if out is not None:
                 return out
-        ids, pos, meta = build_step_from_arrays(batch.token_ids, batch.q_seqlens, batch.num_history, batch.block_tables,
-                                                self.cfg.block_size, self.device)
-        step = ForwardStep(ids, pos, self.kv_cache.layers, meta, global_decode=global_decode,
-                           batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
+        ids_t, pos, meta = build_step_from_arrays(ids, batch.q_seqlens, batch.num_history, batch.block_tables,
+                                                  self.cfg.block_size, self.device)
+        step = ForwardStep(ids_t if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta,
+                           global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
         hidden = self.runner(step)
         logits = self.model.compute_logits(hidden, meta.last_token_index)
         if self.logits_observer is not None:
             self.logits_observer(logits)
         if not batch.temperature.any():
-            return logits.argmax(dim=-1).cpu().numpy()
+            return logits.argmax(dim=-1)
         return self._sample(logits, batch)
 
-    def _decode_fast(self, batch: StepBatch, global_decode, batch_bucket, token_bucket) -> Optional[np.ndarray]:
-        """A decode step served by a captured graph: host-side metadata, one host-to-device copy, graph replay,
-        then the LM-head graph of the bucket. None when the step would not replay a full graph (the caller
-        then takes the general path; nothing was launched)."""
-        ids, pos, meta = build_decode_step_host(batch.token_ids, batch.num_history, batch.block_tables,
-                                                self.cfg.block_size)
-        step = ForwardStep(ids, pos, self.kv_cache.layers, meta, global_decode=global_decode,
-                           batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
+    def _decode_fast(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
+                     batch_bucket, token_bucket) -> Optional[torch.Tensor]:
+        """A decode step served by a captured graph: host-side metadata, one host-to-device copy (plus a
+        device copy of previous-step token ids), graph replay, then the LM-head graph of the bucket. None when
+        the step would not replay a full graph (the caller then takes the general path; nothing was launched)."""
+        ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.cfg.block_size)
+        step = ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta,
+                           global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
         launched = self._decode_graph_step(step)
         if launched is None:
             return None
         logits, greedy = launched
         if not batch.temperature.any():
-            return greedy.cpu().numpy()
+            return greedy
         return self._sample(logits, batch)
 
     def _decode_graph_step(self, step: ForwardStep) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -350,36 +443,33 @@ class RankRuntime:
             self.logits_observer(logits)
         return logits, greedy
 
-    def _execute_multi(self, batch, global_decode, batch_bucket, token_bucket, validated, num_steps):
-        if batch is None:  # idle rank of a cross-DP decode: its collectives run num_steps times
-            for _ in range(num_steps):
-                self._execute(None, global_decode, batch_bucket, token_bucket, True)
-            return None
-        if not validated:
-            self.check_batch(batch)
-            batch.check_multi_step(num_steps, self.cfg.block_size)
+    def _multi_step_tokens(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
+                           batch_bucket, token_bucket, num_steps: int) -> torch.Tensor:
+        """Enqueue `num_steps` greedy decode steps; their tokens, int64 `[num_steps, B]` on the device."""
         if self.device.type == "cuda":
-            out = self._decode_multi_on_device(batch, global_decode, batch_bucket, token_bucket, num_steps)
+            out = self._decode_multi_on_device(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket,
+                                               num_steps)
             if out is not None:
                 return out
-        # general path: one step at a time, tokens fed back through the host
-        cols = []
-        for _ in range(num_steps):
-            toks = self._execute(batch, global_decode, batch_bucket, token_bucket, True)
-            cols.append(toks)
-            batch = dataclasses.replace(batch, token_ids=np.asarray(toks, dtype=np.int64),
-                                        num_history=(batch.num_history + 1).astype(np.int32))
-        return np.stack(cols, axis=1)
+        # general path: one step at a time, each step's tokens feeding the next on the device
+        rows = []
+        for j in range(num_steps):
+            toks = self._step_tokens(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket)
+            rows.append(toks)
+            ids_dev = toks
+            batch = dataclasses.replace(batch, num_history=(batch.num_history + 1).astype(np.int32))
+        return torch.stack(rows)
 
-    def _decode_multi_on_device(self, batch: StepBatch, global_decode, batch_bucket, token_bucket,
-                                num_steps: int) -> Optional[np.ndarray]:
+    def _decode_multi_on_device(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
+                                global_decode, batch_bucket, token_bucket, num_steps: int) -> Optional[torch.Tensor]:
         """Multi-step greedy decode on captured graphs: each step's tokens stay on the device and feed the next
         step's graph; positions, slots and lengths of every step are computed on the host up front and copied
-        once. The host enqueues all steps ahead of the device and waits once at the end."""
+        once. Returns int64 `[num_steps, B]` on the device (not waited for), or None: no graph fits."""
         bs, n = self.cfg.block_size, batch.batch_size
-        ids, pos, meta = build_decode_step_host(batch.token_ids, batch.num_history, batch.block_tables, bs)
+        ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, bs)
         hints = dict(global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
-        first = self._decode_graph_step(ForwardStep(ids, pos, self.kv_cache.layers, meta, **hints))
+        first = self._decode_graph_step(ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_cache.layers,
+                                                    meta, **hints))
         if first is None:
             return None
         dev = self.device
@@ -405,17 +495,19 @@ class RankRuntime:
             if launched is None:  # cannot happen for a batch whose first step replayed a graph
                 raise RuntimeError("multi-step decode lost its decode graph mid-way")
             tokens[j].copy_(launched[1])
-        return tokens.cpu().numpy().T.copy()
+        return tokens
 
-    def _sample(self, logits: torch.Tensor, batch: StepBatch) -> np.ndarray:
+    def _sample(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         params = [SamplingParams(float(t), int(k), float(p), None if s < 0 else int(s))
                   for t, k, p, s in zip(batch.temperature, batch.top_k, batch.top_p, batch.seeds)]
         positions = (batch.num_history + batch.q_seqlens).tolist()
-        return sample(logits, params, positions).cpu().numpy()
+        return sample(logits, params, positions)
 
     def reset(self) -> None:
-        """Drop every graph and plan (the runner's reset also runs its hooks, e.g. DeepEP teardown)."""
+        """Drop every graph and plan (the runner's reset also runs its hooks, e.g. DeepEP teardown) and this
+        rank's previous-step tokens."""
         self._drop_heads()
+        self._last_tokens = None
         if self.runner is not None:
             with self.on_stream():
                 self.runner.reset()

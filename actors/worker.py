@@ -37,6 +37,15 @@ class _TestFault(RuntimeError):
     """An injected failure (tests only)."""
 
 
+class _Launched:
+    """A step enqueued on the rank's device: its `PendingTokens` and when its launch began (perf_counter)."""
+
+    __slots__ = ("pending", "t0")
+
+    def __init__(self, pending: Any, t0: float):
+        self.pending, self.t0 = pending, t0
+
+
 @ray.remote(concurrency_groups={"health": 2})
 class RankWorker:
     def __init__(self, bundle: int, test_faults: Optional[dict] = None):
@@ -54,6 +63,7 @@ class RankWorker:
         self.events: list[dict[str, Any]] = []
         self.phase, self.phase_since = "created", time.time()
         self._steps = 0
+        self._in_flight = 0  # steps launched and not yet finished (the pipe loop may run two at once)
         self._step_times: deque[float] = deque(maxlen=4096)
         self._captures = 0
         self._faults = dict(test_faults or {})
@@ -197,7 +207,13 @@ class RankWorker:
         return self._run_step(args, plan.static_tokens, plan.num_steps)
 
     def _run_step(self, args: tuple, static_tokens: Optional[int], num_steps: int = 1) -> tuple[Any, float]:
+        step = self._launch_step(args, static_tokens, num_steps)
+        return self._finish_step(step)
+
+    def _launch_step(self, args: tuple, static_tokens: Optional[int], num_steps: int = 1) -> "_Launched":
+        """Enqueue one step on the rank's device without waiting for it. An exception names the rank."""
         self._enter("execute")
+        self._in_flight += 1
         t0 = time.perf_counter()
         try:
             self._steps += 1
@@ -206,13 +222,27 @@ class RankWorker:
             cm = disp.static_tokens(static_tokens) if disp is not None else contextlib.nullcontext()
             with cm:
                 try:
-                    out = self.runtime.execute(*args, validated=True, num_steps=num_steps)  # checked by the coordinator
+                    pending = self.runtime.launch(*args, validated=True, num_steps=num_steps)  # checked by the coordinator
                 except Exception as e:  # name the rank: compiled-graph errors do not carry the actor
                     raise RankStepError(f"rank {self.rank} ({self.runtime.device}): {type(e).__name__}: {e}") from e
-            dt = time.perf_counter() - t0
+            return _Launched(pending, t0)
+        except BaseException:
+            self._step_done()
+            raise
+
+    def _finish_step(self, step: "_Launched") -> tuple[Any, float]:
+        """Wait for a launched step: (next tokens on TP rank 0 else None, seconds since its launch began)."""
+        try:
+            out = step.pending.result()
+            dt = time.perf_counter() - step.t0
             self._step_times.append(dt)
             return (out if self.coords.tp_rank == 0 else None), dt
         finally:
+            self._step_done()
+
+    def _step_done(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
             self._leave()
 
     def start_pipe_loop(self, request_path: str, reply_path: str) -> None:
@@ -226,6 +256,10 @@ class RankWorker:
         thread.start()
 
     def _pipe_loop(self, request_path: str, reply: int) -> None:
+        """Replies go out in request order. A step is launched as soon as its request arrives, even while an
+        earlier one still runs on the device (the driver may submit ahead, `Coordinator.submit`); its reply
+        is written once its tokens reached the host. Between the two the loop polls both: the oldest
+        pending step's event and the request pipe."""
         from actors.pipes import read_frame, write_all
         from actors.wire import REPLY_ERROR, decode_request, encode_reply, encode_tokens
 
@@ -234,9 +268,29 @@ class RankWorker:
         # within a millisecond) instead of sleeping in read(): a wake-up from a blocking read costs tens of
         # microseconds on a busy host. CPU ranks always block (their cores run the model).
         spin_s = PIPE_SPIN_S if self.device is not None and self.device.type == "cuda" else 0.0
+        pending: deque[Any] = deque()  # _Launched steps, or reply frames (idle steps, errors), in request order
+
+        def error_frame(e: BaseException) -> bytes:
+            text = str(e) if isinstance(e, RankStepError) else f"rank {self.rank}: {type(e).__name__}: {e}"
+            return encode_reply(REPLY_ERROR, 0.0, text.encode("utf-8", "replace")[:4000])
+
+        def reply_ready() -> None:
+            while pending and (isinstance(pending[0], bytes) or pending[0].pending.ready()):
+                item = pending.popleft()
+                if not isinstance(item, bytes):
+                    try:
+                        item = encode_tokens(*self._finish_step(item))
+                    except Exception as e:  # noqa: BLE001 - a device error surfaces here
+                        item = error_frame(e)
+                write_all(reply, item)
+
         try:
             while True:
-                if spin_s:
+                reply_ready()
+                if pending:  # a step runs: reply when it finishes, unless the next request comes first
+                    if not select.select([request], [], [], 0)[0]:
+                        continue
+                elif spin_s:
                     deadline = time.perf_counter() + spin_s
                     while time.perf_counter() < deadline and not select.select([request], [], [], 0)[0]:
                         pass
@@ -245,11 +299,9 @@ class RankWorker:
                     return
                 try:
                     decoded = decode_request(body)
-                    frame = encode_tokens(None, 0.0) if decoded is None else encode_tokens(*self._run_step(*decoded))
+                    pending.append(encode_tokens(None, 0.0) if decoded is None else self._launch_step(*decoded))
                 except Exception as e:  # noqa: BLE001 - reported to the driver, which tears the group down
-                    text = str(e) if isinstance(e, RankStepError) else f"rank {self.rank}: {type(e).__name__}: {e}"
-                    frame = encode_reply(REPLY_ERROR, 0.0, text.encode("utf-8", "replace")[:4000])
-                write_all(reply, frame)
+                    pending.append(error_frame(e))
         except OSError:
             return  # the driver went away mid-write
         finally:

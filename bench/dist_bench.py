@@ -10,17 +10,23 @@ also calls of `--decode-steps` decode steps each (multi-step decode, reported pe
 records the time of its `execute` call (host-to-device, forward or graph replay, LM head,
 sampling, device-to-host); the coordinator overhead of a step is the driver's end-to-end
 time minus the slowest rank's in-rank time of that step. Medians are reported.
+
+"ahead" (pipe path): the same decode steps submitted one ahead of their collection
+(`Coordinator.submit` / `collect`), every token id a reference to the previous step's token
+(`prev_token`), as a serving loop that keeps the device busy would run them; reported is the
+interval between consecutive steps' tokens arriving on the driver.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Any
 
 import numpy as np
 
-from actors.batch import StepBatch
+from actors.batch import StepBatch, prev_token
 from actors.coordinator import Coordinator, DeploymentConfig
 from actors.rank import RuntimeConfig
 from bench.common import write_json
@@ -58,6 +64,29 @@ def measure(coord: Coordinator, batch: StepBatch, steps: int, warmup: int, num_s
             "overhead_pct": 100.0 * med(over) / med(in_rank), "e2e_p90_ms": 1e3 * sorted(e2e)[int(0.9 * len(e2e))]}
 
 
+def measure_ahead(coord: Coordinator, batch: StepBatch, steps: int, warmup: int) -> dict[str, float]:
+    """Decode steps submitted one ahead, token ids referring to the previous step: the interval between
+    consecutive steps' tokens reaching the driver (median and p90, ms)."""
+    ahead = dataclasses.replace(batch, token_ids=np.array([prev_token(i) for i in range(batch.batch_size)],
+                                                          dtype=np.int64))
+    coord.step([batch])  # the ranks' previous step, which the first references point at
+    ticket = coord.submit([ahead])
+    for _ in range(warmup):
+        nxt = coord.submit([ahead])
+        coord.collect(ticket)
+        ticket = nxt
+    gaps, last = [], time.perf_counter()
+    for _ in range(steps):
+        nxt = coord.submit([ahead])
+        coord.collect(ticket)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last, ticket = now, nxt
+    coord.collect(ticket)
+    gaps.sort()
+    return {"ahead_ms": 1e3 * statistics.median(gaps), "ahead_p90_ms": 1e3 * gaps[int(0.9 * len(gaps))]}
+
+
 def run_tp(args: Any, tp: int) -> dict[str, Any]:
     cpu = args.device == "cpu"
     graph = GraphRunnerConfig(max_decode_batch=args.max_decode_batch, pcg_max_tokens=args.pcg_max_tokens)
@@ -86,6 +115,11 @@ def run_tp(args: Any, tp: int) -> dict[str, Any]:
                 if not args.quiet:
                     print(f"  tp={tp} {path:8s} batch {b:3d}: e2e {r['e2e_ms']:.3f} ms, in-rank {r['in_rank_ms']:.3f}"
                           f" ms, overhead {r['overhead_ms']:.3f} ms ({r['overhead_pct']:.1f}%)", flush=True)
+                if path == "pipe":
+                    r.update(measure_ahead(coord, batch, args.steps, args.warmup))
+                    if not args.quiet:
+                        print(f"  tp={tp} {path:8s} batch {b:3d}: submitted ahead: {r['ahead_ms']:.3f} ms per step "
+                              f"(p90 {r['ahead_p90_ms']:.3f})", flush=True)
                 k = args.decode_steps
                 if k > 1 and path == "pipe":
                     mb = decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks, mc.vocab_size, k)
@@ -102,13 +136,14 @@ def run_tp(args: Any, tp: int) -> dict[str, Any]:
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = ["tp  path      batch   e2e ms  in-rank ms  overhead ms  overhead %  multi-step e2e ms/token"]
+    lines = ["tp  path      batch   e2e ms  in-rank ms  overhead ms  overhead %  ahead ms  multi-step e2e ms/token"]
     for run in res["runs"]:
         for key, r in run["decode"].items():
             path, b = key.split(":b")
+            ahead = f"{r['ahead_ms']:8.3f}" if "ahead_ms" in r else " " * 8
             multi = f"{r['per_token_e2e_ms']:10.3f} (x{r['decode_steps']})" if "per_token_e2e_ms" in r else ""
             lines.append(f"{run['tp']:<3d} {path:9s} {int(b):5d} {r['e2e_ms']:8.3f} {r['in_rank_ms']:11.3f} "
-                         f"{r['overhead_ms']:12.3f} {r['overhead_pct']:10.1f}  {multi}")
+                         f"{r['overhead_ms']:12.3f} {r['overhead_pct']:10.1f}  {ahead}  {multi}")
     lines.append("")
     lines.append(f"ray.init: {res['ray_init_s']:.2f} s (once); ray_s = placement + actor start-up")
     lines.append("tp  ray_s  groups_s  weights_s  kv_s  capture_s  total_s")

@@ -10,8 +10,10 @@ position_ids, slot_mapping as int64, then kv_seqlens and the block table as int3
 a pinned host mirror. A step whose tensors are on the host (the rank's decode fast path)
 is written into the mirror with numpy and reaches the device in ONE host-to-device copy
 of the prefix the bucket needs; a step already on the device is copied field by field.
-The mirror is rewritten only after the previous step's copy finished: every step ends
-with a device-to-host read of its tokens, which waits for the copy on the same stream.
+Token ids already on the device (a step that continues the previous step's tokens without
+a round trip through the host) are copied device-to-device after that transfer. The mirror
+is rewritten only after the previous step's transfer finished (an event recorded after it):
+a rank may enqueue the next step while the device still runs the current one.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class DecodeGraphBuffersMixin:
             "last_token_index": torch.arange(b, dtype=torch.int64, device=dev),
             "_staging": staging,
             "_host": host,
+            "_host_copied": torch.cuda.Event() if dev.type == "cuda" else None,  # recorded after each transfer
             "_host_fields": {"input_ids": h64[0:b], "position_ids": h64[b:2 * b], "slot_mapping": h64[2 * b:3 * b],
                              "kv_seqlens": h32[0:b], "block_tables": h32[b:b + b * w].reshape(b, w)},
         }
@@ -67,7 +70,7 @@ class DecodeGraphBuffersMixin:
         width = meta.block_tables.shape[1]
         if width > buffers["block_tables"].shape[1]:
             raise ValueError(f"block table width {width} exceeds the graph buffers' {buffers['block_tables'].shape[1]}")
-        if not step.input_ids.is_cuda and buffers["_staging"].is_cuda:
+        if not meta.slot_mapping.is_cuda and buffers["_staging"].is_cuda:
             self._fill_from_host(buffers, step, n, width, padded_batch)
             return
         buffers["input_ids"][:n].copy_(step.input_ids, non_blocking=True)
@@ -90,7 +93,10 @@ class DecodeGraphBuffersMixin:
         meta: AttentionMetadata = step.attn_metadata
         h = buffers["_host_fields"]
         p = padded_batch
-        h["input_ids"][:n] = step.input_ids.numpy()
+        copied = buffers["_host_copied"]
+        copied.synchronize()  # the previous step's transfer out of the mirror has run (no-op before the first)
+        ids_on_device = step.input_ids.is_cuda
+        h["input_ids"][:n] = 0 if ids_on_device else step.input_ids.numpy()
         h["position_ids"][:n] = step.position_ids.numpy()
         h["slot_mapping"][:n] = meta.slot_mapping.numpy()
         h["kv_seqlens"][:n] = meta.kv_seqlens.numpy()
@@ -107,6 +113,9 @@ class DecodeGraphBuffersMixin:
         nbytes = 3 * b * 8 + (b + p * w) * 4  # the int64 fields, kv_seqlens and the first p block-table rows
         buffers["_staging"].view(torch.uint8)[:nbytes].copy_(buffers["_host"].view(torch.uint8)[:nbytes],
                                                               non_blocking=True)
+        copied.record()
+        if ids_on_device:
+            buffers["input_ids"][:n].copy_(step.input_ids, non_blocking=True)
 
     def update_context(self, buffers: dict[str, torch.Tensor], step: Any, padded_batch: int) -> Any:
         """A step whose tensors are bucket-shaped views of `buffers` (what the graph is captured on)."""

@@ -96,6 +96,53 @@ def run_scenario(coord, reference, script: Sequence[Sequence[Optional[Sequence[t
     return history
 
 
+def run_submitted_ahead(coord, reference, prompts: Sequence[Sequence[Sequence[int]]], steps: int,
+                        permute: bool = False, blocks_per_seq: int = BLOCKS_PER_SEQ) -> list[list[list[int]]]:
+    """Prefill each DP rank's `prompts[d]`, then `steps` decode steps submitted one ahead of their collection,
+    every token id a previous-step reference (`prev_token`); with `permute` the rows of DP rank 0 are reversed
+    each step (references then gather). Asserts each DP rank's tokens equal the single-rank `reference` fed
+    step by step through the host; returns the generated tokens per DP rank and sequence."""
+    from actors.batch import prev_token
+
+    n_dp = len(prompts)
+    tables, nxt, block = [], 1, blocks_per_seq
+    for d in range(n_dp):
+        tables.append([list(range(nxt + block * j, nxt + block * (j + 1))) for j in range(len(prompts[d]))])
+        nxt += block * len(prompts[d])
+    order = [list(range(len(p))) for p in prompts]  # order[d][row] = sequence index in the current batch
+    hist = [[len(s) for s in p] for p in prompts]
+    first = coord.step([StepBatch.from_sequences(p, [0] * len(p), t) for p, t in zip(prompts, tables)])
+    gen = [[[int(t)] for t in f] for f in first]
+    tickets = []
+    for k in range(steps):
+        batches = []
+        for d in range(n_dp):
+            prev = order[d]
+            cur = prev[::-1] if permute and d == 0 else prev
+            toks = [[prev_token(prev.index(s))] for s in cur]
+            batches.append(StepBatch.from_sequences(toks, [hist[d][s] for s in cur], [tables[d][s] for s in cur]))
+            for s in cur:
+                hist[d][s] += 1
+            order[d] = cur
+        tickets.append((coord.submit(batches), [list(o) for o in order]))
+        while len(tickets) == 2 or (tickets and k == steps - 1):  # one step stays queued behind the running one
+            t, rows = tickets.pop(0)
+            for d, out in enumerate(coord.collect(t)):
+                for r, tok in enumerate(out.tolist()):
+                    gen[d][rows[d][r]].append(int(tok))
+    for d in range(n_dp):  # the reference: one rank, tokens fed back through the host
+        h = [0] * len(prompts[d])
+        cur = StepBatch.from_sequences(prompts[d], h, tables[d])
+        want = [[int(t)] for t in reference.execute(cur)]
+        for _ in range(steps):
+            cur = StepBatch.from_sequences([[w[-1]] for w in want], [len(p) + len(w) - 1 for p, w in
+                                                                      zip(prompts[d], want)], tables[d])
+            for w, t in zip(want, reference.execute(cur).tolist()):
+                w.append(int(t))
+        assert gen[d] == want, f"DP rank {d}: submitted ahead {gen[d]} != reference {want}"
+    return gen
+
+
 def decode_script(n_dp: int, prompts: Sequence[Sequence[int]], steps: int) -> list:
     """Every DP rank prefills its own prompts (different per rank), then decodes `steps` times."""
     script = [[[("new", f"d{d}s{j}", p) for j, p in enumerate(prompts[d::n_dp])] for d in range(n_dp)]]

@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from actors.batch import BatchError, StepBatch
-from actors.coordinator import (Coordinator, CoordinatorStateError, DeploymentConfig, RankFailureError,
-                                StartupCaptureError)
-from tests.dist._helpers import BLOCK, decode_script, run_scenario, runtime_cfg
+from actors.batch import BatchError, StepBatch, prev_token
+from actors.coordinator import (MAX_IN_FLIGHT, Coordinator, CoordinatorStateError, DeploymentConfig,
+                                RankFailureError, StartupCaptureError, StepTicket)
+from tests.dist._helpers import BLOCK, decode_script, run_scenario, run_submitted_ahead, runtime_cfg
 
 MODEL = "qwen3-tiny"
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [100, 200, 300, 400, 17], [5] * 20]
@@ -147,6 +147,51 @@ def test_multi_step_decode_equals_single_steps(dp2, reference):
     with pytest.raises(ValueError, match="GRAPHLINE_STEP_PATH must be one of"):
         dp2._switch_step_path("bogus")
     assert dp2.step_path == "pipe" and dp2.step(dec)[0].shape == (1,)  # the live step path was kept
+
+
+def test_tp2_steps_submitted_ahead_with_previous_step_references_equal_one_rank(tp2, reference):
+    coord, _ = tp2
+    gen = run_submitted_ahead(coord, reference, [PROMPTS[:3]], steps=6)
+    assert all(len(g) == 7 for g in gen[0])
+    assert coord.status()["steps"] > 0
+
+
+def test_dp2_submitted_ahead_gathers_permuted_references(dp2, reference):
+    run_submitted_ahead(dp2, reference, [PROMPTS[:2], PROMPTS[2:]], steps=5, permute=True)
+
+
+def test_submit_ahead_rejects_bad_references_and_misuse(dp2):
+    coord = dp2
+    coord.reset()  # the ranks drop their previous-step tokens: nothing to refer to
+    ref = StepBatch.from_sequences([[prev_token(0)]], [3], [[50]])
+    with pytest.raises(BatchError, match="DP rank 0: token ids must be in .*there is none"):
+        coord.submit([ref, None])
+    pre = StepBatch.from_sequences([[1, 2, 3]], [0], [[50]])
+    t = coord.submit([pre, None])
+    beyond = StepBatch.from_sequences([[prev_token(1)]], [3], [[50]])
+    with pytest.raises(BatchError, match="DP rank 0: token id -2 refers to row 1 of the previous step, which had 1"):
+        coord.submit([beyond, None])
+    with pytest.raises(BatchError, match="DP rank 1: token ids must be in"):  # DP rank 1 ran nothing since reset
+        coord.submit([None, ref])
+    t2 = coord.submit([ref, None])
+    assert MAX_IN_FLIGHT == 2
+    with pytest.raises(CoordinatorStateError, match="2 steps are in flight"):
+        coord.submit([StepBatch.from_sequences([[prev_token(0)]], [4], [[50]]), None])
+    with pytest.raises(CoordinatorStateError, match="collect\\(\\) the oldest submitted step first"):
+        coord.collect(t2)
+    first = coord.collect(t)[0]
+    second = coord.collect(t2)[0]
+    with pytest.raises(CoordinatorStateError, match="not in flight"):
+        coord.collect(StepTicket(None, (True, False)))
+    # the same two steps through the host: the reference is the previous step's token
+    coord.reset()
+    again = coord.step([pre, None])[0]
+    assert again.tolist() == first.tolist()
+    assert coord.step([StepBatch.from_sequences([[int(first[0])]], [3], [[50]]), None])[0].tolist() == second.tolist()
+    # a reset drains what is in flight; the tickets keep their tokens
+    t3 = coord.submit([StepBatch.from_sequences([[prev_token(0)]], [4], [[50]]), None])
+    coord.reset()
+    assert coord.collect(t3)[0].shape == (1,)
 
 
 def test_polling_driver_gives_the_same_tokens_and_learns_step_shapes(dp2, reference, monkeypatch):

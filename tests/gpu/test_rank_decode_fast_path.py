@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.batch import StepBatch
+from actors.batch import BatchError, StepBatch, prev_token
 from graphrunner.step import ForwardStep
 from modeling.attn_metadata import build_step_from_arrays
 from tests.gpu.helpers import Seqs, make_runtime, random_tokens
@@ -82,3 +82,57 @@ def test_multi_step_decode_on_device_equals_single_steps(rt, n):
         want.append(toks)
         b = StepBatch.from_sequences([[int(t)] for t in toks], (b.num_history + 1).tolist(), tables)
     np.testing.assert_array_equal(multi, np.stack(want, axis=1))
+
+
+@pytest.mark.parametrize("n", [1, 3, 20])
+@torch.inference_mode()
+def test_steps_launched_ahead_with_previous_step_references_equal_host_feedback(rt, n):
+    """Two steps in flight, every token id a reference to the previous step's tokens (rows reversed each step,
+    so references gather): the same tokens as steps fed through the host; a multi-step call too."""
+    rng = np.random.default_rng(200 + n)
+    seqs, vocab, k = Seqs(rt), rt.model_config.vocab_size, 8
+    prompts = [random_tokens(rng, int(rng.integers(5, 150)), vocab) for _ in range(n)]
+    tables = [seqs.new(len(p) + k + 4) for p in prompts]
+    first = rt.execute(StepBatch.from_sequences(prompts, [0] * n, tables))
+    hist, order, got = [len(p) for p in prompts], list(range(n)), [[int(t)] for t in first]
+    in_flight = []
+    for _ in range(k):
+        cur = order[::-1]
+        batch = StepBatch.from_sequences([[prev_token(order.index(s))] for s in cur], [hist[s] for s in cur],
+                                         [tables[s] for s in cur])
+        in_flight.append((rt.launch(batch, validated=True), cur))
+        hist = [h + 1 for h in hist]
+        order = cur
+        if len(in_flight) == 2:
+            pending, rows = in_flight.pop(0)
+            for s, t in zip(rows, pending.result().tolist()):
+                got[s].append(int(t))
+    pending, rows = in_flight.pop(0)
+    for s, t in zip(rows, pending.result().tolist()):
+        got[s].append(int(t))
+    multi = rt.launch(StepBatch.from_sequences([[prev_token(order.index(s))] for s in range(n)], hist, tables),
+                      validated=True, num_steps=3).result()
+    assert multi.shape == (n, 3)
+    want, b = [[int(t)] for t in first], None
+    for j in range(k + 3):  # the same positions again, tokens through the host (rewrites identical K/V)
+        b = StepBatch.from_sequences([[w[-1]] for w in want], [len(p) + j for p in prompts], tables)
+        for w, t in zip(want, rt.execute(b).tolist()):
+            w.append(int(t))
+    assert got == [w[:k + 1] for w in want]
+    np.testing.assert_array_equal(multi, np.array([w[k + 1:] for w in want]))
+
+
+@torch.inference_mode()
+def test_bad_previous_step_reference_raises_before_any_device_work(rt):
+    seqs = Seqs(rt)
+    table = seqs.new(16)
+    rt.execute(StepBatch.from_sequences([[5, 6, 7]], [0], [table]))
+    before = rt.runner.stats.snapshot()["steps"]
+    kv = rt.kv_cache.layers[0][0].clone() if isinstance(rt.kv_cache.layers[0], (tuple, list)) else None
+    with pytest.raises(BatchError, match="refers to row 1 of the previous step, which had 1 rows"):
+        rt.launch(StepBatch.from_sequences([[prev_token(1)]], [3], [table]), validated=True)
+    with pytest.raises(BatchError, match="refers to row 4 of the previous step, which had 1"):
+        rt.execute(StepBatch.from_sequences([[prev_token(4)]], [3], [table]))
+    assert rt.runner.stats.snapshot()["steps"] == before
+    if kv is not None:
+        torch.testing.assert_close(rt.kv_cache.layers[0][0], kv, rtol=0, atol=0)

@@ -18,7 +18,7 @@ from actors.coordinator import DeploymentConfig
 from actors.rank import RankRuntime, RuntimeConfig
 from graphrunner.config import GraphRunnerConfig
 from parallel.context import ParallelContext
-from tests.dist._helpers import CoordinatorCache, Scenario
+from tests.dist._helpers import CoordinatorCache, Scenario, run_submitted_ahead
 
 pytestmark = pytest.mark.multigpu
 
@@ -155,11 +155,32 @@ def test_tp2_graph_decode_matches_tp1_for_64_steps(cache, ref_dense):
         assert steps["full_graph"] >= 64, steps
 
 
+class _StepsThroughHost:
+    """A DP=1 coordinator driven one synchronous step at a time (`run_submitted_ahead`'s reference)."""
+
+    def __init__(self, coord):
+        self.coord = coord
+
+    def execute(self, batch):
+        return self.coord.step([batch])[0]
+
+
+def test_tp2_submitted_ahead_equals_its_own_steps_through_the_host(cache):
+    coord = cache.get("tp2", DeploymentConfig(runtime=rt_cfg("qwen3-0.6b"), tp=2))
+    run_submitted_ahead(coord, _StepsThroughHost(coord), [prompts(3, 22, hi=180)], steps=16, blocks_per_seq=4)
+
+
 def test_dp2_dense_equals_one_rank(cache, ref_dense):
     coord = cache.get("dp2", DeploymentConfig(runtime=rt_cfg("qwen3-0.6b"), dp=2))
     cmp = Compare(coord, ref_dense, exact=True)  # DP alone does not change any rank's numerics
     _greedy(cmp, 2, prompts(5, 1), steps=16)
     cmp.check()
+
+
+def test_dp2_submitted_ahead_equals_one_rank(cache, ref_dense):
+    coord = cache.get("dp2", DeploymentConfig(runtime=rt_cfg("qwen3-0.6b"), dp=2))
+    run_submitted_ahead(coord, ref_dense, [prompts(2, 20, hi=180), prompts(3, 21, hi=180)], steps=12, permute=True,
+                        blocks_per_seq=4)
 
 
 MIXED = [
