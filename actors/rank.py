@@ -11,7 +11,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -45,9 +45,10 @@ class RuntimeConfig:
     num_kv_blocks: blocks per rank; None sizes from `kv_cache_memory_fraction` of the free
         device memory after weights (CUDA) or uses 512 (CPU).
     max_model_len: longest sequence (prompt + output); sets the block-table width.
-    head_graph_max_batch: decode buckets up to this size also capture the LM head + greedy argmax as a
-        graph on the decode graph's output (fp32 logits of `bucket x vocab` in one shared pool; ~15 MiB at 16
-        for a 152k vocabulary, ~100 MiB at 64); larger buckets run the head eagerly; 0 = off.
+    head_graph_max_batch: decode buckets up to this size also capture the LM head as graphs on the decode
+        graph's output, one for greedy tokens alone and one for fp32 logits + argmax (`bucket x vocab` in one
+        shared pool; ~15 MiB at 16 for a 152k vocabulary, ~100 MiB at 64); larger buckets run the head eagerly;
+        0 = off.
     """
 
     model: str = "qwen3-tiny"
@@ -91,6 +92,18 @@ def resolve_device(spec: str, local_gpu: int = 0) -> torch.device:
     if spec == "auto":
         return torch.device("cuda", local_gpu) if torch.cuda.is_available() else torch.device("cpu")
     return torch.device(spec)
+
+
+class HeadGraphs(NamedTuple):
+    """One decode bucket's LM-head graphs and their outputs (device tensors of the head pool, rewritten by each
+    replay): `greedy_graph` writes int64 `greedy` `[bucket]`; `logits_graph` writes fp32 `logits` `[bucket, V]`
+    and int64 `tokens` `[bucket]` (their argmax)."""
+
+    greedy_graph: Any
+    greedy: torch.Tensor
+    logits_graph: Any
+    logits: torch.Tensor
+    tokens: torch.Tensor
 
 
 class PendingTokens:
@@ -138,8 +151,8 @@ class RankRuntime:
         self.kv_cache: Optional[PagedKVCache] = None
         self.runner: Optional[CUDAGraphRunner] = None
         self.timings: dict[str, float] = {}
-        # LM head + argmax graphs per decode bucket: bucket -> (graph, fp32 logits [bucket, V], int64 tokens [bucket])
-        self._heads: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        # LM-head graphs per decode bucket (`HeadGraphs`)
+        self._heads: dict[int, HeadGraphs] = {}
         self._head_pool: Any = None
         self._head_pool_bytes = 0
         self._rows: Optional[torch.Tensor] = None  # int64 arange on the device: the last-token rows of a decode step
@@ -221,8 +234,10 @@ class RankRuntime:
             return time.perf_counter() - t0
 
     def _capture_head(self, batch: int) -> None:
-        """LM head + greedy argmax over the decode graph's output rows, captured once per bucket (largest
-        first, like the decode graphs, so one pool serves all). Stream: the rank's forward stream."""
+        """The LM-head graphs over the decode graph's output rows, captured once per bucket (largest first, like
+        the decode graphs, so one pool serves all): greedy tokens alone (`greedy_tokens`: no fp32 logits, and
+        under TP no logits gather), and fp32 logits + their argmax (sampling, logits observers). Stream: the
+        rank's forward stream."""
         if batch > self.cfg.head_graph_max_batch or batch in self._heads:
             return
         out = self.runner.decode_output(batch)
@@ -230,24 +245,30 @@ class RankRuntime:
             return
         hidden, rows = out[:batch], self._decode_rows(batch)
         self.model.compute_logits(hidden, rows).argmax(dim=-1)  # warm-up outside the capture
+        self.model.greedy_tokens(hidden, rows)
         torch.cuda.synchronize(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
         if self._head_pool is None:
             self._head_pool = torch.cuda.graph_pool_handle()
+        greedy_graph, (greedy,) = self._capture_on_pool(lambda: (self.model.greedy_tokens(hidden, rows),))
+        logits_graph, (logits, tokens) = self._capture_on_pool(
+            lambda: (lambda lg: (lg, lg.argmax(dim=-1)))(self.model.compute_logits(hidden, rows)))
+        self._head_pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        self._heads[batch] = HeadGraphs(greedy_graph, greedy, logits_graph, logits, tokens)
+
+    def _capture_on_pool(self, fn: Callable[[], tuple]) -> tuple[Any, tuple]:
         graph = torch.cuda.CUDAGraph()
         # capture_begin/end directly: `torch.cuda.graph` would add a gc.collect() + empty_cache() per bucket
         with torch.cuda.stream(self.stream):
             graph.capture_begin(pool=self._head_pool, capture_error_mode="thread_local")
             try:
-                logits = self.model.compute_logits(hidden, rows)
-                tokens = logits.argmax(dim=-1)
+                outs = fn()
             except BaseException:
                 end_capture_quietly(graph, self.device)
                 raise
             end_capture(graph, self.device)
         torch.cuda.synchronize(self.device)
-        self._head_pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
-        self._heads[batch] = (graph, logits, tokens)
+        return graph, outs
 
     def _decode_rows(self, n: int) -> torch.Tensor:
         if self._rows is None or self._rows.shape[0] < n:
@@ -400,12 +421,13 @@ class RankRuntime:
         step = ForwardStep(ids_t if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta,
                            global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
         hidden = self.runner(step)
+        sampled = bool(batch.temperature.any())
+        if not sampled and self.logits_observer is None:
+            return self.model.greedy_tokens(hidden, meta.last_token_index)
         logits = self.model.compute_logits(hidden, meta.last_token_index)
         if self.logits_observer is not None:
             self.logits_observer(logits)
-        if not batch.temperature.any():
-            return logits.argmax(dim=-1)
-        return self._sample(logits, batch)
+        return self._sample(logits, batch) if sampled else logits.argmax(dim=-1)
 
     def _decode_fast(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
                      batch_bucket, token_bucket) -> Optional[torch.Tensor]:
@@ -415,30 +437,36 @@ class RankRuntime:
         ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.cfg.block_size)
         step = ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta,
                            global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
-        launched = self._decode_graph_step(step)
+        sampled = bool(batch.temperature.any())
+        launched = self._decode_graph_step(step, need_logits=sampled)
         if launched is None:
             return None
         logits, greedy = launched
-        if not batch.temperature.any():
-            return greedy
-        return self._sample(logits, batch)
+        return self._sample(logits, batch) if sampled else greedy
 
-    def _decode_graph_step(self, step: ForwardStep) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """Replay the decode graph and the LM head for `step` without waiting: (fp32 logits `[n, V]`, int64 greedy
-        tokens `[n]`), device views valid until the next step. None (nothing launched) when no full graph fits."""
+    def _decode_graph_step(self, step: ForwardStep, need_logits: bool = False
+                           ) -> Optional[tuple[Optional[torch.Tensor], torch.Tensor]]:
+        """Replay the decode graph and the LM head for `step` without waiting: (fp32 logits `[n, V]` when
+        `need_logits` or a logits observer is set, else None; int64 greedy tokens `[n]`), device views valid until
+        the next step. None (nothing launched) when no full graph fits."""
         decision = self.runner.decide(step)
         if decision.path is not RunnerPath.FULL_GRAPH:
             return None
         hidden = self.runner.run(step, decision)
         n = step.batch_size
+        need_logits = need_logits or self.logits_observer is not None
         head = self._heads.get(decision.decode_key.batch)
-        if head is None:
+        if head is None and need_logits:
             logits = self.model.compute_logits(hidden, self._decode_rows(n))
             greedy = logits.argmax(dim=-1)
+        elif head is None:
+            logits, greedy = None, self.model.greedy_tokens(hidden, self._decode_rows(n))
+        elif need_logits:
+            head.logits_graph.replay()
+            logits, greedy = head.logits[:n], head.tokens[:n]
         else:
-            graph, logits_buf, tokens_buf = head
-            graph.replay()
-            logits, greedy = logits_buf[:n], tokens_buf[:n]
+            head.greedy_graph.replay()
+            logits, greedy = None, head.greedy[:n]
         if self.logits_observer is not None:
             self.logits_observer(logits)
         return logits, greedy

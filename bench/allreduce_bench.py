@@ -7,7 +7,9 @@ x 1024 hidden, bf16 (a decode step's row-parallel output): the symmetric-memory 
 compared with NCCL's, then 56 back-to-back all-reduces (one decode step of a 28-layer
 model: 2 per layer) are captured in ONE CUDA graph per implementation and replayed; the
 figure is microseconds per all-reduce (CUDA events over the replays, the slower rank).
-When symmetric memory is unavailable the reason is reported and only NCCL is timed.
+When symmetric memory is unavailable the reason is reported and only NCCL is timed. With the
+fused kernel enabled, the post-projection pair (all-reduce, then residual add + RMSNorm) is
+timed against `all_reduce_add_rms_norm` the same way.
 Multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 by default).
 """
 from __future__ import annotations
@@ -118,6 +120,15 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
                     _graph_us(lambda: impl.all_reduce(x), args.replays, 3, device), device)
             impl.use_variant(impl.variants[0])
             row["speedup"] = row["nccl_us"] / row[f"symm_{impl.variants[0]}_us"]
+            if impl.fused:  # the post-projection pair: all-reduce then residual add + RMSNorm, against one kernel
+                from modeling.ops.triton_fused import add_rms_norm
+
+                res = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=device)
+                w = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
+                row["symm_then_norm_us"] = _slowest(_graph_us(
+                    lambda: add_rms_norm(impl.all_reduce(x), res, w, 1e-6), args.replays, 3, device), device)
+                row["fused_norm_us"] = _slowest(_graph_us(
+                    lambda: impl.all_reduce_add_rms_norm(x, res, w, 1e-6), args.replays, 3, device), device)
         elif impl is not None:
             row["symm_note"] = "can_reduce() is False for this size (NCCL would be used)"
         result["rows"].append(row)
@@ -139,6 +150,8 @@ def _table(res: dict[str, Any]) -> str:
         if variants:
             exact = all(r.get(f"symm_{v}_exact", False) for v in variants)
             line += f" {r.get('speedup', float('nan')):>7.2f} {str(exact):>5}"
+        if "fused_norm_us" in r:
+            line += f"   all-reduce + add_rms_norm {r['symm_then_norm_us']:.2f} us, fused {r['fused_norm_us']:.2f} us"
         lines.append(line)
     return "\n".join(lines)
 

@@ -203,7 +203,7 @@ def runtime_graphs(model_name: str, configs: list[tuple[int, int]]) -> list[dict
             wall.append(time.perf_counter() - t0)
         full = rt.runner.full_graphs
         body = [g for k, g in full._graphs.items() if k.batch == 1][0].graph
-        head = rt._heads[1][0] if 1 in rt._heads else None
+        head = rt._heads[1].greedy_graph if 1 in rt._heads else None
         with torch.cuda.stream(rt.stream):
             t_body = time_replays([body])
             t_head = time_replays([head]) if head is not None else {}

@@ -5,7 +5,9 @@ The engine drives any object with this surface (`actors.coordinator.Coordinator`
     step(batches: list[StepBatch | None], num_steps=1) -> list[np.ndarray | None] (int64 `[B]`, or
         `[B, num_steps]` for multi-step decode of greedy decode batches),
     status() -> dict, reset(recapture=True, num_kv_blocks=None, reload_weights=False) -> dict,
-    and optionally max_model_len, rebuild(), shutdown().
+    and optionally max_model_len, rebuild(), shutdown(), and the two halves of `step` for overlapped
+    scheduling: submit(batches, num_steps=1) -> ticket (token ids may refer to the previous round's
+    tokens, `actors.batch.prev_token`), collect(ticket) -> what `step` returns (in submission order).
 """
 from __future__ import annotations
 
@@ -102,6 +104,17 @@ class LocalEngineExecutor:
         if batches[0] is None:
             return [None]
         return self.local.step(batches, num_steps)
+
+    def submit(self, batches: Sequence[Optional[StepBatch]], num_steps: int = 1) -> Any:
+        """Launch one round on the device without waiting (the runtime checks previous-step references)."""
+        if len(batches) != 1:
+            raise ValueError(f"a local executor has one DP rank, got {len(batches)} batches")
+        if batches[0] is None:
+            return None
+        return self.local.runtime.launch(batches[0], num_steps=num_steps)
+
+    def collect(self, ticket: Any) -> list[Optional[np.ndarray]]:
+        return [None if ticket is None else ticket.result()]
 
     def reset(self, recapture: bool = True, num_kv_blocks: Optional[int] = None, reload_weights: bool = False) -> dict:
         rt = self.local.runtime

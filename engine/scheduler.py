@@ -8,6 +8,13 @@ Policy per step (vLLM-v0 style, prefill and decode are separate steps):
    none preempts the newest running sequence (possibly itself): its blocks are freed and
    it goes back to the front of the waiting queue to be recomputed from its prompt and
    generated tokens. Sampling is position-keyed, so the output is unchanged.
+3. Scheduling ahead (`schedule_ahead`): while a decode round is in flight and nobody
+   waits, the next decode round of the same sequences is built before the in-flight
+   round's tokens are known: its token ids refer to them (`actors.batch.prev_token`), so
+   the executor can start it as soon as the device is free. A sequence certain to finish
+   (max_tokens, max_model_len) is left out; one that stops on a stop token rides along and
+   its extra token is dropped. Blocks of a sequence that finishes while a round that
+   writes them is in flight are freed only after that round.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from actors.batch import StepBatch
+from actors.batch import StepBatch, prev_token
 from engine.request import FinishReason, Request
 from engine.sequence import Sequence, SeqStatus
 from modeling.kv_cache import BlockAllocator
@@ -59,6 +66,7 @@ class ScheduledBatch:
     batch: StepBatch
     is_prefill: bool
     num_steps: int = 1
+    ahead: bool = False  # built by `schedule_ahead`: token ids refer to the previous round's tokens
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +82,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._in_flight: Optional[ScheduledBatch] = None
+        self._ahead: Optional[ScheduledBatch] = None  # the round scheduled ahead of `_in_flight`
 
     # ---- queue management
     def add(self, seq: Sequence) -> None:
@@ -88,11 +97,13 @@ class Scheduler:
                 return self._finish(seq, FinishReason.ABORT)
         for seq in self.running:
             if seq.request_id == request_id:
-                if self._in_flight is not None and seq in self._in_flight.seqs:
-                    raise SchedulerError("abort while a step is in flight")
                 self.running.remove(seq)
-                return self._finish(seq, FinishReason.ABORT)
+                # a round in flight still writes its blocks: they are freed when that round is updated
+                return self._finish(seq, FinishReason.ABORT, free=not self._in_any_round(seq))
         return None
+
+    def _in_any_round(self, seq: Sequence) -> bool:
+        return any(r is not None and any(s is seq for s in r.seqs) for r in (self._in_flight, self._ahead))
 
     def preempt_all(self) -> int:
         """Return every running sequence to the waiting queue (blocks freed, recompute later). Used by resets."""
@@ -133,6 +144,44 @@ class Scheduler:
             sched = ScheduledBatch(list(self.running), self._build(self.running), False, steps)
         self._in_flight = sched
         return sched
+
+    def schedule_ahead(self, prev: ScheduledBatch) -> Optional[ScheduledBatch]:
+        """The decode round after the in-flight `prev`, built before `prev`'s tokens are known (see the module
+        docstring), or None: `prev` is not a one-step decode round, requests wait for admission, nobody
+        continues, or the blocks it needs are not free (never preempts). Updated after `prev`."""
+        if prev is not self._in_flight or self._ahead is not None:
+            raise SchedulerError("schedule_ahead() needs the in-flight round and none scheduled ahead of it")
+        if prev.is_prefill or prev.num_steps != 1 or self.waiting:
+            return None
+        in_prev = {id(s) for s in prev.seqs}
+        if any(id(s) not in in_prev for s in self.running):
+            return None
+        max_len = self.cfg.max_model_len
+        rows, cont = [], []
+        for row, seq in enumerate(prev.seqs):
+            req = seq.request
+            if seq.status is SeqStatus.FINISHED or seq.num_tokens + 1 >= max_len or (
+                    req.max_tokens is not None and seq.num_output_tokens + 1 >= req.max_tokens):
+                continue  # finishes with `prev`'s token
+            rows.append(row)
+            cont.append(seq)
+        if not cont:
+            return None
+        # `prev` appends one token (position num_tokens); this round stores it and samples the next
+        need = [max(0, self.blocks_for(s.num_tokens + 1) - len(s.block_table)) for s in cont]
+        if sum(need) > self.allocator.num_free:
+            return None
+        for seq, n in zip(cont, need):
+            if n:
+                seq.block_table.extend(self.allocator.allocate(n))
+        batch = self._build(cont, tokens=[prev_token(r) for r in rows], hist=[s.num_tokens for s in cont])
+        self._ahead = ScheduledBatch(cont, batch, False, 1, ahead=True)
+        return self._ahead
+
+    def cancel_ahead(self) -> None:
+        """Drop the round scheduled ahead before it was submitted (the blocks it reserved stay with their
+        sequences, which need them for their next round anyway)."""
+        self._ahead = None
 
     def _lookahead_steps(self) -> int:
         """Decode steps for this round (multi-step decode): up to `decode_steps` when every running sequence
@@ -203,18 +252,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _build(self, seqs: list[Sequence]) -> StepBatch:
+    def _build(self, seqs: list[Sequence], tokens: Optional[list[int]] = None,
+               hist: Optional[list[int]] = None) -> StepBatch:
+        """The step batch of `seqs`: their unfed tokens, or (ahead) one given token id each at position `hist`."""
         n = len(seqs)
         tables_lists = [s.block_table for s in seqs]
         width = max(map(len, tables_lists))
         tables = np.zeros((n, width), dtype=np.int32)
         for i, bt in enumerate(tables_lists):
             tables[i, : len(bt)] = bt
-        hist = [s.num_computed for s in seqs]
-        if all(len(s.token_ids) - h == 1 for s, h in zip(seqs, hist)):  # decode: one new token each
+        if tokens is not None:
+            q = np.ones(n, dtype=np.int32)
+        elif all(len(s.token_ids) - s.num_computed == 1 for s in seqs):  # decode: one new token each
+            hist = [s.num_computed for s in seqs]
             tokens = [s.token_ids[-1] for s in seqs]
             q = np.ones(n, dtype=np.int32)
         else:
+            hist = [s.num_computed for s in seqs]
             tokens = [t for s, h in zip(seqs, hist) for t in s.token_ids[h:]]
             q = np.array([len(s.token_ids) - h for s, h in zip(seqs, hist)], dtype=np.int32)
         rows = [s.sampling_row for s in seqs]
@@ -233,7 +287,7 @@ class Scheduler:
         order until a sequence finishes); returns the sequences of the round (finished ones freed)."""
         if sched is not self._in_flight:
             raise SchedulerError("update() for a batch that is not in flight")
-        self._in_flight = None
+        self._in_flight, self._ahead = self._ahead, None  # the round scheduled ahead is now the one in flight
         toks = np.asarray(next_tokens)
         if toks.ndim == 1:
             toks = toks[:, None]
@@ -244,6 +298,10 @@ class Scheduler:
         finished = False
         max_len = self.cfg.max_model_len
         for seq, row in zip(sched.seqs, toks.tolist()):
+            if seq.status is SeqStatus.FINISHED:  # stopped or aborted while this round ran: its token is dropped
+                if not self._in_any_round(seq):
+                    self._release(seq)
+                continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
@@ -264,7 +322,7 @@ class Scheduler:
             keep = []
             for seq in self.running:
                 if seq.finish_reason is not None:
-                    self._finish(seq, seq.finish_reason)
+                    self._finish(seq, seq.finish_reason, free=not self._in_any_round(seq))
                 else:
                     keep.append(seq)
             self.running = keep
@@ -274,10 +332,11 @@ class Scheduler:
         """Forget an in-flight batch whose step failed (its sequences are then failed by the engine)."""
         if sched is self._in_flight:
             self._in_flight = None
+            self._ahead = None
 
     def fail_all(self, message: str) -> list[Sequence]:
         """Finish every sequence with an error (the executor failed); returns them."""
-        self._in_flight = None
+        self._in_flight = self._ahead = None
         out = []
         for seq in list(self.running) + list(self.waiting):
             seq.error = message
@@ -285,13 +344,17 @@ class Scheduler:
         self.running, self.waiting = [], collections.deque()
         return out
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> Sequence:
-        if seq.block_table:
-            self.allocator.free(seq.block_table)
-            seq.block_table = []
+    def _finish(self, seq: Sequence, reason: FinishReason, free: bool = True) -> Sequence:
+        if free:
+            self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         return seq
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []
 
     def stats(self) -> dict:
         return {

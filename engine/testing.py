@@ -44,6 +44,8 @@ class PagedToyExecutor:
         self.resets = 0
         self.rebuilds = 0
         self.multi_steps = 0  # steps run with num_steps > 1
+        self.ahead_rounds = 0  # submitted rounds whose token ids referred to the previous round
+        self._last: dict[int, np.ndarray] = {}  # DP rank -> its last round's tokens (previous-step references)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -88,6 +90,30 @@ class PagedToyExecutor:
                               b.seeds)
             out.append(np.stack(cols, axis=1))
         return out
+
+    def submit(self, batches: Sequence[Optional[StepBatch]], num_steps: int = 1) -> list[Optional[np.ndarray]]:
+        """Run the round now, filling previous-step references (negative ids) from each DP rank's last tokens;
+        the ticket is the round's result. `collect` returns it."""
+        resolved = []
+        for r, b in enumerate(batches):
+            if b is not None and b.num_tokens and int(b.token_ids.min()) < 0:
+                last = self._last.get(r)
+                b.validate(self.model_config.vocab_size, self._block_size, 0 if last is None else len(last))
+                ids = b.token_ids.copy()
+                ref = ids < 0
+                ids[ref] = last[-ids[ref] - 1]
+                b = StepBatch(ids, b.q_seqlens, b.num_history, b.block_tables, b.temperature, b.top_k, b.top_p,
+                              b.seeds)
+                self.ahead_rounds += 1
+            resolved.append(b)
+        out = self.step(resolved, num_steps)
+        for r, o in enumerate(out):
+            if o is not None:
+                self._last[r] = o if o.ndim == 1 else o[:, -1]
+        return out
+
+    def collect(self, ticket: list[Optional[np.ndarray]]) -> list[Optional[np.ndarray]]:
+        return ticket
 
     def _run(self, rank: int, b: StepBatch) -> np.ndarray:
         b.validate(self.model_config.vocab_size, self._block_size)

@@ -37,6 +37,11 @@ def add_model_args(p: argparse.ArgumentParser, executor_default: str = "ray") ->
     c.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per DP rank "
                    "(default: --max-decode-batch, so every decode batch has a graph)")
     c.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per prefill step per DP rank")
+    c.add_argument("--overlap", action="store_true",
+                   help="schedule and submit the next decode round while the current one runs (lower time per "
+                        "output token at low concurrency; see docs/benchmarks.md for its tail-latency caveat)")
+    c.add_argument("--overlap-max-seqs", type=int, default=32,
+                   help="with --overlap: only for decode rounds of at most this many sequences")
     c.add_argument("--decode-steps", type=int, default=1,
                    help="multi-step decode: decode steps per scheduling round while every running request is greedy "
                         "(tokens stream in groups of this size; host overhead is paid once per group)")
@@ -138,7 +143,9 @@ def engine_config(args: argparse.Namespace):
     if args.decode_steps < 1:
         raise SystemExit(f"--decode-steps must be >= 1, got {args.decode_steps}")
     return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, decode_steps=args.decode_steps)
+                        max_model_len=args.max_model_len, decode_steps=args.decode_steps,
+                        overlap=bool(getattr(args, "overlap", False)),
+                        overlap_max_seqs=getattr(args, "overlap_max_seqs", 32))
 
 
 def served_model_name(args: argparse.Namespace) -> str:

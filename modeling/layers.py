@@ -15,6 +15,7 @@ from torch import nn
 from modeling.attention import AttentionImpl, QKPrologue
 from modeling.config import ModelConfig
 from modeling.ops import KernelOps
+from parallel import comm
 from parallel.context import ParallelContext
 from parallel.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
@@ -90,11 +91,14 @@ def project_add_norm(proj: RowParallelLinear, x: torch.Tensor, residual: torch.T
                      gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(y + residual), y + residual) for y = proj(x) (gated: proj(silu_and_mul(x))), x `[T, in]`, residual
     `[T, H]`. Without TP the projection, the residual add and the norm are one operator (`linear_add_rms_norm`,
-    one kernel on the decode path); under TP the all-reduce sits between the GEMM and the add."""
+    one kernel on the decode path); under TP the all-reduce, the add and the norm are one operator
+    (`comm.all_reduce_add_rms_norm`: one kernel over symmetric memory when the group has it) after the GEMM."""
     if proj.ctx.tp_size == 1:
         return ops.linear_add_rms_norm(x, proj.weight, residual, norm.weight, norm.eps, gated=gated)
-    y = proj.forward_with(ops.silu_mul_linear, x) if gated else proj(x)
-    return norm(y, residual)
+    y = proj.forward_with(ops.silu_mul_linear if gated else proj.gemm, x, reduce=False)
+    if not proj.reduce_results:
+        return norm(y, residual)
+    return comm.all_reduce_add_rms_norm(y, residual, norm.weight, norm.eps, proj.ctx.tp_group, norm)
 
 
 class Qwen3MLP(nn.Module):

@@ -96,6 +96,11 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""
         return self.lm_head.logits(hidden.index_select(0, last_token_index))
 
+    def greedy_tokens(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
+        """hidden `[T, H]`, last_token_index int64 `[B]` -> int64 `[B]`, equal to `compute_logits(...).argmax(-1)`
+        without the fp32 logits (and under TP without gathering them)."""
+        return self.lm_head.greedy(hidden.index_select(0, last_token_index))
+
     # ---- piecewise CUDA graph opt-in: every request-dependent operator installs its eager boundary, all or none
     def _boundary_operators(self) -> list:
         ops: list = [self.attn_impl]

@@ -71,6 +71,22 @@ def all_reduce(x: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
     return x
 
 
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            group: Optional[Any], add_rms_norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s) * weight, s) for s = all_reduce(x) + residual; x, residual `[T, H]`, weight `[H]`.
+
+    One kernel when the group's fast implementation fuses it (`can_fuse_add_rms_norm`, the same decision on
+    every rank for the same shapes and dtypes); otherwise `all_reduce` then `add_rms_norm(y, residual)`, the
+    caller's `(y, residual) -> (normed, sum)` operator.
+    """
+    if _FAST:
+        impl = fast_all_reduce(group)
+        fuse = getattr(impl, "can_fuse_add_rms_norm", None)
+        if fuse is not None and fuse(x, residual, weight):
+            return impl.all_reduce_add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm(all_reduce(x, group), residual)
+
+
 def all_gather(x: torch.Tensor, group: Optional[Any], dim: int = 0) -> torch.Tensor:
     """Concatenate equal-shaped `x` from every rank of `group` along `dim` (rank order)."""
     n = group_size(group)

@@ -128,10 +128,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_with(self.gemm, x)
 
-    def forward_with(self, gemm, x: torch.Tensor) -> torch.Tensor:
-        """`forward` with another `(x, w) -> y [T, out]` product, e.g. one that applies an activation to x first."""
+    def forward_with(self, gemm, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """`forward` with another `(x, w) -> y [T, out]` product, e.g. one that applies an activation to x first.
+        `reduce=False`: this rank's partial product (the caller reduces it, e.g. fused with a norm)."""
         y = gemm(x, self.weight)
-        return comm.all_reduce(y, self.ctx.tp_group) if self.reduce_results else y
+        return comm.all_reduce(y, self.ctx.tp_group) if reduce and self.reduce_results else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -175,6 +176,31 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.ctx.tp_size > 1:
             local = comm.all_gather(local.contiguous(), self.ctx.tp_group, dim=-1)
         return local[..., : self.vocab].float()
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """int64 `[B]`: the argmax of `logits(hidden)` (first index on ties) without forming them: each rank takes
+        the argmax of its vocabulary shard in the GEMM's dtype, and the ranks exchange one (value, index) pair
+        per row instead of their `[B, vocab / tp]` logits. Capturable on NCCL."""
+        local = self.gemm(hidden, self.weight)
+        valid = min(self.vocab_per_rank, self.vocab - self.start)
+        if valid < local.shape[-1]:
+            local = local[..., :valid]
+        idx = local.argmax(dim=-1)
+        if self.ctx.tp_size == 1:
+            return idx
+        val = local.gather(-1, idx.unsqueeze(-1)).squeeze(-1).float()
+        # one exchange: values and shard-global indices as fp32 rows (indices below 2^24 are exact)
+        pair = torch.stack([val, (idx + self.start).float()]).unsqueeze(0)  # [1, 2, B]
+        both = comm.all_gather(pair.contiguous(), self.ctx.tp_group, dim=0)  # [tp, 2, B]
+        return pick_global_argmax(both[:, 0], both[:, 1])
+
+
+def pick_global_argmax(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """values / indices fp32 `[tp, B]`: each vocabulary shard's max and its global index (shards in rank order,
+    so lower rank = lower indices) -> int64 `[B]` the index of the overall max, the lowest one on ties (what
+    `argmax` over the whole row returns)."""
+    best = values.argmax(dim=0, keepdim=True)  # first max: the lowest rank on ties
+    return indices.gather(0, best).squeeze(0).long()
 
 
 def tie_weights(head: ParallelLMHead, embedding: VocabParallelEmbedding, tied: bool) -> Optional[ParallelLMHead]:

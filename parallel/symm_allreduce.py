@@ -32,6 +32,11 @@ TP group (TP ranks run the same batch), so per-call decisions agree as well.
 
 Calls for one group must be ordered on one stream (the model's forward stream): the group
 has a single buffer.
+
+Fused with the residual add + RMSNorm that follows a row-parallel projection:
+`all_reduce_add_rms_norm` (a Triton kernel over a second symmetric allocation,
+`parallel.symm_fused`), enabled after its own agreed numeric probe; `can_fuse_add_rms_norm`
+decides per call, from shapes and dtypes only.
 """
 from __future__ import annotations
 
@@ -137,6 +142,75 @@ class SymmMemAllReduce:
         self._flat: dict[torch.dtype, torch.Tensor] = {}
         for dt in CANDIDATE_DTYPES:
             self._flat[dt] = self._buffer.view(dt)
+        self._fused: Optional[Any] = None  # parallel.symm_fused.FusedSymmBuffers once `enable_fused` agreed
+        self._fused_pending: Optional[Any] = None  # allocated by `make_fused`, not yet agreed on
+
+    # ---- the fused all-reduce + add + RMSNorm
+    def make_fused(self) -> None:
+        """Allocate and rendezvous the fused kernel's buffers (every rank together); enabled by `enable_fused`."""
+        from parallel.symm_fused import FusedSymmBuffers
+
+        self._fused_pending = FusedSymmBuffers(self.group_name, self.device, self.world_size, self.rank, self.max_bytes)
+
+    def enable_fused(self, on: bool) -> None:
+        pending = getattr(self, "_fused_pending", None)
+        self._fused_pending = None
+        self._fused = pending if on else None
+        if not on and pending is not None:
+            pending.close()
+
+    @property
+    def fused(self) -> bool:
+        return self._fused is not None
+
+    def can_fuse_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `all_reduce_add_rms_norm` may run: a pure function of shapes, dtypes and layout (the same on
+        every rank of the group) plus the agreed enable flag."""
+        from parallel.symm_fused import MAX_HIDDEN
+
+        f = self._fused
+        if f is None or not self.enabled or not x.is_cuda or x.device != self.device or x.dim() != 2:
+            return False
+        if x.dtype not in self.dtypes or residual.dtype != x.dtype or weight.dtype != x.dtype:
+            return False
+        if residual.shape != x.shape or weight.shape != (x.shape[1],) or x.shape[1] > MAX_HIDDEN or x.numel() == 0:
+            return False
+        return x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous() and f.fits(x)
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(all_reduce(x) + residual) * weight, all_reduce(x) + residual), new tensors; one kernel.
+        Capturable; call only when `can_fuse_add_rms_norm`."""
+        return self._fused.all_reduce_add_rms_norm(x, residual, weight, eps)
+
+    def probe_fused(self) -> bool:
+        """Run the fused kernel on exact inputs and compare with the unfused arithmetic; no exceptions escape."""
+        f = getattr(self, "_fused_pending", None)
+        if f is None:
+            return False
+        try:
+            ok = True
+            for dt in sorted(self.dtypes, key=str):
+                for m in (1, 3, 64, 130):
+                    h = 1024
+                    base = ((torch.arange(m * h, device=self.device) % 5) - 2).to(dt).view(m, h)
+                    g = torch.Generator(device=self.device).manual_seed(1234 + m)
+                    res = torch.randn(m, h, generator=g, device=self.device).to(dt)
+                    w = (torch.rand(h, generator=g, device=self.device) + 0.5).to(dt)
+                    for _ in range(3):  # both halves, and a reuse of the first
+                        out, s = f.all_reduce_add_rms_norm(base * (self.rank + 1), res, w, 1e-6)
+                        y = (base * (self.world_size * (self.world_size + 1) // 2)).float()
+                        want_s = (y + res.float()).to(dt)
+                        sf = want_s.float()
+                        n = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt).float()
+                        want = (n * w.float()).to(dt)
+                        ok = ok and torch.equal(s, want_s) and bool(
+                            torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2))
+            torch.cuda.synchronize(self.device)
+            return ok
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot build here is a normal outcome
+            log.info("fused all-reduce + add + RMSNorm probe failed: %s", e)
+            return False
 
     # ---- configuration
     @property
@@ -162,8 +236,9 @@ class SymmMemAllReduce:
     def describe(self) -> str:
         names = ", ".join(str(d).removeprefix("torch.") for d in CANDIDATE_DTYPES if d in self.dtypes)
         ops = "+".join(self._ops[v] for v in self._variants)
+        fused = "; fused with add + RMSNorm" if self._fused is not None else ""
         return (f"{IMPL_NAME} ({ops}) for contiguous {names} tensors <= {self.max_bytes} bytes over "
-                f"{self.world_size} ranks; NCCL otherwise")
+                f"{self.world_size} ranks{fused}; NCCL otherwise")
 
     # ---- the collective
     def can_reduce(self, x: torch.Tensor) -> bool:
@@ -203,6 +278,7 @@ class SymmMemAllReduce:
     def close(self) -> None:
         """Drop the buffer (idempotent). No device synchronisation: a peer may be gone after a failure."""
         self.enabled = False
+        self.enable_fused(False)
         self._flat = {}
         self._handle = None
         self._buffer = None
@@ -319,7 +395,28 @@ def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFA
         impl.close()
         return None, "numeric probe failed for every dtype / op variant (see logs)"
     impl.configure(dtypes, variants)
+    _try_fused(impl, group, device)
     return impl, impl.describe()
+
+
+def _try_fused(impl: SymmMemAllReduce, group: Any, device: torch.device) -> None:
+    """Set up, probe and agree on the fused all-reduce + add + RMSNorm; the plain all-reduce stays either way.
+    `GRAPHLINE_TP_FUSED_NORM=0` leaves it off (every rank of a deployment shares the environment)."""
+    import os
+
+    if os.environ.get("GRAPHLINE_TP_FUSED_NORM", "1") == "0":
+        return
+    ok, reason = True, ""
+    try:
+        impl.make_fused()
+    except Exception as e:  # noqa: BLE001
+        ok, reason = False, f"{type(e).__name__}: {e}"
+    ok, reason = _agree(ok, reason, group, device, "fused buffers allocation/rendezvous")
+    if ok:
+        ok, reason = _agree(impl.probe_fused(), "numeric probe failed", group, device, "fused probe")
+    impl.enable_fused(ok)
+    if not ok:
+        log.warning("fused all-reduce + add + RMSNorm unavailable: %s", reason)
 
 
 def create_for_group(group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES

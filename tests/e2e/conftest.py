@@ -18,11 +18,12 @@ def _start(kind: str) -> Server:
     if kind == "local":
         return start_server(graphline("serve", *TINY_ARGS, "--executor", "local", "--port", "0"))
     if kind == "dp2":
-        # A private Ray head + `graphline serve --address` through the cluster script (what operators run).
+        # A private Ray head + `graphline serve --address` through the cluster script (what operators run),
+        # scheduling ahead (`--overlap`): every e2e check also covers rounds submitted before the previous returned.
         env = {"GRAPHLINE_RAY_PORT": "0", "GRAPHLINE_RAY_NUM_CPUS": "4", "PYTHON": sys.executable,
                "GRAPHLINE": f"{sys.executable} -m launch"}
         return start_server(["bash", str(REPO / "launch" / "cluster.sh"), "up", *TINY_ARGS, "--dp", "2",
-                             "--port", "0"], timeout=300, env=env)
+                             "--overlap", "--port", "0"], timeout=300, env=env)
     raise ValueError(kind)
 
 

@@ -138,6 +138,7 @@ def test_32_concurrent_clients_equal_offline_generate(server, offline):
     assert outs == offline["greedy"]
     if server.kind == "local":  # 15 usable blocks for up to 16 sequences of 2 blocks: preemption by recompute
         assert eng["preemptions"] > 0
+    assert eng["overlap"] == (server.kind == "dp2") and (eng["rounds_ahead"] > 0) == eng["overlap"]
 
 
 def test_seeded_sampling_is_reproducible_and_equals_offline(server, offline):

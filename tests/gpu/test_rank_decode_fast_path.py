@@ -39,15 +39,20 @@ def test_fast_path_equals_general_path(rt, n):
     first = rt.execute(pre)
     dec = StepBatch.from_sequences([[int(t)] for t in first], [len(p) for p in prompts], tables)
     before = rt.runner.stats.snapshot()["steps"].get("full_graph", 0)
-    fast = rt.execute(dec)  # writes the new token's K/V; the general path below rewrites the same values
-    assert rt.runner.stats.snapshot()["steps"]["full_graph"] == before + 1
+    fast = rt.execute(dec)  # greedy head: writes the new token's K/V; the paths below rewrite the same values
+    seen = []
+    rt.logits_observer = lambda lg: seen.append(lg.clone())
+    try:
+        fast_with_logits = rt.execute(dec)  # the logits head
+    finally:
+        rt.logits_observer = None
+    assert rt.runner.stats.snapshot()["steps"]["full_graph"] == before + 2
     head = rt._heads.get(rt.runner.decide(_device_step(rt, dec)).decode_key.batch)
     assert (head is not None) == (n <= 16)
-    fast_logits = head[1][:n].clone() if head is not None else None
     logits = _general(rt, dec)
     np.testing.assert_array_equal(fast, logits.argmax(dim=-1).cpu().numpy())
-    if fast_logits is not None:
-        torch.testing.assert_close(fast_logits, logits, rtol=0, atol=0)
+    np.testing.assert_array_equal(fast_with_logits, fast)
+    torch.testing.assert_close(seen[0], logits, rtol=0, atol=0)
     seeded = StepBatch.from_sequences([[int(t)] for t in first], [len(p) for p in prompts], tables,
                                       temperature=[0.8] * n, top_k=[50] * n, seeds=list(range(n)))
     np.testing.assert_array_equal(rt.execute(seeded), rt.execute(seeded))

@@ -6,7 +6,8 @@ in the workers once (module fixture); each test asserts its own entry. Checked: 
 path is registered; `comm.all_reduce` equals NCCL for bf16 / fp32 at several sizes and
 returns a new tensor; inside one CUDA graph (chained all-reduces, 3 replays with new
 inputs); oversized / unsupported tensors fall back to NCCL in place (also mixed in a graph);
-`destroy()` unregisters it; `GRAPHLINE_TP_ALLREDUCE=nccl` registers nothing.
+`destroy()` unregisters it; `GRAPHLINE_TP_ALLREDUCE=nccl` registers nothing; the fused
+all-reduce + add + RMSNorm equals NCCL then add_rms_norm, eagerly and chained in a graph.
 """
 from __future__ import annotations
 
@@ -135,6 +136,94 @@ def _check_fallback(g, rank: int, device: torch.device) -> dict[str, Any]:
     return out
 
 
+def _unfused(x, residual, weight, eps, group):
+    """The reference of the fused operator: NCCL all-reduce, then the model's add_rms_norm kernel."""
+    import torch.distributed as dist
+
+    from modeling.ops.triton_fused import add_rms_norm
+
+    y = x.clone()
+    dist.all_reduce(y, group=group)
+    return add_rms_norm(y, residual, weight, eps)
+
+
+def _check_fused(g, rank: int, device: torch.device) -> dict[str, Any]:
+    """all_reduce_add_rms_norm: one kernel that equals NCCL + add_rms_norm (eager, sizes 1..256 tokens, and
+    chained inside one CUDA graph replayed with new inputs: both buffer halves, epochs across replays), with
+    the same bits on every rank; oversized inputs fall back."""
+    import torch.distributed as dist
+
+    from parallel import comm
+
+    impl = comm.fast_all_reduce(g.tp_group)
+    assert impl.fused, impl.describe()
+    eps, diffs = 1e-6, []
+    w = (torch.rand(HIDDEN, device=device, generator=torch.Generator(device=device).manual_seed(5)) + 0.5)
+    w = w.to(torch.bfloat16)
+
+    def norm_fallback(y, r):
+        from modeling.ops.triton_fused import add_rms_norm
+        return add_rms_norm(y, r, w, eps)
+
+    def same_on_every_rank(t):
+        both = [torch.empty_like(t) for _ in range(WORLD)]
+        dist.all_gather(both, t.contiguous(), group=g.tp_group)
+        assert all(torch.equal(both[0], b) for b in both[1:]), "ranks disagree bit-wise"
+
+    for tokens in TOKENS:
+        x = _rand((tokens, HIDDEN), torch.bfloat16, device, 300 * rank + tokens)
+        res = _rand((tokens, HIDDEN), torch.bfloat16, device, 77 + tokens)  # the same residual on every rank
+        assert impl.can_fuse_add_rms_norm(x, res, w)
+        out, s = comm.all_reduce_add_rms_norm(x, res, w, eps, g.tp_group, norm_fallback)
+        ref_out, ref_s = _unfused(x, res, w, eps, g.tp_group)
+        torch.testing.assert_close(s, ref_s, **_tol(torch.bfloat16))
+        torch.testing.assert_close(out, ref_out, **_tol(torch.bfloat16))
+        same_on_every_rank(out)
+        same_on_every_rank(s)
+        diffs.append(float((out.float() - ref_out.float()).abs().max()))
+    big = _rand((1024, HIDDEN), torch.bfloat16, device, rank)
+    big_res = torch.zeros_like(big)
+    assert not impl.can_fuse_add_rms_norm(big, big_res, w)
+    out, s = comm.all_reduce_add_rms_norm(big.clone(), big_res, w, eps, g.tp_group, norm_fallback)  # NCCL: in place
+    ref_out, ref_s = _unfused(big, big_res, w, eps, g.tp_group)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+
+    x_in = torch.zeros(64, HIDDEN, dtype=torch.bfloat16, device=device)
+    r_in = torch.zeros(64, HIDDEN, dtype=torch.bfloat16, device=device)
+
+    def layers(n: int):
+        h, r = x_in, r_in
+        for _ in range(n):  # odd count: a replay starts on the half the previous replay ended with
+            h, r = comm.all_reduce_add_rms_norm(h * 0.5, r, w, eps, g.tp_group, norm_fallback)
+        return h, r
+
+    def layers_ref(n: int):
+        h, r = x_in, r_in
+        for _ in range(n):
+            h, r = _unfused(h * 0.5, r, w, eps, g.tp_group)
+        return h, r
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        layers(5)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+        h_out, r_out = layers(5)
+    for replay in range(4):
+        x_in.copy_(_rand(x_in.shape, x_in.dtype, device, 900 * replay + rank))
+        r_in.copy_(_rand(r_in.shape, r_in.dtype, device, 901 * replay))
+        graph.replay()
+        torch.cuda.synchronize(device)
+        h_ref, r_ref = layers_ref(5)
+        torch.testing.assert_close(r_out, r_ref, rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(h_out, h_ref, rtol=3e-2, atol=3e-2)
+        same_on_every_rank(h_out)
+    del graph
+    return {"max_abs_diff": diffs}
+
+
 def _run_checks(rank: int, ports: tuple[int, int]) -> dict[str, Any]:
     from parallel import comm
     from parallel.groups import RankGroups, Rendezvous
@@ -147,7 +236,8 @@ def _run_checks(rank: int, ports: tuple[int, int]) -> dict[str, Any]:
     g.init(Rendezvous("127.0.0.1", ports[0]))
     res["impl"] = g.tp_allreduce_info()
     if g.tp_allreduce_impl == "symm_mem_one_shot":
-        for name, fn in (("eager", _check_eager), ("graph", _check_graph), ("fallback", _check_fallback)):
+        for name, fn in (("eager", _check_eager), ("graph", _check_graph), ("fallback", _check_fallback),
+                         ("fused", _check_fused)):
             try:
                 res[name] = {"ok": True, **fn(g, rank, device)}
             except Exception:  # noqa: BLE001 - reported per check
@@ -228,6 +318,10 @@ def test_cuda_graph_replays_match_nccl(results):
 
 def test_oversized_and_unsupported_fall_back_to_nccl(results):
     _each(results, "fallback")
+
+
+def test_fused_all_reduce_add_rms_norm_matches_nccl_then_norm(results):
+    _each(results, "fused")
 
 
 def test_destroy_unregisters(results):

@@ -145,3 +145,29 @@ def test_rank_groups_records_the_tp_allreduce(monkeypatch):
     finally:
         groups.destroy()
     assert not dist.is_initialized()
+
+
+def test_pick_global_argmax_takes_the_lowest_index_on_ties():
+    from parallel.layers import pick_global_argmax
+
+    # 3 shards x 4 rows: shard maxima and their global indices (shard r covers [10 r, 10 r + 10))
+    values = torch.tensor([[5.0, 1.0, 2.0, -1.0], [7.0, 1.0, 2.0, -3.0], [7.0, 0.5, 9.0, -1.0]])
+    indices = torch.tensor([[3.0, 0.0, 9.0, 4.0], [12.0, 15.0, 11.0, 19.0], [21.0, 22.0, 29.0, 20.0]])
+    got = pick_global_argmax(values, indices)
+    assert got.dtype == torch.int64
+    assert got.tolist() == [12, 0, 29, 4]
+    full = torch.full((4, 30), -100.0)  # the same rows as whole logits: argmax agrees
+    for r in range(3):
+        for b in range(4):
+            full[b, int(indices[r, b])] = values[r, b]
+    assert full.argmax(dim=-1).tolist() == got.tolist()
+
+
+def test_lm_head_greedy_equals_argmax_of_logits_on_one_rank():
+    from parallel.context import ParallelContext
+    from parallel.layers import ParallelLMHead
+
+    head = ParallelLMHead(1000, 64, ParallelContext(), torch.float32)
+    head.weight.data.copy_(torch.randn(1000, 64, generator=torch.Generator().manual_seed(0)))
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    assert head.greedy(hidden).tolist() == head.logits(hidden).argmax(dim=-1).tolist()
