@@ -27,5 +27,6 @@ benches)
   for k in 1 8; do
     timeout 110 python3 bench/serve_bench.py --model qwen3-0.6b --server-arg=--decode-steps=$k --out "$out/serve_bench_steps$k.json" 2>&1 | grep -v "\[server\]" | tee "$out/serve_bench_steps$k.log" | tail -6
   done
+  timeout 110 python3 bench/serve_bench.py --model qwen3-0.6b --server-arg=--overlap --out "$out/serve_bench_overlap.json" 2>&1 | grep -v "\[server\]" | tee "$out/serve_bench_overlap.log" | tail -6
   ;;
 esac
