@@ -437,5 +437,9 @@ class RankWorker:
 
         self.runtime.logits_observer = recording
 
+    def _test_stop_recording_logits(self) -> None:
+        """Tests only: drop the logits observer (greedy steps take the greedy LM head again)."""
+        self.runtime.logits_observer = None
+
     def _test_last_logits(self) -> Any:
         return getattr(self, "_last_logits", None)

@@ -156,6 +156,26 @@ def test_tp2_steps_submitted_ahead_with_previous_step_references_equal_one_rank(
     assert coord.status()["steps"] > 0
 
 
+def test_tp2_greedy_head_equals_the_logits_head(tp2):
+    """Without a logits observer greedy steps take the greedy LM head (per-shard argmax, one (value, index)
+    exchange over gloo); with one, the gathered fp32 logits. The same batches give the same tokens."""
+    import ray
+
+    coord, _ = tp2
+    tables = [[1 + 4 * i + k for k in range(4)] for i in range(len(PROMPTS))]
+    runs = []
+    for record in (True, False):
+        for w in coord._ranks.workers:
+            ray.get((w._test_record_logits if record else w._test_stop_recording_logits).remote(), timeout=30)
+        out = [[int(t)] for t in coord.step([StepBatch.from_sequences(PROMPTS, [0] * len(PROMPTS), tables)])[0]]
+        for j in range(8):
+            b = StepBatch.from_sequences([[o[-1]] for o in out], [len(p) + j for p in PROMPTS], tables)
+            for o, t in zip(out, coord.step([b])[0].tolist()):
+                o.append(int(t))
+        runs.append(out)
+    assert runs[0] == runs[1]
+
+
 def test_dp2_submitted_ahead_gathers_permuted_references(dp2, reference):
     run_submitted_ahead(dp2, reference, [PROMPTS[:2], PROMPTS[2:]], steps=5, permute=True)
 
