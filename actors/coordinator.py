@@ -254,22 +254,26 @@ class Coordinator:
     def collect(self, ticket: StepTicket) -> list[np.ndarray | None]:
         """The tokens of a submitted step, per DP rank (None for idle ones): waits for them. Steps are collected
         in the order they were submitted."""
-        if ticket.outs is None or ticket in self._in_flight:
+        if ticket in self._in_flight:
             self._require("serving")
-            if not self._in_flight or self._in_flight[0] is not ticket:
-                raise CoordinatorStateError("collect() the oldest submitted step first" if ticket in self._in_flight
-                                            else "this step is not in flight on this coordinator")
-            self._receive(self._in_flight[0])
-            self._in_flight.popleft()
+            if self._in_flight[0] is not ticket:
+                raise CoordinatorStateError("collect() the oldest submitted step first")
+            self._receive_oldest()
+        elif ticket.outs is None:
+            raise CoordinatorStateError("this step is not in flight on this coordinator")
         if ticket.plan is None:
             return [None] * self.topo.dp
         outs = ticket.outs
         return [outs[r][0] if ticket.present[d] else None for d, r in enumerate(self.topo.dp_leaders())]
 
-    def _receive(self, ticket: StepTicket) -> None:
-        """Receive an in-flight step's replies into `ticket.outs` and count it."""
+    def _receive_oldest(self) -> None:
+        """Receive the oldest in-flight step's replies into its ticket's `outs` (`[]` when every DP rank was idle),
+        count it, and take it off the in-flight queue."""
+        ticket = self._in_flight[0]
         plan = ticket.plan
         if plan is None:
+            ticket.outs = []
+            self._in_flight.popleft()
             return
         if ticket.outs is None:
             try:
@@ -284,12 +288,12 @@ class Coordinator:
         c.driver_s += now - max(ticket.submitted, self._last_collect)
         c.in_rank_s += max(t for _, t in ticket.outs)
         self._last_collect = now
+        self._in_flight.popleft()
 
     def _drain(self) -> None:
         """Receive every in-flight step (their tickets keep the tokens for a later `collect`)."""
         while self._in_flight:
-            self._receive(self._in_flight[0])
-            self._in_flight.popleft()
+            self._receive_oldest()
 
     def _validate(self, dp_rank: int, b: StepBatch, num_steps: int = 1) -> None:
         rt = self.cfg.runtime

@@ -11,7 +11,8 @@ import pytest
 from actors.batch import BatchError, StepBatch, prev_token
 from actors.coordinator import (MAX_IN_FLIGHT, Coordinator, CoordinatorStateError, DeploymentConfig,
                                 RankFailureError, StartupCaptureError, StepTicket)
-from tests.dist._helpers import BLOCK, decode_script, run_scenario, run_submitted_ahead, runtime_cfg
+from tests.dist._helpers import (BLOCK, decode_script, greedy_with_and_without_logits_observer, run_scenario,
+                                 run_submitted_ahead, runtime_cfg)
 
 MODEL = "qwen3-tiny"
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [100, 200, 300, 400, 17], [5] * 20]
@@ -159,20 +160,9 @@ def test_tp2_steps_submitted_ahead_with_previous_step_references_equal_one_rank(
 def test_tp2_greedy_head_equals_the_logits_head(tp2):
     """Without a logits observer greedy steps take the greedy LM head (per-shard argmax, one (value, index)
     exchange over gloo); with one, the gathered fp32 logits. The same batches give the same tokens."""
-    import ray
-
     coord, _ = tp2
     tables = [[1 + 4 * i + k for k in range(4)] for i in range(len(PROMPTS))]
-    runs = []
-    for record in (True, False):
-        for w in coord._ranks.workers:
-            ray.get((w._test_record_logits if record else w._test_stop_recording_logits).remote(), timeout=30)
-        out = [[int(t)] for t in coord.step([StepBatch.from_sequences(PROMPTS, [0] * len(PROMPTS), tables)])[0]]
-        for j in range(8):
-            b = StepBatch.from_sequences([[o[-1]] for o in out], [len(p) + j for p in PROMPTS], tables)
-            for o, t in zip(out, coord.step([b])[0].tolist()):
-                o.append(int(t))
-        runs.append(out)
+    runs = greedy_with_and_without_logits_observer(coord, PROMPTS, tables, steps=8, timeout_s=30)
     assert runs[0] == runs[1]
 
 
@@ -210,8 +200,10 @@ def test_submit_ahead_rejects_bad_references_and_misuse(dp2):
     assert coord.step([StepBatch.from_sequences([[int(first[0])]], [3], [[50]]), None])[0].tolist() == second.tolist()
     # a reset drains what is in flight; the tickets keep their tokens
     t3 = coord.submit([StepBatch.from_sequences([[prev_token(0)]], [4], [[50]]), None])
+    idle = coord.submit([None, None])
     coord.reset()
     assert coord.collect(t3)[0].shape == (1,)
+    assert coord.collect(idle) == [None, None]  # a drained step where every DP rank was idle
 
 
 def test_polling_driver_gives_the_same_tokens_and_learns_step_shapes(dp2, reference, monkeypatch):
