@@ -394,7 +394,7 @@ class RankRuntime:
         prev = self._last_tokens
         host = np.where(refs, ids, 0)
         n = int(ids.shape[0])
-        if refs.all() and n <= rows and np.array_equal(src, np.arange(n)):
+        if refs.all() and np.array_equal(src, np.arange(n)):
             return host, prev[:n]  # the steady state of a decode loop: row i continues row i
         dev = torch.from_numpy(host).to(self.device, non_blocking=True)
         idx = torch.from_numpy(np.stack([np.flatnonzero(refs), src])).to(self.device, non_blocking=True)
@@ -422,12 +422,19 @@ class RankRuntime:
                            global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
         hidden = self.runner(step)
         sampled = bool(batch.temperature.any())
-        if not sampled and self.logits_observer is None:
-            return self.model.greedy_tokens(hidden, meta.last_token_index)
-        logits = self.model.compute_logits(hidden, meta.last_token_index)
+        logits, greedy = self._eager_head(hidden, meta.last_token_index, sampled)
+        return self._sample(logits, batch) if sampled else greedy
+
+    def _eager_head(self, hidden: torch.Tensor, rows: torch.Tensor, need_logits: bool
+                    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """The LM head without a graph: (fp32 logits `[n, V]` when `need_logits` (the caller samples) or a logits
+        observer is set, else None; int64 greedy tokens `[n]`, None when `need_logits`). Calls the observer."""
+        if not need_logits and self.logits_observer is None:
+            return None, self.model.greedy_tokens(hidden, rows)
+        logits = self.model.compute_logits(hidden, rows)
         if self.logits_observer is not None:
             self.logits_observer(logits)
-        return self._sample(logits, batch) if sampled else logits.argmax(dim=-1)
+        return logits, None if need_logits else logits.argmax(dim=-1)
 
     def _decode_fast(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
                      batch_bucket, token_bucket) -> Optional[torch.Tensor]:
@@ -447,29 +454,25 @@ class RankRuntime:
     def _decode_graph_step(self, step: ForwardStep, need_logits: bool = False
                            ) -> Optional[tuple[Optional[torch.Tensor], torch.Tensor]]:
         """Replay the decode graph and the LM head for `step` without waiting: (fp32 logits `[n, V]` when
-        `need_logits` or a logits observer is set, else None; int64 greedy tokens `[n]`), device views valid until
-        the next step. None (nothing launched) when no full graph fits."""
+        `need_logits` (the caller samples) or a logits observer is set, else None; int64 greedy tokens `[n]`, which
+        may be None when `need_logits`), device views valid until the next step. None (nothing launched) when no
+        full graph fits."""
         decision = self.runner.decide(step)
         if decision.path is not RunnerPath.FULL_GRAPH:
             return None
         hidden = self.runner.run(step, decision)
         n = step.batch_size
-        need_logits = need_logits or self.logits_observer is not None
         head = self._heads.get(decision.decode_key.batch)
-        if head is None and need_logits:
-            logits = self.model.compute_logits(hidden, self._decode_rows(n))
-            greedy = logits.argmax(dim=-1)
-        elif head is None:
-            logits, greedy = None, self.model.greedy_tokens(hidden, self._decode_rows(n))
-        elif need_logits:
-            head.logits_graph.replay()
-            logits, greedy = head.logits[:n], head.tokens[:n]
-        else:
+        if head is None:
+            return self._eager_head(hidden, self._decode_rows(n), need_logits)
+        if not need_logits and self.logits_observer is None:
             head.greedy_graph.replay()
-            logits, greedy = None, head.greedy[:n]
+            return None, head.greedy[:n]
+        head.logits_graph.replay()
+        logits = head.logits[:n]
         if self.logits_observer is not None:
             self.logits_observer(logits)
-        return logits, greedy
+        return logits, head.tokens[:n]
 
     def _multi_step_tokens(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
                            batch_bucket, token_bucket, num_steps: int) -> torch.Tensor:
@@ -481,7 +484,7 @@ class RankRuntime:
                 return out
         # general path: one step at a time, each step's tokens feeding the next on the device
         rows = []
-        for j in range(num_steps):
+        for _ in range(num_steps):
             toks = self._step_tokens(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket)
             rows.append(toks)
             ids_dev = toks

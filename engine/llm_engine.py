@@ -148,12 +148,7 @@ class LLMEngine:
             ticket = self._submit(scheduled, steps)
         if self._overlap and steps == 1:
             self._submit_ahead(scheduled)
-        try:
-            results = self.executor.collect(ticket) if self._overlap else ticket
-        except Exception as exc:
-            self._cancel(scheduled)
-            self.counters["executor_failures"] += 1
-            raise EngineStepError(f"executor step failed: {type(exc).__name__}: {exc}") from exc
+        results = self._collect(scheduled, ticket) if self._overlap else ticket
         seconds = time.perf_counter() - t0
         outputs.extend(self._apply(scheduled, results))
         self.counters["steps"] += 1
@@ -172,9 +167,20 @@ class LLMEngine:
                 return self.executor.submit(batches, num_steps=steps) if steps > 1 else self.executor.submit(batches)
             return self.executor.step(batches, num_steps=steps) if steps > 1 else self.executor.step(batches)
         except Exception as exc:
-            self._cancel(scheduled)
-            self.counters["executor_failures"] += 1
-            raise EngineStepError(f"executor step failed: {type(exc).__name__}: {exc}") from exc
+            raise self._executor_failed(scheduled, exc) from exc
+
+    def _collect(self, scheduled: list[Optional[ScheduledBatch]], ticket: Any) -> list:
+        """The tokens of a round `_submit` handed to an overlapping executor (waits for them)."""
+        try:
+            return self.executor.collect(ticket)
+        except Exception as exc:
+            raise self._executor_failed(scheduled, exc) from exc
+
+    def _executor_failed(self, scheduled: list[Optional[ScheduledBatch]], exc: Exception) -> "EngineStepError":
+        """Forget the failed round (and any round scheduled ahead) and build the caller's error."""
+        self._cancel(scheduled)
+        self.counters["executor_failures"] += 1
+        return EngineStepError(f"executor step failed: {type(exc).__name__}: {exc}")
 
     def _submit_ahead(self, scheduled: list[Optional[ScheduledBatch]]) -> None:
         """Schedule and submit the decode round after `scheduled` (every active DP rank, or none)."""
@@ -201,18 +207,9 @@ class LLMEngine:
     def _finish_ahead(self) -> None:
         """Collect the round submitted ahead, if any (its outputs are reported by the next `step()`)."""
         if self._ahead is not None:
-            self._pending.extend(self._step_collected())
-
-    def _step_collected(self) -> list[RequestOutput]:
-        scheduled, ticket, _ = self._ahead
-        self._ahead = None
-        try:
-            results = self.executor.collect(ticket)
-        except Exception as exc:
-            self._cancel(scheduled)
-            self.counters["executor_failures"] += 1
-            raise EngineStepError(f"executor step failed: {type(exc).__name__}: {exc}") from exc
-        return self._apply(scheduled, results)
+            scheduled, ticket, _ = self._ahead
+            self._ahead = None
+            self._pending.extend(self._apply(scheduled, self._collect(scheduled, ticket)))
 
     def _apply(self, scheduled: list[Optional[ScheduledBatch]], results: list) -> list[RequestOutput]:
         """Hand a round's tokens to the schedulers; the progress of every request that advanced or finished."""

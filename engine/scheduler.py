@@ -66,7 +66,6 @@ class ScheduledBatch:
     batch: StepBatch
     is_prefill: bool
     num_steps: int = 1
-    ahead: bool = False  # built by `schedule_ahead`: token ids refer to the previous round's tokens
 
     @property
     def num_tokens(self) -> int:
@@ -175,7 +174,7 @@ class Scheduler:
             if n:
                 seq.block_table.extend(self.allocator.allocate(n))
         batch = self._build(cont, tokens=[prev_token(r) for r in rows], hist=[s.num_tokens for s in cont])
-        self._ahead = ScheduledBatch(cont, batch, False, 1, ahead=True)
+        self._ahead = ScheduledBatch(cont, batch, False, 1)
         return self._ahead
 
     def cancel_ahead(self) -> None:
@@ -263,14 +262,14 @@ class Scheduler:
             tables[i, : len(bt)] = bt
         if tokens is not None:
             q = np.ones(n, dtype=np.int32)
-        elif all(len(s.token_ids) - s.num_computed == 1 for s in seqs):  # decode: one new token each
-            hist = [s.num_computed for s in seqs]
-            tokens = [s.token_ids[-1] for s in seqs]
-            q = np.ones(n, dtype=np.int32)
         else:
             hist = [s.num_computed for s in seqs]
-            tokens = [t for s, h in zip(seqs, hist) for t in s.token_ids[h:]]
-            q = np.array([len(s.token_ids) - h for s, h in zip(seqs, hist)], dtype=np.int32)
+            if all(len(s.token_ids) - h == 1 for s, h in zip(seqs, hist)):  # decode: one new token each
+                tokens = [s.token_ids[-1] for s in seqs]
+                q = np.ones(n, dtype=np.int32)
+            else:
+                tokens = [t for s, h in zip(seqs, hist) for t in s.token_ids[h:]]
+                q = np.array([len(s.token_ids) - h for s, h in zip(seqs, hist)], dtype=np.int32)
         rows = [s.sampling_row for s in seqs]
         greedy = all(r == (0.0, 0, 1.0, -1) for r in rows)
         return StepBatch(

@@ -143,6 +143,26 @@ def run_submitted_ahead(coord, reference, prompts: Sequence[Sequence[Sequence[in
     return gen
 
 
+def greedy_with_and_without_logits_observer(coord, prompts: Sequence[Sequence[int]], tables: Sequence[Sequence[int]],
+                                            steps: int, timeout_s: float = 60.0) -> list[list[list[int]]]:
+    """The greedy tokens of `prompts` (prefill, then `steps` decode steps fed through the host) on a DP=1
+    coordinator, run twice on the same block tables: with every rank's logits observer set (the fp32 logits
+    head) and without (the greedy head). Returns both runs; the caller compares them."""
+    import ray
+
+    runs = []
+    for record in (True, False):
+        for w in coord._ranks.workers:
+            ray.get((w._test_record_logits if record else w._test_stop_recording_logits).remote(), timeout=timeout_s)
+        out = [[int(t)] for t in coord.step([StepBatch.from_sequences(prompts, [0] * len(prompts), tables)])[0]]
+        for j in range(steps):
+            b = StepBatch.from_sequences([[o[-1]] for o in out], [len(p) + j for p in prompts], tables)
+            for o, t in zip(out, coord.step([b])[0].tolist()):
+                o.append(int(t))
+        runs.append(out)
+    return runs
+
+
 def decode_script(n_dp: int, prompts: Sequence[Sequence[int]], steps: int) -> list:
     """Every DP rank prefills its own prompts (different per rank), then decodes `steps` times."""
     script = [[[("new", f"d{d}s{j}", p) for j, p in enumerate(prompts[d::n_dp])] for d in range(n_dp)]]

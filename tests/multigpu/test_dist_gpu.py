@@ -18,7 +18,8 @@ from actors.coordinator import DeploymentConfig
 from actors.rank import RankRuntime, RuntimeConfig
 from graphrunner.config import GraphRunnerConfig
 from parallel.context import ParallelContext
-from tests.dist._helpers import CoordinatorCache, Scenario, run_submitted_ahead
+from tests.dist._helpers import (CoordinatorCache, Scenario, greedy_with_and_without_logits_observer,
+                                 run_submitted_ahead)
 
 pytestmark = pytest.mark.multigpu
 
@@ -173,23 +174,10 @@ def test_tp2_submitted_ahead_equals_its_own_steps_through_the_host(cache):
 def test_tp2_greedy_head_equals_the_logits_head(cache):
     """Greedy steps without a logits observer take the greedy LM head (per-shard argmax, one (value, index)
     exchange); with one they take the fp32 logits head. Same deployment, same batches: the same tokens."""
-    import ray
-
-    from actors.batch import StepBatch
-
     coord = cache.get("tp2", DeploymentConfig(runtime=rt_cfg("qwen3-0.6b"), tp=2))
     ps = prompts(3, 23, hi=180)
     tables = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(ps))]
-    runs = []
-    for record in (True, False):
-        for w in coord._ranks.workers:
-            ray.get((w._test_record_logits if record else w._test_stop_recording_logits).remote(), timeout=60)
-        out = [[int(t)] for t in coord.step([StepBatch.from_sequences(ps, [0] * len(ps), tables)])[0]]
-        for j in range(12):
-            b = StepBatch.from_sequences([[o[-1]] for o in out], [len(p) + j for p in ps], tables)
-            for o, t in zip(out, coord.step([b])[0].tolist()):
-                o.append(int(t))
-        runs.append(out)
+    runs = greedy_with_and_without_logits_observer(coord, ps, tables, steps=12)
     assert runs[0] == runs[1]
 
 

@@ -37,6 +37,19 @@ def _rand(shape, dtype, device, seed):
     return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dtype)
 
 
+def _capture(fn, device: torch.device):
+    """`fn()` warmed up eagerly on a side stream, then captured on it: (graph, what the captured call returned)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()  # eager warm-up on the capture stream
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
+
+
 def _check_eager(g, rank: int, device: torch.device) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -92,14 +105,7 @@ def _check_graph(g, rank: int, device: torch.device) -> dict[str, Any]:
 
     impl = comm.fast_all_reduce(g.tp_group)
     assert impl.can_reduce(small) and not impl.can_reduce(large)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        forward()  # eager warm-up on the capture stream
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-        z_out, big_out = forward()
+    graph, (z_out, big_out) = _capture(forward, device)
     diffs = []
     for replay in range(3):
         small.copy_(_rand(small.shape, small.dtype, device, 1000 * replay + rank))
@@ -203,14 +209,7 @@ def _check_fused(g, rank: int, device: torch.device) -> dict[str, Any]:
             h, r = _unfused(h * 0.5, r, w, eps, g.tp_group)
         return h, r
 
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        layers(5)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-        h_out, r_out = layers(5)
+    graph, (h_out, r_out) = _capture(lambda: layers(5), device)
     for replay in range(4):
         x_in.copy_(_rand(x_in.shape, x_in.dtype, device, 900 * replay + rank))
         r_in.copy_(_rand(r_in.shape, r_in.dtype, device, 901 * replay))
