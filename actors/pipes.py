@@ -50,6 +50,9 @@ from actors.wire import LENGTH, REPLY_ERROR, decode_reply, encode_request
 _F_SETPIPE_SZ = 1031  # Linux fcntl: pipe capacity (large prefill frames in one write)
 POLL_MARGIN_S = 0.0003  # start polling this long before the expected reply
 DRIVER_POLL_S = 0.002  # how long past the expected reply the driver polls (GPU ranks) before it blocks
+# GRAPHLINE_STEP_TRACE=1: the driver and each rank's step loop record per-step timestamps (`bench.step_trace`);
+# off by default because the rank's timing events cost a few microseconds per step.
+STEP_TRACE = os.environ.get("GRAPHLINE_STEP_TRACE") == "1"
 _MAX_SHAPES = 4096  # remembered step shapes (prefill token counts vary): forgotten all at once beyond this
 
 
@@ -108,6 +111,9 @@ class PipeStepper:
         self._expected: dict[tuple, float] = {}  # step shape -> seconds its last step took (driver view)
         self._sent: deque[float] = deque()  # send times of the plans whose replies are still due, oldest first
         self._last_reply = 0.0  # when the last reply was received (monotonic)
+        # (perf_counter after the requests were written, after the replies were read) per step, when tracing
+        self.trace: Optional[deque[tuple[float, float]]] = deque(maxlen=4096) if STEP_TRACE else None
+        self._trace_sent: deque[float] = deque()
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.dir = tempfile.mkdtemp(prefix="graphline-steps-", dir=base)
         self.req_fds: list[int] = []
@@ -167,6 +173,8 @@ class PipeStepper:
         if faults:
             raise RankCallError("step", faults, {})
         self._sent.append(time.monotonic())
+        if self.trace is not None:
+            self._trace_sent.append(time.perf_counter())
 
     def receive(self, plan: Any, timeout_s: float) -> list[tuple[Any, float]]:
         """Every rank's reply to the oldest plan sent and not yet received (`plan` must be that one):
@@ -211,6 +219,8 @@ class PipeStepper:
                     if payload is not None and plan.num_steps > 1:
                         payload = payload.reshape(-1, plan.num_steps)
                     results[r] = (payload, seconds)
+        if self.trace is not None:
+            self.trace.append((self._trace_sent.popleft(), time.perf_counter()))
         if not pending and not faults:
             self._last_reply = time.monotonic()
             if len(self._expected) >= _MAX_SHAPES:

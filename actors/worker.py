@@ -28,6 +28,7 @@ from typing import Any, Optional
 import ray
 
 from actors.errors import RankStepError
+from actors.pipes import STEP_TRACE
 from actors.placement import ActorPlace
 
 PIPE_SPIN_S = 0.003  # how long a GPU rank's step loop polls for the next request before blocking
@@ -40,10 +41,10 @@ class _TestFault(RuntimeError):
 class _Launched:
     """A step enqueued on the rank's device: its `PendingTokens` and when its launch began (perf_counter)."""
 
-    __slots__ = ("pending", "t0")
+    __slots__ = ("pending", "t0", "trace")
 
     def __init__(self, pending: Any, t0: float):
-        self.pending, self.t0 = pending, t0
+        self.pending, self.t0, self.trace = pending, t0, None
 
 
 @ray.remote(concurrency_groups={"health": 2})
@@ -65,6 +66,7 @@ class RankWorker:
         self._steps = 0
         self._in_flight = 0  # steps launched and not yet finished (the pipe loop may run two at once)
         self._step_times: deque[float] = deque(maxlen=4096)
+        self._trace: deque[dict[str, float]] = deque(maxlen=4096)  # STEP_TRACE records, oldest first
         self._captures = 0
         self._faults = dict(test_faults or {})
         self._threads_set: set[int] = set()
@@ -277,12 +279,18 @@ class RankWorker:
         def reply_ready() -> None:
             while pending and (isinstance(pending[0], bytes) or pending[0].pending.ready()):
                 item = pending.popleft()
+                trace = None if isinstance(item, bytes) else item.trace
+                if trace is not None:
+                    trace["ready"] = time.perf_counter()
                 if not isinstance(item, bytes):
                     try:
                         item = encode_tokens(*self._finish_step(item))
                     except Exception as e:  # noqa: BLE001 - a device error surfaces here
                         item = error_frame(e)
                 write_all(reply, item)
+                if trace is not None:
+                    trace["written"] = time.perf_counter()
+                    self._trace.append(trace)
 
         try:
             while True:
@@ -297,9 +305,15 @@ class RankWorker:
                 body = read_frame(request)
                 if body is None:  # the driver closed the pipe: the step path was torn down
                     return
+                t_read = time.perf_counter()
                 try:
                     decoded = decode_request(body)
-                    pending.append(encode_tokens(None, 0.0) if decoded is None else self._launch_step(*decoded))
+                    if decoded is None:
+                        pending.append(encode_tokens(None, 0.0))
+                    elif STEP_TRACE:
+                        pending.append(self._launch_traced(decoded, t_read))
+                    else:
+                        pending.append(self._launch_step(*decoded))
                 except Exception as e:  # noqa: BLE001 - reported to the driver, which tears the group down
                     pending.append(error_frame(e))
         except OSError:
@@ -307,6 +321,35 @@ class RankWorker:
         finally:
             os.close(request)
             os.close(reply)
+
+    def _launch_traced(self, decoded: tuple, t_read: float) -> "_Launched":
+        """`_launch_step` with a trace record: `read` (request read), `launched` (launch returned), later `ready`,
+        `written`, and `device_s`, the forward stream's time from before the launch to after the tokens' copy."""
+        import torch
+
+        timed = self.device is not None and self.device.type == "cuda"
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.runtime.stream)
+        step = self._launch_step(*decoded)
+        step.trace = {"read": t_read, "launched": time.perf_counter()}
+        if timed:
+            end.record(self.runtime.stream)
+            step.trace["events"] = (start, end)
+        return step
+
+    def step_trace(self, clear: bool = False) -> list[dict[str, float]]:
+        """The pipe loop's trace records (GRAPHLINE_STEP_TRACE=1), oldest first; perf_counter seconds."""
+        out = []
+        for rec in self._trace:
+            rec = dict(rec)
+            events = rec.pop("events", None)
+            if events is not None:
+                rec["device_s"] = events[0].elapsed_time(events[1]) / 1e3
+            out.append(rec)
+        if clear:
+            self._trace.clear()
+        return out
 
     def _maybe_fault_in_step(self) -> None:
         f = self._faults

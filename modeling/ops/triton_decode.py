@@ -160,7 +160,7 @@ def _combine_splits(PART_O, PART_LSE, OUT, b, kvh, n_active, stride_ob, stride_o
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # block-table width varies per step: no recompiles
 def _decode_split_kernel(
     Q,
     K_CACHE,

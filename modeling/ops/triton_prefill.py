@@ -87,7 +87,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # block-table width varies per step: no recompiles
 def _prefill_kernel(
     Q,
     K_CACHE,

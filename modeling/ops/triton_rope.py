@@ -253,7 +253,7 @@ def _store_slot(SLOTS, t, n_slots):
     return tl.load(SLOTS + t, mask=t < n_slots, other=-1).to(tl.int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots"])  # token count varies per step: no recompiles
 def _qk_norm_rope_store_kernel(
     Q, K, V, QO, QW, KW, COS, SIN, POS, K_CACHE, V_CACHE, SLOTS, n_slots,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
@@ -291,7 +291,7 @@ def _qk_norm_rope_store_kernel(
             tl.store(dst_v, v.to(V_CACHE.dtype.element_ty), mask=mask_d)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots"])
 def _qk_norm_rope_store_token_kernel(
     Q, K, V, QO, QW, KW, COS, SIN, POS, K_CACHE, V_CACHE, SLOTS, n_slots,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,

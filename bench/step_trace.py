@@ -1,0 +1,111 @@
+"""Where a decode step's time goes on the pipe step path: driver, pipes, rank host work, device.
+
+    python -m bench.step_trace --out artifacts/step_trace.json                  # qwen3-0.6b, GPUs
+    python -m bench.step_trace --model qwen3-tiny --device cpu --steps 20        # CPU smoke check
+
+Sets GRAPHLINE_STEP_TRACE=1 before Ray starts, so the driver's `PipeStepper` and every rank's step
+loop record perf_counter timestamps (one clock on one host) and each rank times its forward stream
+with CUDA events from before the launch to after the tokens' device-to-host copy. For strict steps
+(`Coordinator.step`: send, wait, send the next) the median of each segment, in microseconds:
+
+  driver_pre   step called -> every request written (validation, planning, encoding, writes)
+  to_rank      request written -> the rank has read it (pipe wake-up and read)
+  launch       request read -> launch returned (decode, checks, host metadata, copies, graph launches)
+  wait         launch returned -> the rank saw the tokens' event complete
+  reply        event complete -> reply written (device-to-host result, encoding, write)
+  to_driver    reply written -> the driver has read every reply
+  driver_post  replies read -> step returned
+  device       the forward stream's span (CUDA events; includes any gap where it waited for the host)
+
+`host_exposed` = total - device: the host time in series with the device.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+from bench.common import write_json
+
+SEGMENTS = ("driver_pre", "to_rank", "launch", "wait", "reply", "to_driver", "driver_post")
+
+
+def trace_steps(coord: Any, batch: Any, steps: int, warmup: int) -> dict[str, float]:
+    """Median microseconds per segment over `steps` strict steps (rank 0's records)."""
+    for _ in range(warmup):
+        coord.step([batch])
+    coord._stepper.trace.clear()
+    coord._ranks.call("step_trace", (True,), timeout_s=60, what="clear step trace")
+    spans = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        coord.step([batch])
+        spans.append((t0, time.perf_counter()))
+    driver = list(coord._stepper.trace)[-steps:]
+    ranks = coord._ranks.call("step_trace", (True,), timeout_s=60, what="read step trace")
+    rank0 = ranks[0][-steps:]
+    rows: dict[str, list[float]] = {k: [] for k in SEGMENTS + ("device", "total", "host_exposed")}
+    for (t0, t1), (sent, got), r in zip(spans, driver, rank0):
+        seg = {"driver_pre": sent - t0, "to_rank": r["read"] - sent, "launch": r["launched"] - r["read"],
+               "wait": r["ready"] - r["launched"], "reply": r["written"] - r["ready"],
+               "to_driver": got - r["written"], "driver_post": t1 - got, "total": t1 - t0}
+        seg["device"] = r.get("device_s", 0.0)
+        seg["host_exposed"] = seg["total"] - seg["device"]
+        for k, v in seg.items():
+            rows[k].append(v)
+    return {k: 1e6 * statistics.median(v) for k, v in rows.items()}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--device", default="auto", help="auto (GPUs when the cluster has them) or cpu")
+    p.add_argument("--tp", default="1", help="TP sizes to run (comma list)")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--max-decode-batch", type=int, default=64)
+    p.add_argument("--pcg-max-tokens", type=int, default=512)
+    p.add_argument("--num-cpus", type=int, default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    os.environ["GRAPHLINE_STEP_TRACE"] = "1"  # before actors.pipes is imported and before Ray starts workers
+    import ray
+
+    from actors.coordinator import Coordinator, DeploymentConfig
+    from actors.rank import RuntimeConfig
+    from actors.startup import ensure_ray
+    from bench.dist_bench import decode_batch
+    from graphrunner.config import GraphRunnerConfig
+
+    cpu = args.device == "cpu"
+    ensure_ray(None, args.num_cpus or (4 if cpu else None))
+    res: dict[str, Any] = {"model": args.model, "args": vars(args), "runs": []}
+    try:
+        for tp in (int(x) for x in args.tp.split(",")):
+            graph = GraphRunnerConfig(max_decode_batch=args.max_decode_batch, pcg_max_tokens=args.pcg_max_tokens)
+            rt = RuntimeConfig(model=args.model, device=args.device, graph=graph)
+            coord = Coordinator(DeploymentConfig(runtime=rt, tp=tp, use_gpu=False if cpu else None))
+            coord.start(progress=False)
+            try:
+                if coord.step_path != "pipe":
+                    raise SystemExit(f"step path is {coord.step_path}, the trace needs the pipe path")
+                for b in (int(x) for x in args.batches.split(",")):
+                    batch = decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks,
+                                         coord.model_config.vocab_size)
+                    r = trace_steps(coord, batch, args.steps, args.warmup)
+                    res["runs"].append({"tp": tp, "batch": b, "us": r})
+                    print(f"tp={tp} batch={b}: " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()), flush=True)
+            finally:
+                coord.shutdown()
+    finally:
+        ray.shutdown()
+    write_json(args.out, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
