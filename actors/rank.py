@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,25 +113,31 @@ class PendingTokens:
     `host`: int64 tensor on the host (pinned for a CUDA rank) that a device-to-host copy on the rank's forward
     stream fills, `[B]` or `[num_steps, B]` for multi-step decode; `event`: recorded after that copy (None when
     the tokens are already on the host: CPU ranks, idle steps). Lifetime: owned by the caller; `result()` returns
-    a copy, so the staging tensor can be dropped after it."""
+    a copy and then hands the pinned buffer and its event back to `recycle` (the rank's free list) for a later
+    step, so `result()` is the only reader of `host`."""
 
-    __slots__ = ("host", "event", "multi")
+    __slots__ = ("host", "event", "multi", "_recycle", "_out")
 
-    def __init__(self, host: Optional[torch.Tensor], event: Any = None, multi: bool = False):
-        self.host, self.event, self.multi = host, event, multi
+    def __init__(self, host: Optional[torch.Tensor], event: Any = None, multi: bool = False,
+                 recycle: Optional[list] = None):
+        self.host, self.event, self.multi, self._recycle, self._out = host, event, multi, recycle, None
 
     def ready(self) -> bool:
         """Whether `result()` returns without waiting for the device."""
-        return self.event is None or self.event.query()
+        return self.event is None or self._out is not None or self.event.query()
 
     def result(self) -> Optional[np.ndarray]:
         """int64 `[B]` (`[B, num_steps]` for multi-step decode) next tokens, or None for an idle step."""
-        if self.host is None:
-            return None
+        if self._out is not None or self.host is None:
+            return self._out
         if self.event is not None:
             self.event.synchronize()
         out = self.host.numpy()
-        return out.T.copy() if self.multi else out.copy()
+        self._out = out.T.copy() if self.multi else out.copy()
+        if self._recycle is not None:
+            self._recycle.append((self.host, self.event))
+            self._recycle = None
+        return self._out
 
 
 class RankRuntime:
@@ -163,9 +170,22 @@ class RankRuntime:
         # decode): what a negative token id of the next batch refers to (`StepBatch` "previous-step references").
         # A view of a head graph's output or a step's own tensor, valid until a later step of the stream writes it.
         self._last_tokens: Optional[torch.Tensor] = None
+        # Read-back buffers by token shape: (pinned int64 host tensor, event) pairs whose step was collected
+        self._read_back_free: dict[tuple, list] = {}
+        self._thread = threading.local()  # `.bound`: this thread's current stream is `self.stream` (`bind_stream`)
 
     def on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        """Run on the forward stream: a context that makes it current (nothing to do on a bound thread)."""
+        if self.stream is None or getattr(self._thread, "bound", False):
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
+
+    def bind_stream(self) -> None:
+        """Make the forward stream current on the calling thread for good (a rank's resident step loop), so each
+        step skips switching streams. Code on that thread must restore any stream it switches to."""
+        if self.stream is not None:
+            torch.cuda.set_stream(self.stream)
+            self._thread.bound = True
 
     # ---- start-up
     def load_model(self) -> float:
@@ -213,10 +233,18 @@ class RankRuntime:
         return n
 
     def build_runner(self) -> None:
+        """A graph runner over the model and KV cache (captures nothing yet). Also compiles every attention kernel
+        variant serving can pick (`Qwen3ForCausalLM.warm_up_kernels`): a compile mid-serving stalls every request
+        of the step for about a second; at start-up most variants are already in Triton's cache."""
         self._drop_heads()
         self.runner = CUDAGraphRunner(
             self.model, self.cfg.graph, self.device, self._dummy_step, self.cfg.max_blocks_per_seq, stream=self.stream,
         )
+        if self.device.type == "cuda":
+            t0 = time.perf_counter()
+            with torch.inference_mode(), self.on_stream():
+                self.model.warm_up_kernels(self.kv_cache.layers)
+            self.timings["kernel_warm_up_s"] = time.perf_counter() - t0
 
     def runner_has_graphs(self) -> bool:
         snap = self.runner.stats.snapshot()
@@ -360,11 +388,14 @@ class RankRuntime:
     def _read_back(self, tokens: torch.Tensor, multi: bool) -> PendingTokens:
         if tokens.device.type != "cuda":
             return PendingTokens(tokens.contiguous(), None, multi)
-        host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+        free = self._read_back_free.setdefault(tuple(tokens.shape), [])
+        if free:
+            host, event = free.pop()
+        else:
+            host, event = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True), torch.cuda.Event()
         host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
         event.record(self.stream)
-        return PendingTokens(host, event, multi)
+        return PendingTokens(host, event, multi, recycle=free)
 
     def check_batch(self, batch: StepBatch) -> None:
         """Raise `BatchError` for a batch this rank cannot run (before any device work)."""

@@ -69,7 +69,8 @@ class RankWorker:
         self._trace: deque[dict[str, float]] = deque(maxlen=4096)  # STEP_TRACE records, oldest first
         self._captures = 0
         self._faults = dict(test_faults or {})
-        self._threads_set: set[int] = set()
+        self._threads_set: set[int] = set()  # threads limited to one intra-op thread (CPU ranks)
+        self._thread = threading.local()  # `.on_device`: this thread's current device is the rank's GPU
         self._gpu = bool(ray.get_gpu_ids())
         if not self._gpu:
             torch.set_num_threads(1)
@@ -80,7 +81,9 @@ class RankWorker:
 
         self.phase, self.phase_since = phase, time.time()
         if self.device is not None and self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            if not getattr(self._thread, "on_device", False):  # the current device is per thread; nothing resets it
+                torch.cuda.set_device(self.device)
+                self._thread.on_device = True
         elif threading.get_ident() not in self._threads_set:
             torch.set_num_threads(1)  # per thread: the compiled-graph loop runs on its own thread
             self._threads_set.add(threading.get_ident())
@@ -219,7 +222,8 @@ class RankWorker:
         t0 = time.perf_counter()
         try:
             self._steps += 1
-            self._maybe_fault_in_step()
+            if self._faults:
+                self._maybe_fault_in_step()
             disp = self.runtime.ctx.ep_dispatcher
             cm = disp.static_tokens(static_tokens) if disp is not None else contextlib.nullcontext()
             with cm:
@@ -266,6 +270,10 @@ class RankWorker:
         from actors.wire import REPLY_ERROR, decode_request, encode_reply, encode_tokens
 
         request = os.open(request_path, os.O_RDONLY)  # blocks until the driver opens its end
+        if self.device is not None and self.device.type == "cuda":
+            self._enter("execute")
+            self.runtime.bind_stream()  # this thread runs every step on the forward stream
+            self._leave()
         # A GPU rank polls for the next request for a moment after each reply (the driver usually sends it
         # within a millisecond) instead of sleeping in read(): a wake-up from a blocking read costs tens of
         # microseconds on a busy host. CPU ranks always block (their cores run the model).

@@ -157,34 +157,40 @@ def build_step_from_arrays(
     return ids, positions, meta
 
 
+class HostDecodeMetadata:
+    """A decode step's metadata still on the host, for a captured decode graph only (`fill_buffers` writes it
+    into the graph's pinned staging mirror; no eager operator can read it).
+
+    num_history int32 `[B]` cached tokens per sequence, block_tables int32 `[B, W]`, both validated numpy
+    arrays owned by the caller until the step is launched; positions, slots and lengths are derived while
+    filling the mirror, so building one costs no array work. Exposes what the graph runner reads."""
+
+    __slots__ = ("num_history", "block_tables", "block_size", "batch_size")
+    is_decoding = True
+    max_q_seqlen = 1
+
+    def __init__(self, num_history: np.ndarray, block_tables: np.ndarray, block_size: int):
+        self.num_history, self.block_tables, self.block_size = num_history, block_tables, block_size
+        self.batch_size = int(num_history.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_size
+
+
 def build_decode_step_host(
     token_ids: np.ndarray,
     num_history: np.ndarray,
     block_tables: np.ndarray,
     block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """A decode step (one new token per sequence) whose tensors stay on the host (zero-copy views of numpy).
+) -> tuple[torch.Tensor, torch.Tensor, HostDecodeMetadata]:
+    """A decode step (one new token per sequence) whose inputs stay on the host (zero-copy views of numpy).
 
     For a captured decode graph: `fill_buffers` writes it into the graph's pinned staging mirror and copies
     it to the device in one transfer. token_ids int64 `[B]`, num_history int32 `[B]`, block_tables int32
-    `[B, W]`, already validated. Not for eager execution (the operators need device tensors).
+    `[B, W]`, already validated. Returns (ids, positions = num_history as int64, metadata). Not for eager
+    execution (the operators need device tensors and `AttentionMetadata`).
     """
-    b = int(token_ids.shape[0])
-    pos = num_history.astype(np.int64)
-    slots = block_tables[np.arange(b), pos // block_size].astype(np.int64) * block_size + pos % block_size
-    kv_lens = (num_history + 1).astype(np.int32)
-    ones = np.ones(b, dtype=np.int32)
-    rows = np.arange(b, dtype=np.int32)
-    meta = AttentionMetadata(
-        is_decoding=True,
-        q_seqlens=torch.from_numpy(ones),
-        kv_seqlens=torch.from_numpy(kv_lens),
-        q_start_loc=torch.from_numpy(rows),
-        block_tables=torch.from_numpy(np.require(block_tables, np.int32, ("C", "W"))),
-        slot_mapping=torch.from_numpy(slots),
-        last_token_index=torch.from_numpy(rows.astype(np.int64)),
-        max_q_seqlen=1,
-        max_kv_seqlen=int(kv_lens.max()),
-        block_size=block_size,
-    )
-    return torch.from_numpy(np.require(token_ids, np.int64, ("C", "W"))), torch.from_numpy(pos), meta
+    meta = HostDecodeMetadata(np.require(num_history, np.int32), np.require(block_tables, np.int32), block_size)
+    ids = torch.from_numpy(np.require(token_ids, np.int64, ("C", "W")))
+    return ids, torch.from_numpy(num_history.astype(np.int64)), meta

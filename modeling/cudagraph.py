@@ -17,13 +17,13 @@ a rank may enqueue the next step while the device still runs the current one.
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 from typing import Any
 
 import numpy as np
 import torch
 
-from modeling.attn_metadata import AttentionMetadata
+from modeling.attn_metadata import AttentionMetadata, HostDecodeMetadata
 
 _ROW_BUFFERS = ("q_seqlens", "kv_seqlens", "q_start_loc", "last_token_index")
 
@@ -57,7 +57,10 @@ class DecodeGraphBuffersMixin:
             "_host": host,
             "_host_copied": torch.cuda.Event() if dev.type == "cuda" else None,  # recorded after each transfer
             "_host_fields": {"input_ids": h64[0:b], "position_ids": h64[b:2 * b], "slot_mapping": h64[2 * b:3 * b],
-                             "kv_seqlens": h32[0:b], "block_tables": h32[b:b + b * w].reshape(b, w)},
+                             "kv_seqlens": h32[0:b], "block_tables": h32[b:b + b * w].reshape(b, w),
+                             "rows": np.arange(b)},
+            "_copy_views": {},  # padded batch -> (staging bytes, mirror bytes) of its one transfer
+            "_contexts": {},  # padded batch -> the AttentionMetadata over the buffers (`update_context`)
         }
         bufs["slot_mapping"].fill_(-1)
         bufs["kv_seqlens"].fill_(1)
@@ -65,13 +68,13 @@ class DecodeGraphBuffersMixin:
 
     def fill_buffers(self, buffers: dict[str, Any], step: Any, padded_batch: int) -> None:
         """Copy a live decode step (one token per sequence) into rows [0, n) and pad rows [n, padded_batch)."""
-        meta: AttentionMetadata = step.attn_metadata
+        meta = step.attn_metadata
         n = step.batch_size
         width = meta.block_tables.shape[1]
         if width > buffers["block_tables"].shape[1]:
             raise ValueError(f"block table width {width} exceeds the graph buffers' {buffers['block_tables'].shape[1]}")
-        if not meta.slot_mapping.is_cuda and buffers["_staging"].is_cuda:
-            self._fill_from_host(buffers, step, n, width, padded_batch)
+        if isinstance(meta, HostDecodeMetadata):
+            self._fill_from_host(buffers, step, meta, padded_batch)
             return
         buffers["input_ids"][:n].copy_(step.input_ids, non_blocking=True)
         buffers["position_ids"][:n].copy_(step.position_ids, non_blocking=True)
@@ -89,19 +92,34 @@ class DecodeGraphBuffersMixin:
             bt[n:padded_batch].zero_()
 
     @staticmethod
-    def _fill_from_host(buffers: dict[str, Any], step: Any, n: int, width: int, padded_batch: int) -> None:
-        meta: AttentionMetadata = step.attn_metadata
+    def _fill_from_host(buffers: dict[str, Any], step: Any, meta: HostDecodeMetadata, p: int) -> None:
+        """Write a host decode step straight into the pinned mirror (positions = history, slot of each position,
+        lengths = history + 1, block tables, padding rows) and copy the prefix bucket `p` needs in one transfer.
+        Token ids already on the device are copied device-to-device after it."""
         h = buffers["_host_fields"]
-        p = padded_batch
         copied = buffers["_host_copied"]
-        copied.synchronize()  # the previous step's transfer out of the mirror has run (no-op before the first)
+        if copied is not None:
+            copied.synchronize()  # the previous step's transfer out of the mirror has run (no-op before the first)
+        n, bs = meta.batch_size, meta.block_size
+        hist, tables = meta.num_history, meta.block_tables
         ids_on_device = step.input_ids.is_cuda
-        h["input_ids"][:n] = 0 if ids_on_device else step.input_ids.numpy()
-        h["position_ids"][:n] = step.position_ids.numpy()
-        h["slot_mapping"][:n] = meta.slot_mapping.numpy()
-        h["kv_seqlens"][:n] = meta.kv_seqlens.numpy()
+        if not ids_on_device:
+            h["input_ids"][:n] = step.input_ids.numpy()
+        pos, slots = h["position_ids"][:n], h["slot_mapping"][:n]
+        if n == 1:
+            x = int(hist[0])
+            pos[0] = x
+            slots[0] = int(tables[0, x // bs]) * bs + x % bs
+            h["kv_seqlens"][0] = x + 1
+        else:
+            pos[:] = hist
+            np.add(hist, 1, out=h["kv_seqlens"][:n])
+            blocks = pos // bs
+            np.multiply(tables[h["rows"][:n], blocks], bs, out=slots, casting="unsafe")
+            slots += pos - blocks * bs
+        width = tables.shape[1]
         bt = h["block_tables"]
-        bt[:n, :width] = meta.block_tables.numpy()
+        bt[:n, :width] = tables
         bt[:n, width:] = 0
         if p > n:
             h["input_ids"][n:p] = 0
@@ -109,33 +127,42 @@ class DecodeGraphBuffersMixin:
             h["slot_mapping"][n:p] = -1
             h["kv_seqlens"][n:p] = 1
             bt[n:p] = 0
-        b, w = bt.shape
-        nbytes = 3 * b * 8 + (b + p * w) * 4  # the int64 fields, kv_seqlens and the first p block-table rows
-        buffers["_staging"].view(torch.uint8)[:nbytes].copy_(buffers["_host"].view(torch.uint8)[:nbytes],
-                                                              non_blocking=True)
-        copied.record()
+        views = buffers["_copy_views"].get(p)
+        if views is None:
+            b, w = bt.shape
+            nbytes = 3 * b * 8 + (b + p * w) * 4  # the int64 fields, kv_seqlens and the first p block-table rows
+            views = buffers["_copy_views"][p] = (buffers["_staging"].view(torch.uint8)[:nbytes],
+                                                 buffers["_host"].view(torch.uint8)[:nbytes])
+        views[0].copy_(views[1], non_blocking=True)
+        if copied is not None:
+            copied.record()
         if ids_on_device:
             buffers["input_ids"][:n].copy_(step.input_ids, non_blocking=True)
 
     def update_context(self, buffers: dict[str, torch.Tensor], step: Any, padded_batch: int) -> Any:
-        """A step whose tensors are bucket-shaped views of `buffers` (what the graph is captured on)."""
-        p = padded_batch
-        bt = buffers["block_tables"][:p]
-        meta = AttentionMetadata(
-            is_decoding=True,
-            q_seqlens=buffers["q_seqlens"][:p],
-            kv_seqlens=buffers["kv_seqlens"][:p],
-            q_start_loc=buffers["q_start_loc"][:p],
-            block_tables=bt,
-            slot_mapping=buffers["slot_mapping"][:p],
-            last_token_index=buffers["last_token_index"][:p],
-            max_q_seqlen=1,
-            max_kv_seqlen=bt.shape[1] * step.attn_metadata.block_size,
-            block_size=step.attn_metadata.block_size,
-        )
-        return dataclasses.replace(
-            step, input_ids=buffers["input_ids"][:p], position_ids=buffers["position_ids"][:p], attn_metadata=meta
-        )
+        """A step whose tensors are bucket-shaped views of `buffers` (what the graph is captured on). The views
+        and their metadata are made once per (bucket, block size) and reused (they never change)."""
+        p, bs = padded_batch, step.attn_metadata.block_size
+        ctx = buffers["_contexts"].get((p, bs))
+        if ctx is None:
+            bt = buffers["block_tables"][:p]
+            meta = AttentionMetadata(
+                is_decoding=True,
+                q_seqlens=buffers["q_seqlens"][:p],
+                kv_seqlens=buffers["kv_seqlens"][:p],
+                q_start_loc=buffers["q_start_loc"][:p],
+                block_tables=bt,
+                slot_mapping=buffers["slot_mapping"][:p],
+                last_token_index=buffers["last_token_index"][:p],
+                max_q_seqlen=1,
+                max_kv_seqlen=bt.shape[1] * bs,
+                block_size=bs,
+            )
+            ctx = buffers["_contexts"][(p, bs)] = {"input_ids": buffers["input_ids"][:p],
+                                                   "position_ids": buffers["position_ids"][:p], "attn_metadata": meta}
+        view = copy.copy(step)
+        view.__dict__.update(ctx)
+        return view
 
     def get_outputs(self, output: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return output[:num_tokens]

@@ -92,6 +92,13 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
             hidden, residual = layer(position_ids, hidden, residual, kv_caches, attn_metadata, next_norm)
         return hidden
 
+    def warm_up_kernels(self, kv_caches: Sequence[Any]) -> int:
+        """Compile every attention kernel variant serving can pick over these caches (`KernelOps.warm_up_attention`),
+        on the current stream, outside graph capture; returns the number of launches (0 for the torch backend)."""
+        attn = self.layers[0].self_attn
+        k_cache, v_cache = kv_caches[0]
+        return self.kernels.warm_up_attention(k_cache, v_cache, attn.num_heads, attn.scale)
+
     def compute_logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""
         return self.lm_head.logits(hidden.index_select(0, last_token_index))

@@ -29,6 +29,8 @@ class KernelOps:
     silu_mul_linear: Callable  # linear(silu_and_mul(x), w), fused where the backend can
     linear_add_rms_norm: Callable  # add_rms_norm(linear(x, w) or silu_mul_linear(x, w), residual, ...), one kernel where it can
     capturable: bool
+    # (k_cache, v_cache, num_q_heads, scale) -> launches: compile every attention variant serving can pick
+    warm_up_attention: Callable = lambda k_cache, v_cache, num_q_heads, scale: 0
 
 
 def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, linear_add_rms_norm: Callable,
@@ -37,7 +39,8 @@ def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Cal
                      decode_attention=attention.decode_attention, rms_norm=fused.rms_norm,
                      add_rms_norm=fused.add_rms_norm, qk_norm_rope=fused.qk_norm_rope,
                      qk_norm_rope_store=fused.qk_norm_rope_store, silu_and_mul=fused.silu_and_mul, linear=linear,
-                     silu_mul_linear=silu_mul_linear, linear_add_rms_norm=linear_add_rms_norm, capturable=capturable)
+                     silu_mul_linear=silu_mul_linear, linear_add_rms_norm=linear_add_rms_norm, capturable=capturable,
+                     warm_up_attention=getattr(attention, "warm_up_attention", KernelOps.warm_up_attention))
 
 
 def _torch_silu_mul_linear(x, weight):

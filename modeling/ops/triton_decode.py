@@ -87,7 +87,9 @@ def decode_config(
     max_tiles = max(1, -(-max_blocks_per_seq * block_size // block_n))
     programs = max(1, batch * num_kv_heads)
     # powers of two bound the number of compiled variants across batch buckets
-    splits = min(triton.next_power_of_2(-(-TARGET_WAVES * sm_count // programs)), MAX_SPLITS, max_tiles)
+    # ... and of the live block-table width of eager calls: a split beyond the tiles exits at once
+    splits = min(triton.next_power_of_2(-(-TARGET_WAVES * sm_count // programs)), MAX_SPLITS,
+                 triton.next_power_of_2(max_tiles))
     num_stages = 3 if head_dim <= 128 and dtype != torch.float32 else 2
     return DecodeConfig(block_n=block_n, num_splits=splits, num_warps=4, num_stages=num_stages)
 
@@ -160,7 +162,8 @@ def _combine_splits(PART_O, PART_LSE, OUT, b, kvh, n_active, stride_ob, stride_o
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # block-table width varies per step: no recompiles
+# Per-step metadata (block-table width, where the lengths and tables live) must not pick a new compiled variant.
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["BLOCK_TABLES", "KV_LENS"])
 def _decode_split_kernel(
     Q,
     K_CACHE,

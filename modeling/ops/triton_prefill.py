@@ -87,7 +87,9 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # block-table width varies per step: no recompiles
+# Per-step metadata (block-table width, where the lengths and tables live) must not pick a new compiled variant.
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["Q_START", "Q_LENS", "KV_LENS", "BLOCK_TABLES"])
 def _prefill_kernel(
     Q,
     K_CACHE,

@@ -253,7 +253,8 @@ def _store_slot(SLOTS, t, n_slots):
     return tl.load(SLOTS + t, mask=t < n_slots, other=-1).to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["n_slots"])  # token count varies per step: no recompiles
+# the token count and where the positions and slots live vary per step: no recompiles
+@triton.jit(do_not_specialize=["n_slots"], do_not_specialize_on_alignment=["POS", "SLOTS"])
 def _qk_norm_rope_store_kernel(
     Q, K, V, QO, QW, KW, COS, SIN, POS, K_CACHE, V_CACHE, SLOTS, n_slots,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
@@ -291,7 +292,7 @@ def _qk_norm_rope_store_kernel(
             tl.store(dst_v, v.to(V_CACHE.dtype.element_ty), mask=mask_d)
 
 
-@triton.jit(do_not_specialize=["n_slots"])
+@triton.jit(do_not_specialize=["n_slots"], do_not_specialize_on_alignment=["POS", "SLOTS"])
 def _qk_norm_rope_store_token_kernel(
     Q, K, V, QO, QW, KW, COS, SIN, POS, K_CACHE, V_CACHE, SLOTS, n_slots,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,

@@ -363,3 +363,37 @@ def test_fp32_caches() -> None:
     qd = q[m.last_token_index]
     dargs = (qd, batch.k_cache, batch.v_cache, m.block_tables, m.kv_seqlens, d**-0.5)
     torch.testing.assert_close(tri.decode_attention(*dargs), ref.decode_attention(*dargs), atol=1e-4, rtol=1e-4)
+
+
+def _compiled_variants(kernel) -> int:
+    """Compiled variants of a Triton kernel in this process (all devices)."""
+    return sum(len(entry[0]) for entry in kernel.device_caches.values())
+
+
+def test_warm_up_leaves_no_attention_variant_to_compile_while_serving():
+    """After `warm_up_attention`, eager decode and prefill calls of any batch, block-table width and query length
+    (what mixed serving steps issue) reuse compiled kernels: a compile would stall a whole step for ~1 s."""
+    from modeling.ops.triton_decode import _decode_split_kernel
+    from modeling.ops.triton_prefill import _prefill_kernel
+
+    hkv, hq, d, bs = 8, 16, 128, 64
+    k_cache = torch.randn(512, bs, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    assert tri.warm_up_attention(k_cache, v_cache, hq, d ** -0.5) == 10
+    before = (_compiled_variants(_decode_split_kernel), _compiled_variants(_prefill_kernel))
+    rng = random.Random(5)
+    for batch in (1, 2, 3, 5, 7, 9, 17, 33, 40, 66, 130):
+        width = rng.randint(1, 9)
+        lens = torch.tensor([rng.randint(1, width * bs) for _ in range(batch)], dtype=torch.int32, device=DEV)
+        tables = torch.randint(1, 512, (batch, width), dtype=torch.int32, device=DEV)
+        q = torch.randn(batch, hq, d, device=DEV, dtype=torch.bfloat16)
+        tri.decode_attention(q, k_cache, v_cache, tables[:, :width], lens, d ** -0.5)
+        q_lens = torch.tensor([rng.randint(1, 150) for _ in range(batch)], dtype=torch.int32, device=DEV)
+        kv = q_lens + torch.randint(0, 64, (batch,), dtype=torch.int32, device=DEV)
+        wide = torch.randint(1, 512, (batch, int((kv.max().item() + bs - 1) // bs)), dtype=torch.int32, device=DEV)
+        start = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
+        qp = torch.randn(int(q_lens.sum()), hq, d, device=DEV, dtype=torch.bfloat16)
+        tri.prefill_attention(qp, k_cache, v_cache, start, q_lens, kv, wide, d ** -0.5,
+                              max_q_seqlen=int(q_lens.max()))
+    torch.cuda.synchronize()
+    assert (_compiled_variants(_decode_split_kernel), _compiled_variants(_prefill_kernel)) == before
