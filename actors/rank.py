@@ -21,6 +21,7 @@ from actors.batch import BatchError, StepBatch
 from graphrunner.capture import end_capture, end_capture_quietly
 from graphrunner.config import GraphRunnerConfig
 from graphrunner.runner import CUDAGraphRunner
+from graphrunner.stats import ExecPath
 from graphrunner.step import ForwardStep
 from graphrunner.dispatch import Path as RunnerPath
 from modeling.attn_metadata import AttentionMetadata, build_decode_step_host, build_step_from_arrays
@@ -140,6 +141,35 @@ class PendingTokens:
         return self._out
 
 
+class _DecodeLane:
+    """A greedy decode step shape (B sequences, the coordinator's hints) whose path is known: the full graph of
+    `key` and the head graph `head`. `run` replays them for a new step of that shape without the runner's
+    dispatch: the graph runner's decision is a pure function of the shape and hints and of the captured graphs,
+    and a lane lives only while those stay (`RankRuntime._drop_heads`, `capture_decode` forget every lane).
+    The model's buffer contract is kept: `FullGraphRunner.replay` fills the buffers, redirects the context and
+    replays."""
+
+    __slots__ = ("key", "head", "hints", "tokens", "kv_layers", "block_size")
+
+    def __init__(self, key: Any, head: "HeadGraphs", step: ForwardStep, block_size: int):
+        self.key, self.head, self.block_size = key, head, block_size
+        self.hints = dict(global_decode=step.global_decode, batch_bucket_hint=step.batch_bucket_hint,
+                          token_bucket_hint=step.token_bucket_hint)
+        self.tokens = head.greedy[:step.batch_size]  # int64 `[B]` view of the head graph's output
+        self.kv_layers = step.kv_caches
+
+    def run(self, runner: CUDAGraphRunner, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
+            batch: StepBatch) -> torch.Tensor:
+        """Enqueue the step on the current (forward) stream; its next tokens, int64 `[B]` on the device (a view
+        valid until the next step of this bucket)."""
+        ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.block_size)
+        step = ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_layers, meta, **self.hints)
+        runner.full_graphs.replay(self.key, step)
+        runner.stats.record_step(ExecPath.FULL_GRAPH, meta.batch_size, self.key.batch)
+        self.head.greedy_graph.replay()
+        return self.tokens
+
+
 class RankRuntime:
     """Owns one rank's model shard, KV cache and graph runner (lifetime: the rank's process)."""
 
@@ -172,6 +202,8 @@ class RankRuntime:
         self._last_tokens: Optional[torch.Tensor] = None
         # Read-back buffers by token shape: (pinned int64 host tensor, event) pairs whose step was collected
         self._read_back_free: dict[tuple, list] = {}
+        # (B, T, global_decode, batch bucket, token bucket) -> the `_DecodeLane` of greedy decode steps of that shape
+        self._lanes: dict[tuple, _DecodeLane] = {}
         self._thread = threading.local()  # `.bound`: this thread's current stream is `self.stream` (`bind_stream`)
 
     def on_stream(self):
@@ -255,6 +287,7 @@ class RankRuntime:
 
     def capture_decode(self, batch: int) -> float:
         """Capture the decode graph of bucket `batch`, then its LM-head graph; returns seconds for both."""
+        self._lanes.clear()  # a new bucket may change which graph serves a batch size
         with self.on_stream():
             t0 = time.perf_counter()
             self.runner.capture_decode(batch)
@@ -305,6 +338,7 @@ class RankRuntime:
         return self._rows[:n]
 
     def _drop_heads(self) -> None:
+        self._lanes.clear()
         self._heads.clear()
         self._head_pool = None
         self._head_pool_bytes = 0
@@ -351,7 +385,6 @@ class RankRuntime:
         """Run one forward step and wait for it: `launch(...).result()`."""
         return self.launch(batch, global_decode, batch_bucket, token_bucket, validated, num_steps).result()
 
-    @torch.inference_mode()
     def launch(self, batch: Optional[StepBatch], global_decode: Optional[bool] = None, batch_bucket: int = 0,
                token_bucket: int = 0, validated: bool = False, num_steps: int = 1) -> PendingTokens:
         """Enqueue one forward step on the forward stream and return without waiting for the device; the
@@ -367,6 +400,16 @@ class RankRuntime:
         Steps launched back to back run in order; a later step may refer to an earlier one's tokens
         before they reached the host (that is what lets a driver keep the device busy).
         """
+        if not torch.is_inference_mode_enabled():  # a resident step loop enters it once for all its steps
+            with torch.inference_mode():
+                return self.launch(batch, global_decode, batch_bucket, token_bucket, validated, num_steps)
+        if validated and num_steps == 1 and batch is not None:
+            lane = self._lanes.get((batch.batch_size, batch.num_tokens, global_decode, batch_bucket, token_bucket))
+            if lane is not None and self.logits_observer is None and not batch.temperature.any():
+                with self.on_stream():
+                    ids, ids_dev = self._resolve_ids(batch.token_ids)
+                    tokens = self._last_tokens = lane.run(self.runner, ids, ids_dev, batch)
+                    return self._read_back(tokens, multi=False)
         with self.on_stream():
             if batch is None:
                 for _ in range(num_steps):
@@ -480,7 +523,20 @@ class RankRuntime:
         if launched is None:
             return None
         logits, greedy = launched
+        if not sampled and self.logits_observer is None:
+            self._add_lane(step, global_decode, batch_bucket, token_bucket)
         return self._sample(logits, batch) if sampled else greedy
+
+    def _add_lane(self, step: ForwardStep, global_decode, batch_bucket: int, token_bucket: int) -> None:
+        """Remember the graphs that served this greedy decode step, so the next step of the same shape and hints
+        skips the dispatch (`_DecodeLane`). Forgotten whenever graphs are captured or dropped."""
+        decision = self.runner.decide(step)  # pure: the decision the step just replayed
+        head = self._heads.get(decision.decode_key.batch)
+        if head is None or decision.path is not RunnerPath.FULL_GRAPH:
+            return
+        n = step.batch_size
+        self._lanes[(n, n, global_decode, batch_bucket, token_bucket)] = _DecodeLane(
+            decision.decode_key, head, step, self.cfg.block_size)
 
     def _decode_graph_step(self, step: ForwardStep, need_logits: bool = False
                            ) -> Optional[tuple[Optional[torch.Tensor], torch.Tensor]]:

@@ -266,6 +266,8 @@ class RankWorker:
         earlier one still runs on the device (the driver may submit ahead, `Coordinator.submit`); its reply
         is written once its tokens reached the host. Between the two the loop polls both: the oldest
         pending step's event and the request pipe."""
+        import torch
+
         from actors.pipes import read_frame, write_all
         from actors.wire import REPLY_ERROR, decode_request, encode_reply, encode_tokens
 
@@ -290,6 +292,7 @@ class RankWorker:
                 trace = None if isinstance(item, bytes) else item.trace
                 if trace is not None:
                     trace["ready"] = time.perf_counter()
+                    self._trace.append(trace)  # before the reply: a driver that has it may read the trace
                 if not isinstance(item, bytes):
                     try:
                         item = encode_tokens(*self._finish_step(item))
@@ -298,32 +301,32 @@ class RankWorker:
                 write_all(reply, item)
                 if trace is not None:
                     trace["written"] = time.perf_counter()
-                    self._trace.append(trace)
 
         try:
-            while True:
-                reply_ready()
-                if pending:  # a step runs: reply when it finishes, unless the next request comes first
-                    if not select.select([request], [], [], 0)[0]:
-                        continue
-                elif spin_s:
-                    deadline = time.perf_counter() + spin_s
-                    while time.perf_counter() < deadline and not select.select([request], [], [], 0)[0]:
-                        pass
-                body = read_frame(request)
-                if body is None:  # the driver closed the pipe: the step path was torn down
-                    return
-                t_read = time.perf_counter()
-                try:
-                    decoded = decode_request(body)
-                    if decoded is None:
-                        pending.append(encode_tokens(None, 0.0))
-                    elif STEP_TRACE:
-                        pending.append(self._launch_traced(decoded, t_read))
-                    else:
-                        pending.append(self._launch_step(*decoded))
-                except Exception as e:  # noqa: BLE001 - reported to the driver, which tears the group down
-                    pending.append(error_frame(e))
+            with torch.inference_mode():  # once for every step this thread runs (`RankRuntime.launch`)
+                while True:
+                    reply_ready()
+                    if pending:  # a step runs: reply when it finishes, unless the next request comes first
+                        if not select.select([request], [], [], 0)[0]:
+                            continue
+                    elif spin_s:
+                        deadline = time.perf_counter() + spin_s
+                        while time.perf_counter() < deadline and not select.select([request], [], [], 0)[0]:
+                            pass
+                    body = read_frame(request)
+                    if body is None:  # the driver closed the pipe: the step path was torn down
+                        return
+                    t_read = time.perf_counter()
+                    try:
+                        decoded = decode_request(body)
+                        if decoded is None:
+                            pending.append(encode_tokens(None, 0.0))
+                        elif STEP_TRACE:
+                            pending.append(self._launch_traced(decoded, t_read))
+                        else:
+                            pending.append(self._launch_step(*decoded))
+                    except Exception as e:  # noqa: BLE001 - reported to the driver, which tears the group down
+                        pending.append(error_frame(e))
         except OSError:
             return  # the driver went away mid-write
         finally:
@@ -350,6 +353,8 @@ class RankWorker:
         """The pipe loop's trace records (GRAPHLINE_STEP_TRACE=1), oldest first; perf_counter seconds."""
         out = []
         for rec in self._trace:
+            if "written" not in rec:  # its reply is being written
+                continue
             rec = dict(rec)
             events = rec.pop("events", None)
             if events is not None:

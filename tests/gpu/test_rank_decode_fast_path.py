@@ -141,3 +141,30 @@ def test_bad_previous_step_reference_raises_before_any_device_work(rt):
     assert rt.runner.stats.snapshot()["steps"] == before
     if kv is not None:
         torch.testing.assert_close(rt.kv_cache.layers[0][0], kv, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_decode_lane_equals_dispatched_steps(rt, n):
+    """Greedy decode steps of one shape, launched as the coordinator does (validated): from the second on they
+    take the rank's decode lane (no runner dispatch). Their tokens equal the same steps run through the dispatch
+    (`execute` with checks), and the runner still counts them as full-graph steps."""
+    rng = np.random.default_rng(300 + n)
+    seqs, vocab, k = Seqs(rt), rt.model_config.vocab_size, 5
+    prompts = [random_tokens(rng, int(rng.integers(5, 150)), vocab) for _ in range(n)]
+    tables = [seqs.new(len(p) + k + 2) for p in prompts]
+    first = rt.execute(StepBatch.from_sequences(prompts, [0] * n, tables))
+
+    def decode(checked: bool) -> list[list[int]]:
+        got, ids = [], first
+        for j in range(k):
+            b = StepBatch.from_sequences([[int(t)] for t in ids], [len(p) + j for p in prompts], tables)
+            ids = rt.execute(b) if checked else rt.launch(b, validated=True).result()
+            got.append(ids.tolist())
+        return got
+
+    rt._lanes.clear()
+    before = rt.runner.stats.snapshot()["steps"].get("full_graph", 0)
+    lane = decode(checked=False)
+    assert (n, n, None, 0, 0) in rt._lanes
+    assert rt.runner.stats.snapshot()["steps"]["full_graph"] == before + k
+    assert lane == decode(checked=True)  # rewrites the same K/V at the same positions
