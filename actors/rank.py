@@ -204,6 +204,7 @@ class RankRuntime:
         self._read_back_free: dict[tuple, list] = {}
         # (B, T, global_decode, batch bucket, token bucket) -> the `_DecodeLane` of greedy decode steps of that shape
         self._lanes: dict[tuple, _DecodeLane] = {}
+        self.lane_steps = 0  # steps served by a decode lane
         self._thread = threading.local()  # `.bound`: this thread's current stream is `self.stream` (`bind_stream`)
 
     def on_stream(self):
@@ -406,6 +407,7 @@ class RankRuntime:
         if validated and num_steps == 1 and batch is not None:
             lane = self._lanes.get((batch.batch_size, batch.num_tokens, global_decode, batch_bucket, token_bucket))
             if lane is not None and self.logits_observer is None and not batch.temperature.any():
+                self.lane_steps += 1
                 with self.on_stream():
                     ids, ids_dev = self._resolve_ids(batch.token_ids)
                     tokens = self._last_tokens = lane.run(self.runner, ids, ids_dev, batch)
@@ -635,6 +637,7 @@ class RankRuntime:
         if self.runner is not None:
             out["runner"] = self.runner.stats.snapshot()
             out["head_graphs"] = {"buckets": sorted(self._heads), "pool_bytes": self._head_pool_bytes}
+            out["decode_lane_steps"] = self.lane_steps
         if self.kv_cache is not None:
             out["kv_blocks"] = self.kv_cache.spec.num_blocks
             out["kv_bytes"] = self.kv_cache.nbytes

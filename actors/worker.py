@@ -302,6 +302,13 @@ class RankWorker:
                 if trace is not None:
                     trace["written"] = time.perf_counter()
 
+        profile_path = os.environ.get("GRAPHLINE_STEP_PROFILE") if STEP_TRACE else None
+        profiler = None
+        if profile_path:  # bench.step_trace --profile: where this thread's host time goes
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         try:
             with torch.inference_mode():  # once for every step this thread runs (`RankRuntime.launch`)
                 while True:
@@ -318,32 +325,43 @@ class RankWorker:
                         return
                     t_read = time.perf_counter()
                     try:
+                        if STEP_TRACE:
+                            pending.append(self._launch_traced(body, t_read))
+                            continue
                         decoded = decode_request(body)
-                        if decoded is None:
-                            pending.append(encode_tokens(None, 0.0))
-                        elif STEP_TRACE:
-                            pending.append(self._launch_traced(decoded, t_read))
-                        else:
-                            pending.append(self._launch_step(*decoded))
+                        pending.append(encode_tokens(None, 0.0) if decoded is None else self._launch_step(*decoded))
                     except Exception as e:  # noqa: BLE001 - reported to the driver, which tears the group down
                         pending.append(error_frame(e))
         except OSError:
             return  # the driver went away mid-write
         finally:
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(f"{profile_path}.rank{self.rank}")
             os.close(request)
             os.close(reply)
 
-    def _launch_traced(self, decoded: tuple, t_read: float) -> "_Launched":
-        """`_launch_step` with a trace record: `read` (request read), `launched` (launch returned), later `ready`,
-        `written`, and `device_s`, the forward stream's time from before the launch to after the tokens' copy."""
+    def _launch_traced(self, body: Any, t_read: float) -> Any:
+        """Decode and launch a request like the untraced loop, with a trace record: `read` (request read),
+        `decoded`, `call` (timing events made, `_launch_step` called), `launched` (it returned), later `ready` and
+        `written`, and `device_s`, the forward stream's time from before the launch to after the tokens' copy.
+        Returns the `_Launched` step, or the reply frame of an idle rank."""
         import torch
 
+        from actors.wire import decode_request, encode_tokens
+
+        decoded = decode_request(body)
+        if decoded is None:
+            return encode_tokens(None, 0.0)
+        t_decoded = time.perf_counter()
         timed = self.device is not None and self.device.type == "cuda"
         if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.runtime.stream)
+        t_call = time.perf_counter()
         step = self._launch_step(*decoded)
-        step.trace = {"read": t_read, "launched": time.perf_counter()}
+        step.trace = {"read": t_read, "decoded": t_decoded, "call": t_call, "launched": time.perf_counter(),
+                      "lane_steps": float(getattr(self.runtime, "lane_steps", 0))}
         if timed:
             end.record(self.runtime.stream)
             step.trace["events"] = (start, end)

@@ -10,7 +10,9 @@ with CUDA events from before the launch to after the tokens' device-to-host copy
 
   driver_pre   step called -> every request written (validation, planning, encoding, writes)
   to_rank      request written -> the rank has read it (pipe wake-up and read)
-  launch       request read -> launch returned (decode, checks, host metadata, copies, graph launches)
+  decode       request read -> decoded into the step's arguments
+  launch       `_launch_step` called -> returned (checks, host metadata, copies, graph launches); the trace's
+               timing events are made between the two
   wait         launch returned -> the rank saw the tokens' event complete
   reply        event complete -> reply written (device-to-host result, encoding, write)
   to_driver    reply written -> the driver has read every reply
@@ -29,7 +31,7 @@ from typing import Any
 
 from bench.common import write_json
 
-SEGMENTS = ("driver_pre", "to_rank", "launch", "wait", "reply", "to_driver", "driver_post")
+SEGMENTS = ("driver_pre", "to_rank", "decode", "launch", "wait", "reply", "to_driver", "driver_post")
 
 
 def trace_steps(coord: Any, batch: Any, steps: int, warmup: int) -> dict[str, float]:
@@ -46,12 +48,14 @@ def trace_steps(coord: Any, batch: Any, steps: int, warmup: int) -> dict[str, fl
     driver = list(coord._stepper.trace)[-steps:]
     ranks = coord._ranks.call("step_trace", (True,), timeout_s=60, what="read step trace")
     rank0 = ranks[0][-steps:]
-    rows: dict[str, list[float]] = {k: [] for k in SEGMENTS + ("device", "total", "host_exposed")}
+    rows: dict[str, list[float]] = {k: [] for k in SEGMENTS + ("device", "total", "host_exposed", "lane_steps")}
     for (t0, t1), (sent, got), r in zip(spans, driver, rank0):
-        seg = {"driver_pre": sent - t0, "to_rank": r["read"] - sent, "launch": r["launched"] - r["read"],
+        seg = {"driver_pre": sent - t0, "to_rank": r["read"] - sent, "decode": r["decoded"] - r["read"],
+               "launch": r["launched"] - r["call"],
                "wait": r["ready"] - r["launched"], "reply": r["written"] - r["ready"],
                "to_driver": got - r["written"], "driver_post": t1 - got, "total": t1 - t0}
         seg["device"] = r.get("device_s", 0.0)
+        seg["lane_steps"] = r.get("lane_steps", 0.0) / 1e6  # reported as a count, not microseconds
         seg["host_exposed"] = seg["total"] - seg["device"]
         for k, v in seg.items():
             rows[k].append(v)
@@ -70,9 +74,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-decode-batch", type=int, default=64)
     p.add_argument("--pcg-max-tokens", type=int, default=512)
     p.add_argument("--num-cpus", type=int, default=None)
+    p.add_argument("--profile", default=None, help="also cProfile each rank's step loop into PROFILE.rank<r>")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     os.environ["GRAPHLINE_STEP_TRACE"] = "1"  # before actors.pipes is imported and before Ray starts workers
+    if args.profile:
+        os.environ["GRAPHLINE_STEP_PROFILE"] = os.path.abspath(args.profile)
     import ray
 
     from actors.coordinator import Coordinator, DeploymentConfig
