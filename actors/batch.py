@@ -11,9 +11,15 @@ have come back (`Coordinator.submit`) and the device never waits for the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
 from typing import Optional, Sequence
 
 import numpy as np
+
+_I32 = np.dtype(np.int32)
+_ONE_I32 = np.ones(1, dtype=np.int32).tobytes()
+_LIST_BOUNDS = 48  # `_bounds` of arrays up to this many elements in all: through Python lists
 
 
 class BatchError(ValueError):
@@ -54,17 +60,29 @@ class StepBatch:
 
     @property
     def is_decoding(self) -> bool:
-        return bool((self.q_seqlens == 1).all())
+        q = self.q_seqlens
+        if q.dtype == _I32:  # the scheduler's and the wire's dtype: compare bytes, no numpy reduction
+            return q.tobytes() == _ONE_I32 * q.size
+        return bool((q == 1).all())
 
     def validate(self, vocab_size: int, block_size: int, prev_rows: int = 0) -> None:
         """Shapes, lengths, ids and block-table coverage. `prev_rows`: how many rows of the previous step's
         tokens negative ids may refer to (0: none may)."""
+        if not self._valid_decode(vocab_size, block_size, prev_rows):
+            self._validate(vocab_size, block_size, prev_rows)
+
+    def _validate(self, vocab_size: int, block_size: int, prev_rows: int) -> None:
+        """`validate`'s checks in full (any batch); raises the BatchError of the first that fails."""
         b = self.batch_size
         if b == 0:
             raise BatchError("empty batch")
+        if self.token_ids.ndim != 1:
+            raise BatchError(f"token_ids has shape {self.token_ids.shape}, expected (T,)")
         for name in ("num_history", "temperature", "top_k", "top_p", "seeds"):
             if getattr(self, name).shape != (b,):
                 raise BatchError(f"{name} has shape {getattr(self, name).shape}, expected ({b},)")
+        if self.num_history.min() < 0:
+            raise BatchError("num_history must be >= 0")
         tables = self.block_tables
         if tables.ndim != 2 or tables.shape[0] != b:
             raise BatchError(f"block_tables has shape {tables.shape}, expected ({b}, W)")
@@ -95,10 +113,58 @@ class StepBatch:
         used = tables if need.min() == width else tables[np.arange(width)[None, :] < need[:, None]]
         return "unallocated" if used.size and used.min() <= 0 else None
 
+    def _valid_decode(self, vocab_size: int, block_size: int, prev_rows: int, max_blocks_per_seq: Optional[int] = None,
+                      num_kv_blocks: Optional[int] = None) -> bool:
+        """True when this is a decode batch (one new token per sequence) of integer numpy arrays that passes every
+        check of `validate` (and of `check_runnable` when its limits are given), at the cost of a few reductions.
+        False decides nothing: the caller runs the full checks, which raise the error or pass."""
+        q, ids, hist, tables = self.q_seqlens, self.token_ids, self.num_history, self.block_tables
+        if not (type(q) is type(ids) is type(hist) is type(tables) is np.ndarray):
+            return False
+        if q.ndim != 1 or ids.ndim != 1 or tables.ndim != 2 or q.dtype != _I32:
+            return False
+        b, width = q.shape[0], tables.shape[1]
+        if not b or ids.shape[0] != b or tables.shape[0] != b or not width:
+            return False
+        if max_blocks_per_seq is not None and width > max_blocks_per_seq:
+            return False
+        shape = (b,)
+        if (hist.shape != shape or self.temperature.shape != shape or self.top_k.shape != shape
+                or self.top_p.shape != shape or self.seeds.shape != shape):
+            return False
+        if not ids.dtype.kind == hist.dtype.kind == tables.dtype.kind == "i":
+            return False
+        if q.tobytes() != _ONE_I32 * b:  # q_seqlens all 1, and token_ids has one per sequence
+            return False
+        small = b * (width + 2) <= _LIST_BOUNDS
+        (ids_lo, ids_hi), (hist_lo, hist_hi), (tables_lo, tables_hi) = _bounds(small, ids, hist, tables)
+        if ids_lo < -prev_rows or ids_hi >= vocab_size or hist_lo < 0:
+            return False
+        if num_kv_blocks is not None and tables_hi >= num_kv_blocks:
+            return False
+        return self._decode_gap(1, block_size, hist_lo, hist_hi, tables_lo) is None
+
+    def _decode_gap(self, steps: int, block_size: int, hist_lo: int, hist_hi: int, tables_lo: int) -> Optional[str]:
+        """`_table_gap(num_history + steps)` (exact, without overflow) for integer num_history `[B]` whose smallest
+        and largest values are `hist_lo`, `hist_hi`, and non-empty block tables whose smallest entry is
+        `tables_lo`. Column j of a row is used when j * block_size < num_history + steps."""
+        tables = self.block_tables
+        width = tables.shape[1]
+        if hist_hi + steps > width * block_size:
+            return "short"
+        if tables_lo > 0:
+            return None
+        if hist_lo + steps > (width - 1) * block_size:
+            return "unallocated"  # every column is used, and the smallest entry is <= 0
+        used = tables[_column_starts(width, block_size, steps) < self.num_history[:, None]]
+        return "unallocated" if used.size and used.min() <= 0 else None
+
     def check_runnable(self, vocab_size: int, block_size: int, max_blocks_per_seq: int, num_kv_blocks: int,
                        prev_rows: int = 0) -> None:
         """`validate` plus the limits of a deployment: block-table width and the cache's block count."""
-        self.validate(vocab_size, block_size, prev_rows)
+        if self._valid_decode(vocab_size, block_size, prev_rows, max_blocks_per_seq, num_kv_blocks):
+            return
+        self._validate(vocab_size, block_size, prev_rows)
         if self.block_tables.shape[1] > max_blocks_per_seq:
             raise BatchError(f"block tables of width {self.block_tables.shape[1]} exceed max_model_len "
                              f"({max_blocks_per_seq} blocks)")
@@ -116,7 +182,13 @@ class StepBatch:
             raise BatchError("multi-step decode needs a decode batch (one new token per sequence)")
         if self.temperature.any():
             raise BatchError("multi-step decode is greedy only: every temperature must be 0")
-        gap = self._table_gap(self.num_history.astype(np.int64) + num_steps, block_size)
+        hist, tables = self.num_history, self.block_tables
+        if (hist.dtype.kind == tables.dtype.kind == "i" and hist.ndim == 1 and tables.ndim == 2 and tables.size
+                and len(hist) == len(tables)):
+            (hist_lo, hist_hi), (tables_lo, _) = _bounds(hist.size + tables.size <= _LIST_BOUNDS, hist, tables)
+            gap = self._decode_gap(num_steps, block_size, hist_lo, hist_hi, tables_lo)
+        else:
+            gap = self._table_gap(hist.astype(np.int64) + num_steps, block_size)
         if gap == "short":
             raise BatchError(f"a block table is too short for {num_steps} decode steps")
         if gap == "unallocated":
@@ -141,3 +213,27 @@ class StepBatch:
             top_p=np.asarray(top_p if top_p is not None else [1.0] * b, dtype=np.float32),
             seeds=np.asarray(seeds if seeds is not None else [-1] * b, dtype=np.int64),
         )
+
+
+def _bounds(small: bool, *arrays: np.ndarray) -> list[tuple[int, int]]:
+    """(min, max) of each non-empty integer array, as Python ints (no overflow in arithmetic on them). A numpy
+    reduction costs about a microsecond whatever the size: `small` arrays (at most `_LIST_BOUNDS` elements in all)
+    go through Python lists, larger ones through two reductions over their concatenation."""
+    if small:
+        out = []
+        for a in arrays:
+            flat = a.ravel().tolist()
+            out.append((min(flat), max(flat)))
+        return out
+    sizes = [a.size for a in arrays]
+    flat = np.concatenate([a.ravel() for a in arrays], dtype=np.int64)
+    starts = list(accumulate(sizes[:-1], initial=0))
+    return list(zip(np.minimum.reduceat(flat, starts).tolist(), np.maximum.reduceat(flat, starts).tolist()))
+
+
+@lru_cache(maxsize=256)
+def _column_starts(width: int, block_size: int, steps: int) -> np.ndarray:
+    """int64 `[W]`: `j * block_size - steps` for column j (column j is used when this is < num_history)."""
+    out = np.arange(width, dtype=np.int64) * block_size - steps
+    out.flags.writeable = False
+    return out

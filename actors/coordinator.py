@@ -121,6 +121,8 @@ class Coordinator:
         self._c = _Counters()
         self._in_flight: deque[StepTicket] = deque()
         self._prev_rows: list[int] = [0] * self.topo.dp  # per DP rank: rows its previous step's tokens have
+        self._cross_dp = self.topo.collectives_cross_dp
+        self._dp_leaders = tuple(self.topo.dp_leaders())
         self._last_collect = 0.0  # perf_counter at the end of the last collect
         self._test_faults: dict[int, dict] = {}  # tests only: rank -> fault options, applied at start()
 
@@ -224,7 +226,8 @@ class Coordinator:
         """Validate, plan and send one step without waiting for its tokens; `collect` returns them. Negative
         token ids refer to the previous submitted step's tokens of the same DP rank (`prev_token`). At most
         `MAX_IN_FLIGHT` steps may be in flight; a bad batch raises BatchError and sends nothing."""
-        self._require("serving")
+        if self._state != "serving":
+            self._require("serving")
         if len(batches) != self.topo.dp:
             raise ValueError(f"step needs one batch (or None) per DP rank: got {len(batches)}, dp = {self.topo.dp}")
         if len(self._in_flight) >= MAX_IN_FLIGHT:
@@ -234,9 +237,9 @@ class Coordinator:
             if b is not None:
                 self._validate(d, b, num_steps)
         decode_sizes, prefill_sizes = self._sizes
-        plan = plan_step(batches, cross_dp=self.topo.collectives_cross_dp, decode_buckets=decode_sizes,
-                         token_buckets=prefill_sizes, num_steps=num_steps)
-        ticket = StepTicket(plan, tuple(b is not None for b in batches))
+        plan = plan_step(batches, cross_dp=self._cross_dp, decode_buckets=decode_sizes, token_buckets=prefill_sizes,
+                         num_steps=num_steps)
+        ticket = StepTicket(plan, tuple([b is not None for b in batches]))
         if plan is not None:
             try:
                 if hasattr(self._stepper, "send"):
@@ -255,7 +258,8 @@ class Coordinator:
         """The tokens of a submitted step, per DP rank (None for idle ones): waits for them. Steps are collected
         in the order they were submitted."""
         if ticket in self._in_flight:
-            self._require("serving")
+            if self._state != "serving":
+                self._require("serving")
             if self._in_flight[0] is not ticket:
                 raise CoordinatorStateError("collect() the oldest submitted step first")
             self._receive_oldest()
@@ -263,8 +267,8 @@ class Coordinator:
             raise CoordinatorStateError("this step is not in flight on this coordinator")
         if ticket.plan is None:
             return [None] * self.topo.dp
-        outs = ticket.outs
-        return [outs[r][0] if ticket.present[d] else None for d, r in enumerate(self.topo.dp_leaders())]
+        outs, present = ticket.outs, ticket.present
+        return [outs[r][0] if present[d] else None for d, r in enumerate(self._dp_leaders)]
 
     def _receive_oldest(self) -> None:
         """Receive the oldest in-flight step's replies into its ticket's `outs` (`[]` when every DP rank was idle),
@@ -286,7 +290,7 @@ class Coordinator:
         c.last_phase = plan.phase
         c.phases[plan.phase] = c.phases.get(plan.phase, 0) + 1
         c.driver_s += now - max(ticket.submitted, self._last_collect)
-        c.in_rank_s += max(t for _, t in ticket.outs)
+        c.in_rank_s += max([t for _, t in ticket.outs])
         self._last_collect = now
         self._in_flight.popleft()
 
@@ -300,7 +304,8 @@ class Coordinator:
         try:
             b.check_runnable(self._model_config.vocab_size, rt.block_size, rt.max_blocks_per_seq, self._num_kv_blocks,
                              prev_rows=self._prev_rows[dp_rank])
-            b.check_multi_step(num_steps, rt.block_size)
+            if num_steps != 1:  # check_multi_step(1) checks nothing
+                b.check_multi_step(num_steps, rt.block_size)
         except BatchError as e:
             raise BatchError(f"DP rank {dp_rank}: {e}") from None
 

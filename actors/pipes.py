@@ -59,29 +59,35 @@ _MAX_SHAPES = 4096  # remembered step shapes (prefill token counts vary): forgot
 def read_exact(fd: int, n: int) -> Optional[bytearray]:
     """`n` bytes from `fd`, or None at end-of-file before that."""
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = os.readv(fd, [view[got:]])
-        if k == 0:
-            return None
-        got += k
+    got = os.readv(fd, [buf]) if n else 0  # a frame written at once usually arrives whole
+    if got < n:
+        view = memoryview(buf)
+        while got < n:
+            k = os.readv(fd, [view[got:]])
+            if k == 0:
+                return None
+            got += k
     return buf
 
 
 def read_frame(fd: int) -> Optional[bytearray]:
     """One length-prefixed frame body, or None at end-of-file."""
-    head = read_exact(fd, LENGTH.size)
-    if head is None:
-        return None
+    head = os.read(fd, LENGTH.size)
+    if len(head) < LENGTH.size:
+        rest = read_exact(fd, LENGTH.size - len(head)) if head else None
+        if rest is None:
+            return None
+        head += rest
     (n,) = LENGTH.unpack(head)
     return read_exact(fd, n)
 
 
 def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    n = os.write(fd, data)  # a small frame goes in one write
+    if n < len(data):
+        view = memoryview(data)[n:]
+        while view:
+            view = view[os.write(fd, view):]
 
 
 def grow_pipe(fd: int, size: int = 1 << 20) -> None:
@@ -186,10 +192,10 @@ class PipeStepper:
         start = max(sent, self._last_reply)  # when the ranks could start on it
         results: dict[int, tuple[Any, float]] = {}
         faults: list[RankFault] = []
-        pending = set(self.resp_fds)
+        pending = list(self.resp_fds)  # select reads it, does not keep it
         deadline = time.monotonic() + timeout_s
-        key = (plan.phase, plan.num_steps, plan.batch_bucket, plan.token_bucket,
-               tuple(None if b is None else (b.batch_size, b.num_tokens) for b in plan.batches), behind)
+        sizes = tuple([None if b is None else (b.q_seqlens.shape[0], b.token_ids.shape[0]) for b in plan.batches])
+        key = (plan.phase, plan.num_steps, plan.batch_bucket, plan.token_bucket, sizes, behind)  # (B, T) per batch
         expected = self._expected.get(key)
         poll_from = start + max(0.0, expected - POLL_MARGIN_S) if expected is not None else start
         poll_until = (start + expected if expected is not None else start) + self.poll_s
@@ -204,9 +210,8 @@ class PipeStepper:
                 wait = poll_from - now  # sleep until just before the expected reply
             else:
                 wait = 0.0  # poll
-            ready, _, _ = select.select(list(pending), [], [], wait)
-            for fd in ready:
-                pending.discard(fd)
+            for fd in select.select(pending, [], [], wait)[0]:
+                pending.remove(fd)
                 r = self._rank_of_fd[fd]
                 body = read_frame(fd)
                 if body is None:

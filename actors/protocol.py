@@ -54,16 +54,29 @@ def plan_step(batches: Sequence[Optional[StepBatch]], *, cross_dp: bool, decode_
               token_buckets: Sequence[int], num_steps: int = 1) -> Optional[StepPlan]:
     """The plan of one step, or None when every DP rank is idle. `num_steps > 1` needs every active batch
     to decode: the caller checks each batch with `StepBatch.check_multi_step` first."""
-    active = [b for b in batches if b is not None]
-    if not active:
-        return None
     batches = tuple(batches)
+    if batches.count(None) == len(batches):
+        return None
     if not cross_dp:
-        return StepPlan(batches, None, phase="local", num_steps=num_steps)
-    if all(b.is_decoding for b in active):
+        return _plan(batches, None, phase="local", num_steps=num_steps)
+    active = [b for b in batches if b is not None]
+    decoding = [b.is_decoding for b in active]
+    if all(decoding):
         bucket = round_up(max(b.batch_size for b in active), decode_buckets)
-        return StepPlan(batches, True, batch_bucket=bucket, run_idle=True, static_tokens=bucket, phase="decode",
-                        num_steps=num_steps)
+        return _plan(batches, True, batch_bucket=bucket, run_idle=True, static_tokens=bucket, phase="decode",
+                     num_steps=num_steps)
     tokens = round_up(max(b.num_tokens for b in active), token_buckets)
-    mixed = any(b.is_decoding for b in active)
-    return StepPlan(batches, False, token_bucket=tokens, run_idle=True, phase="mixed" if mixed else "prefill")
+    return _plan(batches, False, token_bucket=tokens, run_idle=True, phase="mixed" if any(decoding) else "prefill")
+
+
+def _plan(batches: tuple, global_decode: Optional[bool], batch_bucket: int = 0, token_bucket: int = 0,
+          run_idle: bool = False, static_tokens: Optional[int] = None, phase: str = "local",
+          num_steps: int = 1) -> StepPlan:
+    """`StepPlan(...)` (same arguments and defaults) without the frozen dataclass's per-field
+    `object.__setattr__`, which costs about a microsecond a step; the same object in every respect."""
+    plan = object.__new__(StepPlan)
+    d = plan.__dict__
+    d["batches"], d["global_decode"] = batches, global_decode
+    d["batch_bucket"], d["token_bucket"], d["run_idle"] = batch_bucket, token_bucket, run_idle
+    d["static_tokens"], d["phase"], d["num_steps"] = static_tokens, phase, num_steps
+    return plan

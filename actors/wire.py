@@ -15,6 +15,7 @@ reply    = u32 body length | u8 status | f64 in-rank seconds | payload
 """
 from __future__ import annotations
 
+import operator
 import struct
 from typing import Optional
 
@@ -27,14 +28,21 @@ LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BBiiii")
 _SHAPE = struct.Struct("<iii")
 _REPLY = struct.Struct("<Bd")
+_FRAME_HEAD = struct.Struct("<I" + _HEAD.format[1:])  # length prefix + head: one pack
+_FRAME_BATCH = struct.Struct(_FRAME_HEAD.format + _SHAPE.format[1:])  # ... + shape
+_FRAME_REPLY = struct.Struct("<I" + _REPLY.format[1:])
 _DECODE_FLAG = {False: 0, True: 1, None: 2}
 _FLAG_DECODE = {0: False, 1: True, 2: None}
-# (field, dtype, length key): "T" tokens, "B" sequences, "BW" block-table entries
+# (field, dtype, length key): "T" tokens, "B" sequences, "BW" block-table entries; StepBatch's field order
 _FIELDS = (("token_ids", np.int64, "T"), ("q_seqlens", np.int32, "B"), ("num_history", np.int32, "B"),
            ("block_tables", np.int32, "BW"), ("temperature", np.float32, "B"), ("top_k", np.int32, "B"),
            ("top_p", np.float32, "B"), ("seeds", np.int64, "B"))
 
-_SIZES = tuple(np.dtype(dtype).itemsize for _, dtype, _ in _FIELDS)
+_DTYPES = tuple(np.dtype(dtype) for _, dtype, _ in _FIELDS)
+_fields_of = operator.attrgetter(*(name for name, _, _ in _FIELDS))
+_dtype_of = operator.attrgetter("dtype")
+_NDARRAYS = (np.ndarray,) * len(_FIELDS)
+_I64, _I32, _F32 = np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32)
 
 REPLY_OK, REPLY_NONE, REPLY_ERROR = 0, 1, 2
 
@@ -46,19 +54,18 @@ class WireError(ValueError):
 def encode_request(plan: StepPlan, dp_rank: int) -> bytes:
     """This DP rank's share of `plan` as one length-prefixed frame."""
     batch = plan.batches[dp_rank]
-    run = batch is not None or plan.run_idle
-    static = -1 if plan.static_tokens is None else int(plan.static_tokens)
-    head = _HEAD.pack(_DECODE_FLAG[plan.global_decode], (1 if batch is not None else 0) | (2 if run else 0),
-                      int(plan.batch_bucket), int(plan.token_bucket), static, int(plan.num_steps))
-    parts = [head]
-    if batch is not None:
-        b, t = batch.batch_size, batch.num_tokens
-        w = int(batch.block_tables.shape[1])
-        parts.append(_SHAPE.pack(b, t, w))
-        for name, dtype, _ in _FIELDS:
-            parts.append(np.ascontiguousarray(getattr(batch, name), dtype=dtype).tobytes())
-    body = b"".join(parts)
-    return LENGTH.pack(len(body)) + body
+    flags = 3 if batch is not None else (2 if plan.run_idle else 0)  # 1 batch, 2 run
+    static = -1 if plan.static_tokens is None else plan.static_tokens
+    head = (_DECODE_FLAG[plan.global_decode], flags, plan.batch_bucket, plan.token_bucket, static, plan.num_steps)
+    if batch is None:
+        return _FRAME_HEAD.pack(_HEAD.size, *head)
+    arrays = _fields_of(batch)
+    if tuple(map(type, arrays)) == _NDARRAYS and tuple(map(_dtype_of, arrays)) == _DTYPES:
+        body = b"".join([a.tobytes() for a in arrays])  # C order whatever the strides
+    else:
+        body = b"".join([np.ascontiguousarray(a, dtype=dtype).tobytes() for a, dtype in zip(arrays, _DTYPES)])
+    shape = (arrays[1].shape[0], arrays[0].shape[0], arrays[3].shape[1])  # B, T, W
+    return _FRAME_BATCH.pack(_HEAD.size + _SHAPE.size + len(body), *head, *shape) + body
 
 
 def decode_request(body: memoryview | bytes) -> Optional[tuple]:
@@ -71,31 +78,33 @@ def decode_request(body: memoryview | bytes) -> Optional[tuple]:
         return None
     batch = None
     if has & 1:
-        off = _HEAD.size
-        b, t, w = _SHAPE.unpack_from(body, off)
-        off += _SHAPE.size
-        counts = (t, b, b, b * w, b, b, b, b)
-        need = off + sum(c * size for c, size in zip(counts, _SIZES))
+        b, t, w = _SHAPE.unpack_from(body, _HEAD.size)
+        off = _HEAD.size + _SHAPE.size
+        n = 5 * b + b * w  # q_seqlens, num_history, block_tables, temperature, top_k, top_p: 4-byte items
+        need = off + 8 * t + 4 * n + 8 * b
         if min(b, t, w) < 0 or need != len(body):
             raise WireError(f"request body has {len(body)} bytes, its header says {need} (B={b}, T={t}, W={w})")
-        arrays = {}
-        for (name, dtype, _), size, n in zip(_FIELDS, _SIZES, counts):
-            arrays[name] = np.frombuffer(body, dtype=dtype, count=n, offset=off)
-            off += n * size
-        arrays["block_tables"] = arrays["block_tables"].reshape(b, w)
-        batch = StepBatch(**arrays)
+        # four buffer views (positional arguments: keywords cost twice as much), then slices: the 4-byte fields
+        # lie back to back, seen through one int32 and one float32 view
+        ids = np.frombuffer(body, _I64, t, off)
+        off += 8 * t
+        i32, f32 = np.frombuffer(body, _I32, n, off), np.frombuffer(body, _F32, n, off)
+        seeds = np.frombuffer(body, _I64, b, off + 4 * n)
+        e = 2 * b + b * w  # end of block_tables
+        batch = StepBatch(ids, i32[:b], i32[b:2 * b], i32[2 * b:e].reshape(b, w), f32[e:e + b], i32[e + b:e + 2 * b],
+                          f32[e + 2 * b:e + 3 * b], seeds)
     return (batch, _FLAG_DECODE[flag], batch_bucket, token_bucket), (None if static < 0 else static), num_steps
 
 
 def encode_reply(status: int, seconds: float, payload: bytes = b"") -> bytes:
-    body = _REPLY.pack(status, seconds) + payload
-    return LENGTH.pack(len(body)) + body
+    return _FRAME_REPLY.pack(_REPLY.size + len(payload), status, seconds) + payload
 
 
 def encode_tokens(tokens: Optional[np.ndarray], seconds: float) -> bytes:
     if tokens is None:
         return encode_reply(REPLY_NONE, seconds)
-    return encode_reply(REPLY_OK, seconds, np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
+    raw = np.ascontiguousarray(tokens, dtype=_I64).tobytes()
+    return _FRAME_REPLY.pack(_REPLY.size + len(raw), REPLY_OK, seconds) + raw
 
 
 def decode_reply(body: bytes) -> tuple[int, float, object]:
@@ -103,9 +112,8 @@ def decode_reply(body: bytes) -> tuple[int, float, object]:
     if len(body) < _REPLY.size:
         raise WireError(f"reply of {len(body)} bytes is shorter than its header")
     status, seconds = _REPLY.unpack_from(body, 0)
-    rest = body[_REPLY.size:]
     if status == REPLY_OK:
-        return status, seconds, np.frombuffer(rest, dtype=np.int64).copy()
+        return status, seconds, np.frombuffer(body, _I64, -1, _REPLY.size).copy()
     if status == REPLY_NONE:
         return status, seconds, None
-    return status, seconds, bytes(rest).decode("utf-8", "replace")
+    return status, seconds, bytes(body[_REPLY.size:]).decode("utf-8", "replace")
