@@ -96,7 +96,7 @@ class StepBatch:
                 raise BatchError(f"token ids must be in [0, {vocab_size}){where}")
             raise BatchError(f"token id {int(ids.min())} refers to row {-int(ids.min()) - 1} of the previous step, "
                              f"which had {prev_rows} rows")
-        gap = self._table_gap(self.num_history + q, block_size)
+        gap = self._table_gap(self.num_history.astype(np.int64) + q, block_size)  # no int32 wrap-around
         if gap == "short":
             raise BatchError("a block table is too short for its sequence")
         if gap == "unallocated":

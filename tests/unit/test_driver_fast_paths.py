@@ -195,3 +195,11 @@ def test_negative_history_and_2d_token_ids_are_rejected_on_both_paths(n, monkeyp
         fast, full = _both(bad, 0, monkeypatch)
         assert fast == full
         assert all(o.startswith("BatchError: " + message) for o in fast), fast
+
+
+def test_history_near_the_int32_limit_does_not_wrap_into_a_valid_batch(monkeypatch):
+    """num_history + q_seqlens past 2^31 - 1 must not wrap around to a small length that the tables cover."""
+    b = _decode(1, np.random.default_rng(9))
+    bad = dataclasses.replace(b, num_history=np.array([np.iinfo(np.int32).max], np.int32))
+    fast, full = _both(bad, 0, monkeypatch)
+    assert fast == full and all(o == "BatchError: a block table is too short for its sequence" for o in fast), fast
