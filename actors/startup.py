@@ -88,7 +88,9 @@ def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Laun
         n_blocks = min(budgets)
         ranks.call("allocate_kv_cache", (n_blocks,), timeout_s=timeout, what="KV allocation")
         timings["kv_s"] = time.perf_counter() - t1
-        ranks.call("build_runner", timeout_s=timeout, what="runner")
+        t1 = time.perf_counter()
+        ranks.call("build_runner", timeout_s=timeout, what="runner")  # includes the attention kernels' warm-up
+        timings["runner_s"] = time.perf_counter() - t1
         sizes = ranks.call("capture_sizes", timeout_s=timeout, what="capture sizes")
         if any(tuple(map(tuple, s)) != tuple(map(tuple, sizes[0])) for s in sizes):
             raise StartupCaptureError(f"ranks disagree on capture buckets: {sizes}")

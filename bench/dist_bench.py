@@ -146,11 +146,11 @@ def table(res: dict[str, Any]) -> str:
                          f"{r['overhead_ms']:12.3f} {r['overhead_pct']:10.1f}  {ahead}  {multi}")
     lines.append("")
     lines.append(f"ray.init: {res['ray_init_s']:.2f} s (once); ray_s = placement + actor start-up")
-    lines.append("tp  ray_s  groups_s  weights_s  kv_s  capture_s  total_s")
+    lines.append("tp  ray_s  groups_s  weights_s  kv_s  runner_s  capture_s  total_s   (runner_s: kernel warm-up)")
     for run in res["runs"]:
         s = run["startup"]
-        lines.append(f"{run['tp']:<3d} {s['ray_s']:5.2f} {s['groups_s']:9.2f} "
-                     f"{s['weights_s']:10.2f} {s['kv_s']:5.2f} {s['capture_s']:10.2f} {s['total_s']:8.2f}")
+        lines.append(f"{run['tp']:<3d} {s['ray_s']:5.2f} {s['groups_s']:9.2f} {s['weights_s']:10.2f} "
+                     f"{s['kv_s']:5.2f} {s.get('runner_s', 0.0):9.2f} {s['capture_s']:10.2f} {s['total_s']:8.2f}")
     for k, v in res.get("tp2_vs_tp1", {}).items():
         lines.append(f"TP=2 / TP=1 decode step ({k}): {v:.3f}")
     return "\n".join(lines)

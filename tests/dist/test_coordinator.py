@@ -39,7 +39,7 @@ def test_state_errors_and_config_validation(ray_mod):
 
 def test_tp2_greedy_and_logits_equal_tp1(tp2, reference):
     coord, timings = tp2
-    for k in ("ray_s", "groups_s", "weights_s", "kv_s", "capture_s", "per_bucket"):
+    for k in ("ray_s", "groups_s", "weights_s", "kv_s", "runner_s", "capture_s", "per_bucket"):
         assert k in timings
     assert coord.step_path == "pipe"  # the one-host default (compiled and plain are covered in test_ep.py)
     run_scenario(coord, reference, decode_script(1, PROMPTS, steps=12))
