@@ -325,11 +325,13 @@ class RankWorker:
                         return
                     t_read = time.perf_counter()
                     try:
-                        if STEP_TRACE:
-                            pending.append(self._launch_traced(body, t_read))
-                            continue
                         decoded = decode_request(body)
-                        pending.append(encode_tokens(None, 0.0) if decoded is None else self._launch_step(*decoded))
+                        if decoded is None:
+                            pending.append(encode_tokens(None, 0.0))
+                        elif STEP_TRACE:
+                            pending.append(self._launch_traced(decoded, t_read))
+                        else:
+                            pending.append(self._launch_step(*decoded))
                     except Exception as e:  # noqa: BLE001 - reported to the driver, which tears the group down
                         pending.append(error_frame(e))
         except OSError:
@@ -341,18 +343,12 @@ class RankWorker:
             os.close(request)
             os.close(reply)
 
-    def _launch_traced(self, body: Any, t_read: float) -> Any:
-        """Decode and launch a request like the untraced loop, with a trace record: `read` (request read),
-        `decoded`, `call` (timing events made, `_launch_step` called), `launched` (it returned), later `ready` and
-        `written`, and `device_s`, the forward stream's time from before the launch to after the tokens' copy.
-        Returns the `_Launched` step, or the reply frame of an idle rank."""
+    def _launch_traced(self, decoded: tuple, t_read: float) -> "_Launched":
+        """`_launch_step` for a decoded request, with a trace record: `read` (request read), `decoded` (this call),
+        `call` (timing events made, `_launch_step` called), `launched` (it returned), later `ready` and `written`,
+        and `device_s`, the forward stream's time from before the launch to after the tokens' copy."""
         import torch
 
-        from actors.wire import decode_request, encode_tokens
-
-        decoded = decode_request(body)
-        if decoded is None:
-            return encode_tokens(None, 0.0)
         t_decoded = time.perf_counter()
         timed = self.device is not None and self.device.type == "cuda"
         if timed:

@@ -87,13 +87,18 @@ def measure_ahead(coord: Coordinator, batch: StepBatch, steps: int, warmup: int)
     return {"ahead_ms": 1e3 * statistics.median(gaps), "ahead_p90_ms": 1e3 * gaps[int(0.9 * len(gaps))]}
 
 
-def run_tp(args: Any, tp: int) -> dict[str, Any]:
-    cpu = args.device == "cpu"
+def make_coordinator(args: Any, tp: int) -> Coordinator:
+    """A coordinator (not started) for the parsed benchmark `args`: model, device, decode and prefill bucket
+    limits, KV blocks (`--kv-blocks`, 0 or absent: from the memory budget), CPUs for a local Ray."""
     graph = GraphRunnerConfig(max_decode_batch=args.max_decode_batch, pcg_max_tokens=args.pcg_max_tokens)
-    rt = RuntimeConfig(model=args.model, device=args.device, graph=graph,
-                       num_kv_blocks=args.kv_blocks if args.kv_blocks else None)
-    cfg = DeploymentConfig(runtime=rt, tp=tp, use_gpu=False if cpu else None, num_cpus=args.num_cpus)
-    coord = Coordinator(cfg)
+    kv_blocks = getattr(args, "kv_blocks", 0)
+    rt = RuntimeConfig(model=args.model, device=args.device, graph=graph, num_kv_blocks=kv_blocks or None)
+    return Coordinator(DeploymentConfig(runtime=rt, tp=tp, use_gpu=False if args.device == "cpu" else None,
+                                        num_cpus=args.num_cpus))
+
+
+def run_tp(args: Any, tp: int) -> dict[str, Any]:
+    coord = make_coordinator(args, tp)
     t0 = time.perf_counter()
     startup = coord.start(progress=not args.quiet)
     startup["total_s"] = time.perf_counter() - t0

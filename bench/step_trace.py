@@ -82,20 +82,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ["GRAPHLINE_STEP_PROFILE"] = os.path.abspath(args.profile)
     import ray
 
-    from actors.coordinator import Coordinator, DeploymentConfig
-    from actors.rank import RuntimeConfig
     from actors.startup import ensure_ray
-    from bench.dist_bench import decode_batch
-    from graphrunner.config import GraphRunnerConfig
+    from bench.dist_bench import decode_batch, make_coordinator
 
-    cpu = args.device == "cpu"
-    ensure_ray(None, args.num_cpus or (4 if cpu else None))
+    ensure_ray(None, args.num_cpus or (4 if args.device == "cpu" else None))
     res: dict[str, Any] = {"model": args.model, "args": vars(args), "runs": []}
     try:
         for tp in (int(x) for x in args.tp.split(",")):
-            graph = GraphRunnerConfig(max_decode_batch=args.max_decode_batch, pcg_max_tokens=args.pcg_max_tokens)
-            rt = RuntimeConfig(model=args.model, device=args.device, graph=graph)
-            coord = Coordinator(DeploymentConfig(runtime=rt, tp=tp, use_gpu=False if cpu else None))
+            coord = make_coordinator(args, tp)
             coord.start(progress=False)
             try:
                 if coord.step_path != "pipe":

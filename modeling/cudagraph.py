@@ -60,7 +60,7 @@ class DecodeGraphBuffersMixin:
                              "kv_seqlens": h32[0:b], "block_tables": h32[b:b + b * w].reshape(b, w),
                              "rows": np.arange(b)},
             "_copy_views": {},  # padded batch -> (staging bytes, mirror bytes) of its one transfer
-            "_contexts": {},  # padded batch -> the AttentionMetadata over the buffers (`update_context`)
+            "_contexts": {},  # (padded batch, block size) -> the step fields `update_context` redirects
         }
         bufs["slot_mapping"].fill_(-1)
         bufs["kv_seqlens"].fill_(1)

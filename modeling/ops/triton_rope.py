@@ -72,6 +72,13 @@ def _norm_rope_head(
 
 
 @triton.jit
+def _rope_offsets(POS, t, stride_cos, stride_sin):
+    """Offsets of token t's rows in the cos and sin tables (its position read from POS)."""
+    pos = tl.load(POS + t).to(tl.int64)
+    return pos * stride_cos, pos * stride_sin
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     Q,
     K,
@@ -98,9 +105,7 @@ def _qk_norm_rope_kernel(
     """Grid (T, HQ + HKV): heads [0, HQ) are q heads, [HQ, HQ + HKV) are k heads."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    pos = tl.load(POS + t).to(tl.int64)
-    cos_off = pos * stride_cos
-    sin_off = pos * stride_sin
+    cos_off, sin_off = _rope_offsets(POS, t, stride_cos, stride_sin)
     if h < HQ:
         _norm_rope_head(Q, QO, QW, COS, SIN, t * stride_qt + h * stride_qh, (t * HQ + h) * D, cos_off, sin_off,
                         eps, D, HALF, BLOCK)
@@ -158,11 +163,11 @@ def _qk_norm_rope_token_kernel(Q, K, QO, KO, QW, KW, COS, SIN, POS, stride_qt, s
                                HKB: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (T,): one program per token, all q and k heads (prefill: T x (HQ + HKV) tiny programs cost more)."""
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(POS + t).to(tl.int64)
-    _norm_rope_heads(Q, QO, QW, COS, SIN, t * stride_qt, stride_qh, t * HQ * D, pos * stride_cos, pos * stride_sin,
-                     eps, HQ, HQB, D, HALF, BLOCK)
-    _norm_rope_heads(K, KO, KW, COS, SIN, t * stride_kt, stride_kh, t * HKV * D, pos * stride_cos, pos * stride_sin,
-                     eps, HKV, HKB, D, HALF, BLOCK)
+    cos_off, sin_off = _rope_offsets(POS, t, stride_cos, stride_sin)
+    _norm_rope_heads(Q, QO, QW, COS, SIN, t * stride_qt, stride_qh, t * HQ * D, cos_off, sin_off, eps,
+                     HQ, HQB, D, HALF, BLOCK)
+    _norm_rope_heads(K, KO, KW, COS, SIN, t * stride_kt, stride_kh, t * HKV * D, cos_off, sin_off, eps,
+                     HKV, HKB, D, HALF, BLOCK)
 
 
 _TOKEN_KERNEL_MIN_T = 64  # below this, one program per head keeps more SMs busy (decode)
@@ -266,9 +271,7 @@ def _qk_norm_rope_store_kernel(
     K_CACHE (rounded to KO_TY, the dtype `qk_norm_rope` returns k in, then to the cache's) with v head hk."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    pos = tl.load(POS + t).to(tl.int64)
-    cos_off = pos * stride_cos
-    sin_off = pos * stride_sin
+    cos_off, sin_off = _rope_offsets(POS, t, stride_cos, stride_sin)
     if h < HQ:
         _norm_rope_head(Q, QO, QW, COS, SIN, t * stride_qt + h * stride_qh, (t * HQ + h) * D, cos_off, sin_off,
                         eps, D, HALF, BLOCK)
@@ -303,9 +306,7 @@ def _qk_norm_rope_store_token_kernel(
     """Grid (T,) like `_qk_norm_rope_token_kernel`: all q heads to QO; all k and v heads of a stored row to the
     caches."""
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(POS + t).to(tl.int64)
-    cos_off = pos * stride_cos
-    sin_off = pos * stride_sin
+    cos_off, sin_off = _rope_offsets(POS, t, stride_cos, stride_sin)
     _norm_rope_heads(Q, QO, QW, COS, SIN, t * stride_qt, stride_qh, t * HQ * D, cos_off, sin_off, eps,
                      HQ, HQB, D, HALF, BLOCK)
     slot = _store_slot(SLOTS, t, n_slots)
