@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import numpy as np
 import torch
 
+from actors.armed import ArmedDecode
 from actors.batch import BatchError, StepBatch
 from graphrunner.capture import end_capture, end_capture_quietly
 from graphrunner.config import GraphRunnerConfig
@@ -51,6 +52,9 @@ class RuntimeConfig:
         graph's output, one for greedy tokens alone and one for fp32 logits + argmax (`bucket x vocab` in one
         shared pool; ~15 MiB at 16 for a 152k vocabulary, ~100 MiB at 64); larger buckets run the head eagerly;
         0 = off.
+    armed_decode_wait_ms: how long an armed decode step (`actors.armed`: the next greedy decode step enqueued
+        behind a gate while the rank waits for its request) waits before it gives up; 0 = never arm. Only
+        CUDA ranks with tensor- and expert-parallel size 1 arm.
     """
 
     model: str = "qwen3-tiny"
@@ -64,12 +68,15 @@ class RuntimeConfig:
     kernel_backend: str = "auto"
     graph: GraphRunnerConfig = field(default_factory=GraphRunnerConfig)
     head_graph_max_batch: int = 16
+    armed_decode_wait_ms: float = 20.0
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.block_size <= 0 or self.max_model_len <= 0:
             raise ValueError("block_size and max_model_len must be positive")
+        if not 0.0 <= self.armed_decode_wait_ms <= 10_000.0:
+            raise ValueError(f"armed_decode_wait_ms must be in [0, 10000], got {self.armed_decode_wait_ms}")
         if self.head_graph_max_batch < 0:
             raise ValueError(f"head_graph_max_batch must be >= 0, got {self.head_graph_max_batch}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
@@ -165,7 +172,6 @@ class _DecodeLane:
         ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.block_size)
         step = ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_layers, meta, **self.hints)
         runner.full_graphs.replay(self.key, step)
-        runner.stats.record_step(ExecPath.FULL_GRAPH, meta.batch_size, self.key.batch)
         self.head.greedy_graph.replay()
         return self.tokens
 
@@ -205,6 +211,9 @@ class RankRuntime:
         # (B, T, global_decode, batch bucket, token bucket) -> the `_DecodeLane` of greedy decode steps of that shape
         self._lanes: dict[tuple, _DecodeLane] = {}
         self.lane_steps = 0  # steps served by a decode lane
+        self._last_lane: Optional[_DecodeLane] = None  # the lane of the latest step, if one served it
+        self._last_host_ids = False  # whether the latest step's token ids all came from the host
+        self._armer: Optional[ArmedDecode] = None  # made by `build_runner` where arming is allowed
         self._thread = threading.local()  # `.bound`: this thread's current stream is `self.stream` (`bind_stream`)
 
     def on_stream(self):
@@ -222,6 +231,7 @@ class RankRuntime:
 
     # ---- start-up
     def load_model(self) -> float:
+        self.disarm()
         t0 = time.perf_counter()
         ops = get_kernel_ops(self.device, self.cfg.kernel_backend)
         with torch.device(self.device), self.on_stream():
@@ -257,6 +267,7 @@ class RankRuntime:
         """Allocate the arenas; the runner must be reset first if one exists (captured addresses)."""
         if self.runner is not None and self.runner_has_graphs():
             raise RuntimeError("reset the graph runner before reallocating the KV cache")
+        self.disarm()
         n = num_blocks if num_blocks is not None else self.kv_blocks_for_budget()
         self.kv_cache = None
         spec = KVCacheSpec.for_model(self.model_config, n, self.cfg.block_size, self.ctx.tp_size)
@@ -277,7 +288,18 @@ class RankRuntime:
             t0 = time.perf_counter()
             with torch.inference_mode(), self.on_stream():
                 self.model.warm_up_kernels(self.kv_cache.layers)
+                self._armer = self._make_armer()
             self.timings["kernel_warm_up_s"] = time.perf_counter() - t0
+
+    def _make_armer(self) -> Optional[ArmedDecode]:
+        """The armed-decode state of this rank, or None where it may not arm (see `RuntimeConfig`); compiles the
+        gate kernel now rather than at the first arm."""
+        wait_s = self.cfg.armed_decode_wait_ms / 1e3
+        if wait_s <= 0 or self.ctx.tp_size != 1 or self.ctx.ep_size != 1 or self.device.type != "cuda":
+            return None
+        armer = ArmedDecode(self.device, wait_s)
+        armer.gate.warm_up()
+        return armer
 
     def runner_has_graphs(self) -> bool:
         snap = self.runner.stats.snapshot()
@@ -288,6 +310,8 @@ class RankRuntime:
 
     def capture_decode(self, batch: int) -> float:
         """Capture the decode graph of bucket `batch`, then its LM-head graph; returns seconds for both."""
+        self.disarm()
+        self._last_lane = None
         self._lanes.clear()  # a new bucket may change which graph serves a batch size
         with self.on_stream():
             t0 = time.perf_counter()
@@ -339,12 +363,15 @@ class RankRuntime:
         return self._rows[:n]
 
     def _drop_heads(self) -> None:
+        self.disarm()
+        self._last_lane = None
         self._lanes.clear()
         self._heads.clear()
         self._head_pool = None
         self._head_pool_bytes = 0
 
     def capture_prefill(self, tokens: int) -> float:
+        self.disarm()
         with self.on_stream():
             return self.runner.capture_prefill(tokens)
 
@@ -404,14 +431,30 @@ class RankRuntime:
         if not torch.is_inference_mode_enabled():  # a resident step loop enters it once for all its steps
             with torch.inference_mode():
                 return self.launch(batch, global_decode, batch_bucket, token_bucket, validated, num_steps)
+        lane = None
         if validated and num_steps == 1 and batch is not None:
             lane = self._lanes.get((batch.batch_size, batch.num_tokens, global_decode, batch_bucket, token_bucket))
-            if lane is not None and self.logits_observer is None and not batch.temperature.any():
-                self.lane_steps += 1
-                with self.on_stream():
-                    ids, ids_dev = self._resolve_ids(batch.token_ids)
-                    tokens = self._last_tokens = lane.run(self.runner, ids, ids_dev, batch)
-                    return self._read_back(tokens, multi=False)
+            if lane is not None and (self.logits_observer is not None or batch.temperature.any()):
+                lane = None
+        armer = self._armer
+        if armer is not None and armer.armed:
+            if lane is None or int(batch.token_ids.min()) < 0:
+                armer.cancel()  # before anything below waits on the stream the gate holds
+            else:
+                pending = armer.take(self.runner, lane, batch, PendingTokens)
+                if pending is not None:
+                    self._count_lane_step(lane, batch.batch_size)
+                    self._last_tokens, self._last_lane, self._last_host_ids = lane.tokens, lane, True
+                    return pending
+        self._last_lane = lane
+        self._last_host_ids = False
+        if lane is not None:
+            self._count_lane_step(lane, batch.batch_size)
+            with self.on_stream():
+                ids, ids_dev = self._resolve_ids(batch.token_ids)
+                tokens = self._last_tokens = lane.run(self.runner, ids, ids_dev, batch)
+                self._last_host_ids = ids_dev is None
+                return self._read_back(tokens, multi=False)
         with self.on_stream():
             if batch is None:
                 for _ in range(num_steps):
@@ -429,6 +472,45 @@ class RankRuntime:
                                                  num_steps)
                 self._last_tokens = tokens[-1]
             return self._read_back(tokens, multi=num_steps > 1)
+
+    def _count_lane_step(self, lane: _DecodeLane, n: int) -> None:
+        self.lane_steps += 1
+        self.runner.stats.record_step(ExecPath.FULL_GRAPH, n, lane.key.batch)
+
+    # ---- armed decode (`actors.armed`)
+    @property
+    def armed_steps(self) -> int:
+        """Steps an armed replay took."""
+        return 0 if self._armer is None else self._armer.counts["went"]
+
+    def arm_next(self) -> bool:
+        """Enqueue the next step of the latest step's decode lane behind a closed gate, on padding rows, after
+        whatever the forward stream holds, so that the next request of that shape only has to open it (`launch`
+        does). Only after a step a lane or an arm took whose token ids came from the host: a driver that feeds
+        back tokens on the device submits ahead, and its next step would only cancel the arm. For a caller that
+        expects the next request to wait for this step's tokens (the resident step loop, after a request that
+        found no earlier step in flight). Returns whether it armed."""
+        lane, armer = self._last_lane, self._armer
+        if armer is None or lane is None or armer.armed or not self._last_host_ids:
+            return False
+        with self.on_stream(), torch.inference_mode():  # no-op inside the step loop's inference mode
+            if self._last_tokens is not None:  # a cancelled arm rewrites the head output it views
+                self._last_tokens = self._last_tokens.clone()
+            armer.arm(self.runner, lane)
+        return True
+
+    def stop_arming(self) -> None:
+        """Cancel any armed step and never arm again (after a failure to arm)."""
+        self.disarm()
+        self._armer = None
+
+    def disarm(self) -> None:
+        """Cancel an armed step and wait for its padding replay (no-op when none): for anything that is not a
+        step launch and may wait on the forward stream or drop the graphs the arm replays."""
+        armer = self._armer
+        if armer is not None and armer.armed:
+            armer.cancel()
+            self._sync()
 
     def _read_back(self, tokens: torch.Tensor, multi: bool) -> PendingTokens:
         if tokens.device.type != "cuda":
@@ -527,6 +609,7 @@ class RankRuntime:
         logits, greedy = launched
         if not sampled and self.logits_observer is None:
             self._add_lane(step, global_decode, batch_bucket, token_bucket)
+            self._last_host_ids = ids_dev is None
         return self._sample(logits, batch) if sampled else greedy
 
     def _add_lane(self, step: ForwardStep, global_decode, batch_bucket: int, token_bucket: int) -> None:
@@ -537,8 +620,9 @@ class RankRuntime:
         if head is None or decision.path is not RunnerPath.FULL_GRAPH:
             return
         n = step.batch_size
-        self._lanes[(n, n, global_decode, batch_bucket, token_bucket)] = _DecodeLane(
+        lane = self._lanes[(n, n, global_decode, batch_bucket, token_bucket)] = _DecodeLane(
             decision.decode_key, head, step, self.cfg.block_size)
+        self._last_lane = lane
 
     def _decode_graph_step(self, step: ForwardStep, need_logits: bool = False
                            ) -> Optional[tuple[Optional[torch.Tensor], torch.Tensor]]:
@@ -638,6 +722,8 @@ class RankRuntime:
             out["runner"] = self.runner.stats.snapshot()
             out["head_graphs"] = {"buckets": sorted(self._heads), "pool_bytes": self._head_pool_bytes}
             out["decode_lane_steps"] = self.lane_steps
+            if self._armer is not None:
+                out["armed_decode"] = dict(self._armer.counts)
         if self.kv_cache is not None:
             out["kv_blocks"] = self.kv_cache.spec.num_blocks
             out["kv_bytes"] = self.kv_cache.nbytes

@@ -180,6 +180,7 @@ def summarize_status(coord: Any, infos: Sequence[Optional[dict]]) -> dict:
                          capture=(rt.get("runner") or {}).get("capture"), timings=rt.get("timings"),
                          kv_blocks=rt.get("kv_blocks"), kv_bytes=rt.get("kv_bytes"),
                          tp_allreduce=info.get("tp_allreduce"), head_graphs=rt.get("head_graphs"),
+                         decode_lane_steps=rt.get("decode_lane_steps"), armed_decode=rt.get("armed_decode"),
                          memory={k: rt[k] for k in ("memory_allocated", "memory_reserved") if k in rt})
         per_rank.append(entry)
     steps = max(c.steps, 1)

@@ -324,6 +324,7 @@ class RankWorker:
                     if body is None:  # the driver closed the pipe: the step path was torn down
                         return
                     t_read = time.perf_counter()
+                    strict = not pending  # nothing in flight: the driver waited for the previous step's tokens
                     try:
                         decoded = decode_request(body)
                         if decoded is None:
@@ -334,19 +335,35 @@ class RankWorker:
                             pending.append(self._launch_step(*decoded))
                     except Exception as e:  # noqa: BLE001 - reported to the driver, which tears the group down
                         pending.append(error_frame(e))
+                        continue
+                    if strict and spin_s and decoded is not None and not select.select([request], [], [], 0)[0]:
+                        self._arm_next()
         except OSError:
             return  # the driver went away mid-write
         finally:
+            if self.runtime is not None:
+                self.runtime.disarm()
             if profiler is not None:
                 profiler.disable()
                 profiler.dump_stats(f"{profile_path}.rank{self.rank}")
             os.close(request)
             os.close(reply)
 
+    def _arm_next(self) -> None:
+        """The next request will likely wait for the step just launched: enqueue it now behind a gate, while the
+        device runs this one (`actors.armed`). A failure to arm is logged and turns arming off; the step
+        already launched is not affected."""
+        try:
+            self.runtime.arm_next()
+        except Exception as e:  # noqa: BLE001
+            self._log("arming_failed", error=repr(e))
+            self.runtime.stop_arming()
+
     def _launch_traced(self, decoded: tuple, t_read: float) -> "_Launched":
         """`_launch_step` for a decoded request, with a trace record: `read` (request read), `decoded` (this call),
         `call` (timing events made, `_launch_step` called), `launched` (it returned), later `ready` and `written`,
-        and `device_s`, the forward stream's time from before the launch to after the tokens' copy."""
+        and `device_s`, the forward stream's time from before the launch to after the tokens' copy (not for a step
+        an armed replay took: its device work was enqueued before the request came)."""
         import torch
 
         t_decoded = time.perf_counter()
@@ -354,11 +371,12 @@ class RankWorker:
         if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.runtime.stream)
+        armed_before = self.runtime.armed_steps
         t_call = time.perf_counter()
         step = self._launch_step(*decoded)
         step.trace = {"read": t_read, "decoded": t_decoded, "call": t_call, "launched": time.perf_counter(),
-                      "lane_steps": float(getattr(self.runtime, "lane_steps", 0))}
-        if timed:
+                      "lane_steps": float(self.runtime.lane_steps), "armed_steps": float(self.runtime.armed_steps)}
+        if timed and self.runtime.armed_steps == armed_before:  # an armed step's work was enqueued before `start`
             end.record(self.runtime.stream)
             step.trace["events"] = (start, end)
         return step

@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 import statistics
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -87,22 +87,25 @@ def measure_ahead(coord: Coordinator, batch: StepBatch, steps: int, warmup: int)
     return {"ahead_ms": 1e3 * statistics.median(gaps), "ahead_p90_ms": 1e3 * gaps[int(0.9 * len(gaps))]}
 
 
-def make_coordinator(args: Any, tp: int) -> Coordinator:
+def make_coordinator(args: Any, tp: int, armed_wait_ms: Optional[float] = None) -> Coordinator:
     """A coordinator (not started) for the parsed benchmark `args`: model, device, decode and prefill bucket
-    limits, KV blocks (`--kv-blocks`, 0 or absent: from the memory budget), CPUs for a local Ray."""
+    limits, KV blocks (`--kv-blocks`, 0 or absent: from the memory budget), CPUs for a local Ray; armed decode
+    waits `armed_wait_ms` (None: the runtime's default; 0: never arms)."""
     graph = GraphRunnerConfig(max_decode_batch=args.max_decode_batch, pcg_max_tokens=args.pcg_max_tokens)
     kv_blocks = getattr(args, "kv_blocks", 0)
-    rt = RuntimeConfig(model=args.model, device=args.device, graph=graph, num_kv_blocks=kv_blocks or None)
+    extra = {} if armed_wait_ms is None else {"armed_decode_wait_ms": armed_wait_ms}
+    rt = RuntimeConfig(model=args.model, device=args.device, graph=graph, num_kv_blocks=kv_blocks or None, **extra)
     return Coordinator(DeploymentConfig(runtime=rt, tp=tp, use_gpu=False if args.device == "cpu" else None,
                                         num_cpus=args.num_cpus))
 
 
-def run_tp(args: Any, tp: int) -> dict[str, Any]:
-    coord = make_coordinator(args, tp)
+def run_tp(args: Any, tp: int, armed_wait_ms: Optional[float] = None) -> dict[str, Any]:
+    coord = make_coordinator(args, tp, armed_wait_ms)
     t0 = time.perf_counter()
     startup = coord.start(progress=not args.quiet)
     startup["total_s"] = time.perf_counter() - t0
-    out: dict[str, Any] = {"tp": tp, "startup": startup, "default_step_path": coord.step_path, "decode": {}}
+    out: dict[str, Any] = {"tp": tp, "armed_wait_ms": armed_wait_ms, "startup": startup,
+                           "default_step_path": coord.step_path, "decode": {}}
     try:
         mc = coord.model_config
         for path in args.paths.split(","):
@@ -134,21 +137,27 @@ def run_tp(args: Any, tp: int) -> dict[str, Any]:
                     if not args.quiet:
                         print(f"  tp={tp} {path:8s} batch {b:3d}: {k} decode steps per call: e2e "
                               f"{r['per_token_e2e_ms']:.3f} ms per token", flush=True)
-        out["status_overhead"] = coord.status()["overhead"]
+        status = coord.status()
+        out["status_overhead"] = status["overhead"]
+        out["armed_decode"] = [r.get("armed_decode") for r in status["ranks"]]
     finally:
         coord.shutdown()
     return out
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = ["tp  path      batch   e2e ms  in-rank ms  overhead ms  overhead %  ahead ms  multi-step e2e ms/token"]
+    lines = ["tp  armed  path      batch   e2e ms  in-rank ms  overhead ms  overhead %  ahead ms  "
+             "multi-step e2e ms/token"]
     for run in res["runs"]:
+        armed = "default" if run.get("armed_wait_ms") is None else f"{run['armed_wait_ms']:g} ms"
         for key, r in run["decode"].items():
             path, b = key.split(":b")
             ahead = f"{r['ahead_ms']:8.3f}" if "ahead_ms" in r else " " * 8
             multi = f"{r['per_token_e2e_ms']:10.3f} (x{r['decode_steps']})" if "per_token_e2e_ms" in r else ""
-            lines.append(f"{run['tp']:<3d} {path:9s} {int(b):5d} {r['e2e_ms']:8.3f} {r['in_rank_ms']:11.3f} "
+            lines.append(f"{run['tp']:<3d} {armed:>6s} {path:9s} {int(b):5d} {r['e2e_ms']:8.3f} {r['in_rank_ms']:11.3f} "
                          f"{r['overhead_ms']:12.3f} {r['overhead_pct']:10.1f}  {ahead}  {multi}")
+        if any(run.get("armed_decode") or []):
+            lines.append(f"    armed decode per rank (tp={run['tp']}): {run['armed_decode']}")
     lines.append("")
     lines.append(f"ray.init: {res['ray_init_s']:.2f} s (once); ray_s = placement + actor start-up")
     lines.append("tp  ray_s  groups_s  weights_s  kv_s  runner_s  capture_s  total_s   (runner_s: kernel warm-up)")
@@ -176,6 +185,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--pcg-max-tokens", type=int, default=4096)
     p.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per rank (0 = from the memory budget)")
     p.add_argument("--num-cpus", type=int, default=None, help="for a local ray.init")
+    p.add_argument("--armed-wait-ms", default="",
+                   help="comma list: run TP=1 once per value of RuntimeConfig.armed_decode_wait_ms (0 = never arm), "
+                        "side by side; empty: the default once")
     p.add_argument("--out", default=None)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -199,11 +211,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if tp > torch.cuda.device_count():
                     res.setdefault("skipped", []).append(f"tp={tp}: {torch.cuda.device_count()} GPU(s) here")
                     continue
-            res["runs"].append(run_tp(args, tp))
+            waits = [float(x) for x in args.armed_wait_ms.split(",") if x.strip()] or [None]
+            for w in waits if tp == 1 else waits[:1]:  # ranks with TP > 1 never arm
+                res["runs"].append(run_tp(args, tp, w))
     finally:
         if ray.is_initialized():
             ray.shutdown()
-    by_tp = {r["tp"]: r for r in res["runs"]}
+    by_tp: dict[int, Any] = {}
+    for r in res["runs"]:
+        by_tp.setdefault(r["tp"], r)
     if 1 in by_tp and 2 in by_tp:
         res["tp2_vs_tp1"] = {k: by_tp[2]["decode"][k]["in_rank_ms"] / v["in_rank_ms"]
                              for k, v in by_tp[1]["decode"].items() if k in by_tp[2]["decode"]}

@@ -145,6 +145,15 @@ async def _first_answer(url: str, model: Optional[str]) -> tuple[str, int]:
     return name, vocab
 
 
+async def _armed_counts(url: str) -> list:
+    """Each rank's armed-decode counters (`actors.armed`) from /status; None for a rank that never arms."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/status") as r:
+            return [rank.get("armed_decode") for rank in (await r.json()).get("ranks", [])]
+
+
 def run(args: argparse.Namespace) -> int:
     proc, t0 = None, None
     url = args.url
@@ -160,9 +169,10 @@ def run(args: argparse.Namespace) -> int:
         for c in [int(x) for x in args.concurrency.split(",") if x]:
             lv = asyncio.run(run_level(url, name, c, args.requests_per_client, args.prompt_len, args.max_tokens,
                                        vocab))
+            lv["armed_decode_after"] = asyncio.run(_armed_counts(url))
             levels.append(lv)
-            print(f"  {c:>3} clients: {lv['throughput_tok_s']:.1f} tok/s, TPOT median {lv['tpot_ms_median']:.3f} ms",
-                  file=sys.stderr, flush=True)
+            print(f"  {c:>3} clients: {lv['throughput_tok_s']:.1f} tok/s, TPOT median {lv['tpot_ms_median']:.3f} ms; "
+                  f"armed decode so far {lv['armed_decode_after']}", file=sys.stderr, flush=True)
         result["levels"] = levels
     finally:
         if proc is not None:

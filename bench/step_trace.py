@@ -17,7 +17,10 @@ with CUDA events from before the launch to after the tokens' device-to-host copy
   reply        event complete -> reply written (device-to-host result, encoding, write)
   to_driver    reply written -> the driver has read every reply
   driver_post  replies read -> step returned
-  device       the forward stream's span (CUDA events; includes any gap where it waited for the host)
+  device       the forward stream's span (CUDA events; includes any gap where it waited for the host); 0
+               for a step an armed replay took (`actors.armed`: enqueued before its request came, so
+               `launch` is staging the step and opening the gate)
+  armed_steps  the rank's count of steps armed replays took (a count, not microseconds)
 
 `host_exposed` = total - device: the host time in series with the device.
 """
@@ -48,7 +51,8 @@ def trace_steps(coord: Any, batch: Any, steps: int, warmup: int) -> dict[str, fl
     driver = list(coord._stepper.trace)[-steps:]
     ranks = coord._ranks.call("step_trace", (True,), timeout_s=60, what="read step trace")
     rank0 = ranks[0][-steps:]
-    rows: dict[str, list[float]] = {k: [] for k in SEGMENTS + ("device", "total", "host_exposed", "lane_steps")}
+    rows: dict[str, list[float]] = {k: [] for k in SEGMENTS + ("device", "total", "host_exposed", "lane_steps",
+                                                     "armed_steps")}
     for (t0, t1), (sent, got), r in zip(spans, driver, rank0):
         seg = {"driver_pre": sent - t0, "to_rank": r["read"] - sent, "decode": r["decoded"] - r["read"],
                "launch": r["launched"] - r["call"],
@@ -56,6 +60,7 @@ def trace_steps(coord: Any, batch: Any, steps: int, warmup: int) -> dict[str, fl
                "to_driver": got - r["written"], "driver_post": t1 - got, "total": t1 - t0}
         seg["device"] = r.get("device_s", 0.0)
         seg["lane_steps"] = r.get("lane_steps", 0.0) / 1e6  # reported as a count, not microseconds
+        seg["armed_steps"] = r.get("armed_steps", 0.0) / 1e6
         seg["host_exposed"] = seg["total"] - seg["device"]
         for k, v in seg.items():
             rows[k].append(v)
@@ -74,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-decode-batch", type=int, default=64)
     p.add_argument("--pcg-max-tokens", type=int, default=512)
     p.add_argument("--num-cpus", type=int, default=None)
+    p.add_argument("--armed-wait-ms", default="", help="comma list: one run per RuntimeConfig.armed_decode_wait_ms "
+                                                       "(0 = never arm); empty: the default once")
     p.add_argument("--profile", default=None, help="also cProfile each rank's step loop into PROFILE.rank<r>")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -88,8 +95,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ensure_ray(None, args.num_cpus or (4 if args.device == "cpu" else None))
     res: dict[str, Any] = {"model": args.model, "args": vars(args), "runs": []}
     try:
-        for tp in (int(x) for x in args.tp.split(",")):
-            coord = make_coordinator(args, tp)
+        waits = [float(x) for x in args.armed_wait_ms.split(",") if x.strip()] or [None]
+        for tp, wait in ((int(x), w) for x in args.tp.split(",") for w in waits):
+            coord = make_coordinator(args, tp, wait)
             coord.start(progress=False)
             try:
                 if coord.step_path != "pipe":
@@ -98,8 +106,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     batch = decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks,
                                          coord.model_config.vocab_size)
                     r = trace_steps(coord, batch, args.steps, args.warmup)
-                    res["runs"].append({"tp": tp, "batch": b, "us": r})
-                    print(f"tp={tp} batch={b}: " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()), flush=True)
+                    res["runs"].append({"tp": tp, "armed_wait_ms": wait, "batch": b, "us": r})
+                    armed = "" if wait is None else f" armed_wait_ms={wait:g}"
+                    print(f"tp={tp}{armed} batch={b}: " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()), flush=True)
             finally:
                 coord.shutdown()
     finally:

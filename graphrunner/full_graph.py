@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -139,6 +139,29 @@ class FullGraphRunner:
         self.model.update_context(buffers, step, key.batch)
         g.graph.replay()
         return self.model.get_outputs(g.output, step.num_tokens)
+
+    def arm(self, key: DecodeGraphKey, gate: Callable[[], Any]) -> torch.Tensor:
+        """Enqueue a replay of `key` before its step is known: the model's host-staged buffers become padding
+        rows, then `gate()` enqueues device work that holds the stream until the host opens it, then the staged
+        transfer and the replay follow. Before opening, the caller writes the live step into the staged buffers
+        (`stage_armed`); a gate opened without it replays padding rows, which write nothing. Needs a model with
+        host staging (`stage_host_padding`, `stage_host_decode`, `copy_staged`, `wait_staged`). Returns the
+        graph's whole output buffer. Stream: the current one (the rank's forward stream)."""
+        g = self._graphs[key]
+        buffers = self._buffers
+        self.model.wait_staged(buffers)
+        self.model.stage_host_padding(buffers, key.batch)
+        gate()
+        self.model.copy_staged(buffers, key.batch)
+        g.graph.replay()
+        return g.output
+
+    def stage_armed(self, key: DecodeGraphKey, ids: Any, num_history: Any, block_tables: Any,
+                    block_size: int) -> None:
+        """Write a live decode step, given as host arrays (token ids int64 `[n]`, cached tokens int32 `[n]`,
+        block tables int32 `[n, W]`, validated), into the staged buffers of an armed replay of `key` whose gate
+        is still closed (the model's `stage_host_decode`)."""
+        self.model.stage_host_decode(self._buffers, ids, num_history, block_tables, block_size, key.batch)
 
     def output_of(self, batch: int) -> Optional[torch.Tensor]:
         """The captured output buffer of the graph of bucket `batch` (graph-pool storage, valid until `reset()`);

@@ -54,6 +54,9 @@ def add_model_args(p: argparse.ArgumentParser, executor_default: str = "ray") ->
                    help="largest piecewise prefill bucket, 0 = off (default 4096; 512 on CPU)")
     r.add_argument("--pcg-token-stride", type=int, default=512)
     r.add_argument("--pcg-min-tokens", type=int, default=None, help="finer power-of-two prefill buckets from here")
+    r.add_argument("--armed-decode-wait-ms", type=float, default=20.0,
+                   help="a rank with TP and EP size 1 enqueues its next greedy decode step behind a gate while it "
+                        "waits for the request, for up to this long (0 = never; see actors/armed.py)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar during start-up capture")
 
 
@@ -90,7 +93,8 @@ def runtime_config(args: argparse.Namespace):
     block = args.block_size or (16 if _on_cpu(args) else 64)
     return RuntimeConfig(model=args.model, seed=args.seed, dtype=args.dtype, device=args.device, block_size=block,
                          num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                         max_model_len=args.max_model_len, graph=graph)
+                         max_model_len=args.max_model_len, graph=graph,
+                         armed_decode_wait_ms=args.armed_decode_wait_ms)
 
 
 def executor_kind(args: argparse.Namespace) -> str:

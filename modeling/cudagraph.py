@@ -13,7 +13,9 @@ of the prefix the bucket needs; a step already on the device is copied field by 
 Token ids already on the device (a step that continues the previous step's tokens without
 a round trip through the host) are copied device-to-device after that transfer. The mirror
 is rewritten only after the previous step's transfer finished (an event recorded after it):
-a rank may enqueue the next step while the device still runs the current one.
+a rank may enqueue the next step while the device still runs the current one. An armed
+replay (`FullGraphRunner.arm`) enqueues the transfer before its step is known, behind a gate:
+the mirror holds padding rows until the host stages the live step and opens the gate.
 """
 from __future__ import annotations
 
@@ -91,20 +93,56 @@ class DecodeGraphBuffersMixin:
             buffers["kv_seqlens"][n:padded_batch].fill_(1)
             bt[n:padded_batch].zero_()
 
-    @staticmethod
-    def _fill_from_host(buffers: dict[str, Any], step: Any, meta: HostDecodeMetadata, p: int) -> None:
-        """Write a host decode step straight into the pinned mirror (positions = history, slot of each position,
-        lengths = history + 1, block tables, padding rows) and copy the prefix bucket `p` needs in one transfer.
+    @classmethod
+    def _fill_from_host(cls, buffers: dict[str, Any], step: Any, meta: HostDecodeMetadata, p: int) -> None:
+        """Write a host decode step into the pinned mirror and copy the prefix bucket `p` needs in one transfer.
         Token ids already on the device are copied device-to-device after it."""
-        h = buffers["_host_fields"]
+        cls.wait_staged(buffers)
+        cls.stage_host_step(buffers, step, p)
+        cls.copy_staged(buffers, p)
+        if step.input_ids.is_cuda:
+            buffers["input_ids"][:meta.batch_size].copy_(step.input_ids, non_blocking=True)
+
+    @staticmethod
+    def wait_staged(buffers: dict[str, Any]) -> None:
+        """Block until the latest transfer out of the pinned mirror has run (no-op before the first), so the
+        mirror may be rewritten."""
         copied = buffers["_host_copied"]
         if copied is not None:
-            copied.synchronize()  # the previous step's transfer out of the mirror has run (no-op before the first)
-        n, bs = meta.batch_size, meta.block_size
-        hist, tables = meta.num_history, meta.block_tables
-        ids_on_device = step.input_ids.is_cuda
-        if not ids_on_device:
-            h["input_ids"][:n] = step.input_ids.numpy()
+            copied.synchronize()
+
+    @staticmethod
+    def stage_host_padding(buffers: dict[str, Any], p: int) -> None:
+        """Make rows [0, p) of the pinned mirror padding rows (token 0 at position 0, slot -1, length 1, block
+        table of the padding block): a transfer of it makes a replay of bucket `p` write no KV. Host only; the
+        same precondition as `stage_host_decode`."""
+        h = buffers["_host_fields"]
+        h["input_ids"][:p] = 0
+        h["position_ids"][:p] = 0
+        h["slot_mapping"][:p] = -1
+        h["kv_seqlens"][:p] = 1
+        h["block_tables"][:p] = 0
+
+    @classmethod
+    def stage_host_step(cls, buffers: dict[str, Any], step: Any, p: int) -> None:
+        """`stage_host_decode` for a host decode step (`HostDecodeMetadata`); ids already on the device are not
+        written (the caller copies them)."""
+        meta = step.attn_metadata
+        ids = None if step.input_ids.is_cuda else step.input_ids.numpy()
+        cls.stage_host_decode(buffers, ids, meta.num_history, meta.block_tables, meta.block_size, p)
+
+    @staticmethod
+    def stage_host_decode(buffers: dict[str, Any], ids: Any, hist: np.ndarray, tables: np.ndarray, bs: int,
+                          p: int) -> None:
+        """Write a decode step into the pinned mirror only: token ids int64 `[n]` (None: leave them), positions =
+        `hist` (int32 `[n]` cached tokens per sequence), the slot of each position, lengths = hist + 1, block
+        tables int32 `[n, W]` (validated), padding rows up to bucket `p`. Nothing is enqueued. Precondition: no
+        transfer out of the mirror is running or due before the caller's next `copy_staged` (`wait_staged`, or a
+        transfer still held behind a closed gate, `FullGraphRunner.arm`)."""
+        h = buffers["_host_fields"]
+        n = int(hist.shape[0])
+        if ids is not None:
+            h["input_ids"][:n] = ids
         pos, slots = h["position_ids"][:n], h["slot_mapping"][:n]
         if n == 1:
             x = int(hist[0])
@@ -127,17 +165,22 @@ class DecodeGraphBuffersMixin:
             h["slot_mapping"][n:p] = -1
             h["kv_seqlens"][n:p] = 1
             bt[n:p] = 0
+
+    @staticmethod
+    def copy_staged(buffers: dict[str, Any], p: int) -> None:
+        """Enqueue the one host-to-device transfer of the mirror prefix bucket `p` reads (the int64 fields,
+        kv_seqlens, the first `p` block-table rows) on the current stream, then record `_host_copied` (what
+        `wait_staged` waits for). The transfer reads the mirror when the stream reaches it, not now."""
         views = buffers["_copy_views"].get(p)
         if views is None:
-            b, w = bt.shape
-            nbytes = 3 * b * 8 + (b + p * w) * 4  # the int64 fields, kv_seqlens and the first p block-table rows
+            b, w = buffers["_host_fields"]["block_tables"].shape
+            nbytes = 3 * b * 8 + (b + p * w) * 4
             views = buffers["_copy_views"][p] = (buffers["_staging"].view(torch.uint8)[:nbytes],
                                                  buffers["_host"].view(torch.uint8)[:nbytes])
         views[0].copy_(views[1], non_blocking=True)
+        copied = buffers["_host_copied"]
         if copied is not None:
             copied.record()
-        if ids_on_device:
-            buffers["input_ids"][:n].copy_(step.input_ids, non_blocking=True)
 
     def update_context(self, buffers: dict[str, torch.Tensor], step: Any, padded_batch: int) -> Any:
         """A step whose tensors are bucket-shaped views of `buffers` (what the graph is captured on). The views
