@@ -446,14 +446,13 @@ class RankRuntime:
                     self._count_lane_step(lane, batch.batch_size)
                     self._last_tokens, self._last_lane, self._last_host_ids = lane.tokens, lane, True
                     return pending
-        self._last_lane = lane
-        self._last_host_ids = False
+        self._last_lane, self._last_host_ids = None, False
         if lane is not None:
-            self._count_lane_step(lane, batch.batch_size)
             with self.on_stream():
-                ids, ids_dev = self._resolve_ids(batch.token_ids)
+                ids, ids_dev = self._resolve_ids(batch.token_ids)  # BatchError: nothing ran, nothing counted
+                self._count_lane_step(lane, batch.batch_size)
                 tokens = self._last_tokens = lane.run(self.runner, ids, ids_dev, batch)
-                self._last_host_ids = ids_dev is None
+                self._last_lane, self._last_host_ids = lane, ids_dev is None
                 return self._read_back(tokens, multi=False)
         with self.on_stream():
             if batch is None:

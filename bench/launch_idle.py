@@ -4,9 +4,10 @@
 
 A `RankRuntime` (decode buckets up to 8) launches batch-1 greedy decode steps through its decode lane
 (`RankRuntime.launch(..., validated=True)`), each after an idle gap of `--gaps` microseconds spent one of
-four ways: spinning on `select` (what the pipe step loop does), sleeping, spinning while a tiny kernel is
-queued on a side stream every 50 us ("keepalive"), or spinning while one device sleep kernel covers the
-gap. Printed per way and gap, over `--rounds` interleaved rounds: the median and p90 host time of the
+five ways: spinning on `select` (what the pipe step loop does), sleeping, spinning while a tiny kernel is
+queued on a side stream every 50 us ("keepalive"), spinning while one device sleep kernel covers the gap,
+or spinning while the step waits armed (`actors.armed`: enqueued behind a gate right after the step
+before, so the launch only opens it). Printed per way and gap, over `--rounds` interleaved rounds: the median and p90 host time of the
 launch call and the median launch-to-tokens time. The step trace (`bench.step_trace`) shows the same
 launch inside the worker's step loop; this isolates it from the pipes and Ray.
 """
@@ -68,7 +69,9 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda._sleep(int(g * 1.98e9))  # cycles at about the boost clock
         spin(g)
 
-    ways = {"spin": spin, "sleep": time.sleep, "keepalive": keepalive, "device_sleep": device_sleep}
+    # "armed": spin, but each step is enqueued behind a gate right after the step before (`actors.armed`,
+    # what the pipe step loop does after a strict step), so the launch after the gap only opens it
+    ways = {"spin": spin, "sleep": time.sleep, "keepalive": keepalive, "device_sleep": device_sleep, "armed": spin}
     med = lambda xs: round(1e6 * statistics.median(xs), 1)  # noqa: E731
     rows = []
     with torch.inference_mode():
@@ -78,21 +81,29 @@ def main(argv: list[str] | None = None) -> dict:
             for name, idle in ways.items():
                 for gap_us in (int(x) for x in args.gaps.split(",")):
                     launch, total = [], []
+                    armed = name == "armed"
+                    if armed:
+                        rt.arm_next()
                     for _ in range(args.steps):
                         idle(gap_us * 1e-6)
                         t0 = time.perf_counter()
                         pending = rt.launch(batch, validated=True)
                         t1 = time.perf_counter()
+                        if armed:
+                            rt.arm_next()
                         pending.result()
                         launch.append(t1 - t0)
                         total.append(time.perf_counter() - t0)
                     row = {"round": rnd, "idle": name, "gap_us": gap_us, "launch_us": med(launch),
                            "launch_p90_us": round(1e6 * sorted(launch)[int(0.9 * len(launch))], 1),
                            "total_us": med(total)}
+                    if armed:
+                        rt.disarm()
                     rows.append(row)
                     print(f"round {rnd} idle {name:12s} {gap_us:5d} us: launch {row['launch_us']} (p90 "
                           f"{row['launch_p90_us']}), launch to tokens {row['total_us']}", flush=True)
-    res = {"machine": machine(), "model": args.model, "lane_steps": rt.lane_steps, "rows": rows}
+    res = {"machine": machine(), "model": args.model, "lane_steps": rt.lane_steps,
+           "armed_decode": None if rt._armer is None else dict(rt._armer.counts), "rows": rows}
     write_json(args.out, res)
     return res
 
