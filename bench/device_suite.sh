@@ -23,12 +23,13 @@ benches)
   fi
   timeout 300 python3 -m bench.gemm_tune --out "$out/gemm_tune.json" 2>&1 | quiet | tee "$out/gemm_tune.log" | tail -20
   tps=1; [ "$ngpu" -ge 2 ] && tps=1,2
-  timeout 100 python3 -m bench.step_trace --tp 1 --batches 1,64 --out "$out/step_trace.json" 2>&1 | quiet | tee "$out/step_trace.log" | grep "^tp="
+  timeout 100 python3 -m bench.step_trace --tp 1 --batches 1,64 --armed-wait-ms 20,0 --out "$out/step_trace.json" 2>&1 | quiet | tee "$out/step_trace.log" | grep "^tp="
   timeout 60 python3 -m bench.launch_idle --out "$out/launch_idle.json" 2>&1 | quiet | tee "$out/launch_idle.log" | tail -4
-  timeout 200 python3 -m bench.dist_bench --model qwen3-0.6b --tp "$tps" --batches 1,64 --paths pipe,compiled --steps 200 --decode-steps 8 --out "$out/dist_bench.json" 2>&1 | quiet | tee "$out/dist_bench.log" | tail -16
+  timeout 200 python3 -m bench.dist_bench --model qwen3-0.6b --tp "$tps" --batches 1,64 --paths pipe,compiled --steps 200 --decode-steps 8 --armed-wait-ms 20,0 --out "$out/dist_bench.json" 2>&1 | quiet | tee "$out/dist_bench.log" | tail -16
   for k in 1 8; do
     timeout 110 python3 bench/serve_bench.py --model qwen3-0.6b --server-arg=--decode-steps=$k --out "$out/serve_bench_steps$k.json" 2>&1 | grep -v "\[server\]" | tee "$out/serve_bench_steps$k.log" | tail -6
   done
+  timeout 110 python3 bench/serve_bench.py --model qwen3-0.6b --server-arg=--armed-decode-wait-ms=0 --out "$out/serve_bench_unarmed.json" 2>&1 | grep -v "\[server\]" | tee "$out/serve_bench_unarmed.log" | tail -6
   timeout 110 python3 bench/serve_bench.py --model qwen3-0.6b --server-arg=--overlap --out "$out/serve_bench_overlap.json" 2>&1 | grep -v "\[server\]" | tee "$out/serve_bench_overlap.log" | tail -6
   ;;
 esac

@@ -15,6 +15,10 @@ time minus the slowest rank's in-rank time of that step. Medians are reported.
 (`Coordinator.submit` / `collect`), every token id a reference to the previous step's token
 (`prev_token`), as a serving loop that keeps the device busy would run them; reported is the
 interval between consecutive steps' tokens arriving on the driver.
+
+`--armed-wait-ms 20,0` runs TP=1 once per value of `RuntimeConfig.armed_decode_wait_ms`, side by side: with
+armed decode (`actors.armed`: after a strict greedy decode step the rank enqueues the next one behind a gate)
+and without it; ranks with TP > 1 never arm and run once.
 """
 from __future__ import annotations
 
