@@ -23,6 +23,9 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 TPOT_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 
 
+ARMED_OUTCOMES = ("armed", "went", "cancelled", "expired")  # `actors.armed.ArmedDecode.counts`
+
+
 class _StatusCollector:
     """Metric families from the latest status document (set by `ServerMetrics.update_status`)."""
 
@@ -56,6 +59,11 @@ class _StatusCollector:
         up = fam(GaugeMetricFamily, "graphline_rank_up", "1 if the rank is alive", ["rank", "dp_rank", "tp_rank"])
         kv = fam(GaugeMetricFamily, "graphline_kv_cache_bytes", "KV cache arena bytes per rank", ["rank"])
         mem = fam(GaugeMetricFamily, "graphline_device_memory_bytes", "Device memory per rank", ["rank", "kind"])
+        lane = fam(CounterMetricFamily, "graphline_decode_lane_steps",
+                   "Greedy decode steps a rank's decode lane served (no runner dispatch)", ["rank"])
+        armed = fam(CounterMetricFamily, "graphline_armed_decode_steps",
+                    "Armed decode steps per rank by outcome: armed, went (a request took it), cancelled (padding "
+                    "replayed), expired (the gate gave up first)", ["rank", "outcome"])
         for r in ranks:
             rk = str(r.get("rank", 0))
             for path, n in (r.get("steps") or {}).items():
@@ -87,6 +95,11 @@ class _StatusCollector:
             for k in ("memory_allocated", "memory_reserved"):
                 if r.get(k) is not None:
                     mem.add_metric([rk, k.split("_")[1]], float(r[k]))
+            if r.get("decode_lane_steps") is not None:
+                lane.add_metric([rk], float(r["decode_lane_steps"]))
+            counts = r.get("armed_decode") or {}  # none: a rank that never arms (TP/EP > 1, CPU) exports zeros
+            for outcome in ARMED_OUTCOMES:
+                armed.add_metric([rk, outcome], float(counts.get(outcome, 0)))
         eng = st.get("engine") or {}
         waiting = fam(GaugeMetricFamily, "graphline_requests_waiting", "Requests waiting per DP rank", ["dp_rank"])
         running = fam(GaugeMetricFamily, "graphline_requests_running", "Requests running per DP rank", ["dp_rank"])
@@ -100,7 +113,7 @@ class _StatusCollector:
             total.add_metric([str(i)], d["num_kv_blocks"])
             pre.add_metric([str(i)], d["preemptions"])
         yield from (steps, eager, real, padded, waste, cap, capb, graphs, pool, bridge, static, resets, up, kv, mem,
-                    waiting, running, free, total, pre)
+                    lane, armed, waiting, running, free, total, pre)
 
 
 class ServerMetrics(EngineObserver):

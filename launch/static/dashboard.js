@@ -69,6 +69,9 @@ function rankRow(r) {
       el("span", { class: "steps-eager" }, num(steps.eager))),
     reasons,
     el("td", { class: "padding-waste num" }, pct(r.padding_waste)),
+    el("td", { class: "lane-armed num", title: "decode lane steps / armed steps taken / armed steps cancelled" },
+      num(r.decode_lane_steps ?? 0) + " / " +
+      (r.armed_decode ? num(r.armed_decode.went) + " / " + num(r.armed_decode.cancelled) : "off")),
     el("td", { class: "kv num" }, kv),
     el("td", { class: "rank-resets num" }, num(r.resets)),
   );

@@ -97,6 +97,7 @@ def test_dashboard_shows_ranks_and_counters(server, artifacts):
         assert int(row["steps-eager"].replace(",", "")) > 0  # CPU: eager steps
         assert "no_cuda" in row["eager-reasons"]
         assert row["padding-waste"].endswith("%")
+        assert row["lane-armed"] == "0 / off"  # CPU ranks: no decode graphs, so no lane, and they never arm
         assert "/" in row["capture-s"] and "B" in row["graph-memory"]
         assert row["up"] if "up" in row else True
     assert "rank 0 decode 8" in dom.by_id["capture-detail"]  # per-bucket capture times

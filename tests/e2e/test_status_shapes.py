@@ -23,7 +23,9 @@ COORDINATOR = {  # actors.startup.summarize_status
     "overhead": {"coordinator_ms_mean": 0.2, "in_rank_step_ms_mean": 1.1},
     "ranks": [{"rank": r, "dp_rank": 0, "tp_rank": r, "ep_rank": 0, "alive": True, "pid": 100 + r, "device": f"cuda:{r}",
                "steps": 10, "runner": RUNNER, "capture": RUNNER["capture"], "kv_blocks": 100, "kv_bytes": 1 << 24,
-               "memory": {"memory_allocated": 5 << 30, "memory_reserved": 6 << 30}} for r in range(2)],
+               "memory": {"memory_allocated": 5 << 30, "memory_reserved": 6 << 30}, "decode_lane_steps": 5 + r,
+               "armed_decode": {"armed": 4, "went": 3, "cancelled": 1, "expired": 0} if r == 0 else None}
+              for r in range(2)],
 }
 ENGINE = {"dp_ranks": [{"waiting": 1, "running": 2, "free_kv_blocks": 50, "num_kv_blocks": 100, "preemptions": 3}]}
 
@@ -61,6 +63,14 @@ def test_exposition_from_a_coordinator_status():
     assert dev[("1", "allocated")] == 5 << 30
     assert [s.value for s in fams["graphline_requests_waiting"].samples] == [1]
     assert {s.labels["bucket"] for s in fams["graphline_bucket_capture_seconds"].samples} == {"4", "8", "512"}
+    lane = {s.labels["rank"]: s.value for s in fams["graphline_decode_lane_steps"].samples if s.name.endswith("_total")}
+    assert lane == {"0": 5, "1": 6}
+    armed = {(s.labels["rank"], s.labels["outcome"]): s.value for s in fams["graphline_armed_decode_steps"].samples
+             if s.name.endswith("_total")}
+    assert {k: v for k, v in armed.items() if k[0] == "0"} == {("0", "armed"): 4, ("0", "went"): 3,
+                                                               ("0", "cancelled"): 1, ("0", "expired"): 0}
+    assert {k: v for k, v in armed.items() if k[0] == "1"} == {("1", o): 0 for o in ("armed", "went", "cancelled",
+                                                                                      "expired")}  # never arms
     # An empty status (before the first scrape) still exposes valid text.
     m.update_status({})
     list(text_string_to_metric_families(m.exposition().decode()))
