@@ -2,11 +2,13 @@
 
 A strict round trip (the driver waits for each step's tokens before it sends the next step) leaves the rank
 idle between steps, and the host launch of the next step (metadata, transfer, graph launches) then sits in
-series with the device, costing more after an idle gap than back to back on these hosts. Once a rank has
-replied and no request is waiting, it enqueues the graphs of its latest decode lane (`actors.rank._DecodeLane`)
-behind a `HostGate`, on padding rows. When the next request arrives:
-- go: it is a greedy decode step with host token ids whose lane replays the same graph; the rank writes it into
-  the staged host buffers and opens the gate, and the device starts within microseconds;
+series with the device, costing more after an idle gap than back to back on these hosts. So right after a rank
+launched such a step (its request found nothing in flight, a decode lane took it, its token ids came from the
+host, no other request waits), it enqueues the graphs of that lane (`actors.rank._DecodeLane`) once more behind
+a `HostGate`, on padding rows, while the device still runs the step. When the next request arrives:
+- go: it is a greedy decode step with host token ids that replays the same graph (any batch size of the
+  bucket); the rank writes it into the staged host buffers and opens the gate, and the device starts within
+  microseconds;
 - cancel: anything else; the gate opens on the padding rows (the replay writes no KV and its tokens are
   dropped) and the request takes the usual path behind it, so a cancel costs one padded replay of device time.
 A gate that waited `wait_s` gives up and replays the padding on its own; a go that comes later is told so by
