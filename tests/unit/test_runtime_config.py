@@ -1,0 +1,34 @@
+"""`RuntimeConfig` rejects bad values with an error that names the field, and the shared command-line options
+build it (`launch.options.runtime_config`), armed decode included."""
+import argparse
+
+import pytest
+
+from actors.rank import RuntimeConfig
+from launch.options import LaunchError, add_model_args, build_executor, runtime_config
+
+
+@pytest.mark.parametrize("field,value", [
+    ("armed_decode_wait_ms", -1.0), ("armed_decode_wait_ms", 10_001.0), ("head_graph_max_batch", -1),
+    ("kv_cache_memory_fraction", 0.0), ("kv_cache_memory_fraction", 0.99), ("block_size", 0), ("dtype", "int8"),
+])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        RuntimeConfig(**{field: value})
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    return p.parse_args(["--device", "cpu", *argv])
+
+
+def test_command_line_sets_armed_decode_wait():
+    assert runtime_config(_args()).armed_decode_wait_ms == RuntimeConfig().armed_decode_wait_ms == 20.0
+    assert runtime_config(_args("--armed-decode-wait-ms", "0")).armed_decode_wait_ms == 0.0
+    assert runtime_config(_args("--armed-decode-wait-ms", "3.5")).armed_decode_wait_ms == 3.5
+
+
+def test_bad_armed_decode_wait_is_a_launch_error():
+    with pytest.raises(LaunchError, match="armed_decode_wait_ms must be in"):
+        build_executor(_args("--armed-decode-wait-ms", "-5"))
