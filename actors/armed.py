@@ -30,6 +30,8 @@ from actors.host_gate import HostGate
 # Seconds one poll of the gate's host word takes on the device (a read across PCIe); sets its poll budget. Measured
 # on an H200: 20 000 polls in 25.9 ms (tests/gpu/test_armed_decode.py prints it).
 GATE_POLL_S = 1.3e-6
+# What `ArmedDecode.counts` counts: arms made, and how each ended (a request took it / cancelled / the gate gave up)
+OUTCOMES = ("armed", "went", "cancelled", "expired")
 # How long the host waits for the gate to acknowledge an opened gate before it calls the device stuck.
 ACK_TIMEOUT_S = 5.0
 
@@ -64,7 +66,7 @@ class ArmedDecode:
         self._lock = threading.Lock()
         self._arm: Optional[_Arm] = None
         self._free: dict[int, list] = {}  # bucket -> (pinned int64 [bucket], event) pairs for the tokens
-        self.counts = {"armed": 0, "went": 0, "cancelled": 0, "expired": 0}
+        self.counts = dict.fromkeys(OUTCOMES, 0)
 
     @property
     def armed(self) -> bool:

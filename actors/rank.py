@@ -310,9 +310,7 @@ class RankRuntime:
 
     def capture_decode(self, batch: int) -> float:
         """Capture the decode graph of bucket `batch`, then its LM-head graph; returns seconds for both."""
-        self.disarm()
-        self._last_lane = None
-        self._lanes.clear()  # a new bucket may change which graph serves a batch size
+        self._forget_lanes()  # a new bucket may change which graph serves a batch size
         with self.on_stream():
             t0 = time.perf_counter()
             self.runner.capture_decode(batch)
@@ -362,10 +360,14 @@ class RankRuntime:
                                       device=self.device)
         return self._rows[:n]
 
-    def _drop_heads(self) -> None:
+    def _forget_lanes(self) -> None:
+        """Cancel any arm and drop every decode lane (their graphs are about to change or go)."""
         self.disarm()
         self._last_lane = None
         self._lanes.clear()
+
+    def _drop_heads(self) -> None:
+        self._forget_lanes()
         self._heads.clear()
         self._head_pool = None
         self._head_pool_bytes = 0

@@ -91,6 +91,19 @@ def measure_ahead(coord: Coordinator, batch: StepBatch, steps: int, warmup: int)
     return {"ahead_ms": 1e3 * statistics.median(gaps), "ahead_p90_ms": 1e3 * gaps[int(0.9 * len(gaps))]}
 
 
+def add_armed_wait_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--armed-wait-ms", default="",
+                   help="comma list: one TP=1 run per RuntimeConfig.armed_decode_wait_ms (0 = never arm), side by "
+                        "side; empty: the default once")
+
+
+def armed_waits(args: Any, tp: int) -> list[Optional[float]]:
+    """The `--armed-wait-ms` values to run at this TP size (None: the runtime's default); ranks with TP > 1 never
+    arm, so they run the first one only."""
+    waits = [float(x) for x in args.armed_wait_ms.split(",") if x.strip()] or [None]
+    return waits if tp == 1 else waits[:1]
+
+
 def make_coordinator(args: Any, tp: int, armed_wait_ms: Optional[float] = None) -> Coordinator:
     """A coordinator (not started) for the parsed benchmark `args`: model, device, decode and prefill bucket
     limits, KV blocks (`--kv-blocks`, 0 or absent: from the memory budget), CPUs for a local Ray; armed decode
@@ -189,9 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--pcg-max-tokens", type=int, default=4096)
     p.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per rank (0 = from the memory budget)")
     p.add_argument("--num-cpus", type=int, default=None, help="for a local ray.init")
-    p.add_argument("--armed-wait-ms", default="",
-                   help="comma list: run TP=1 once per value of RuntimeConfig.armed_decode_wait_ms (0 = never arm), "
-                        "side by side; empty: the default once")
+    add_armed_wait_arg(p)
     p.add_argument("--out", default=None)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -215,8 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if tp > torch.cuda.device_count():
                     res.setdefault("skipped", []).append(f"tp={tp}: {torch.cuda.device_count()} GPU(s) here")
                     continue
-            waits = [float(x) for x in args.armed_wait_ms.split(",") if x.strip()] or [None]
-            for w in waits if tp == 1 else waits[:1]:  # ranks with TP > 1 never arm
+            for w in armed_waits(args, tp):
                 res["runs"].append(run_tp(args, tp, w))
     finally:
         if ray.is_initialized():

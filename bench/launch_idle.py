@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"round {rnd} idle {name:12s} {gap_us:5d} us: launch {row['launch_us']} (p90 "
                           f"{row['launch_p90_us']}), launch to tokens {row['total_us']}", flush=True)
     res = {"machine": machine(), "model": args.model, "lane_steps": rt.lane_steps,
-           "armed_decode": None if rt._armer is None else dict(rt._armer.counts), "rows": rows}
+           "armed_decode": rt.stats().get("armed_decode"), "rows": rows}
     write_json(args.out, res)
     return res
 

@@ -68,6 +68,9 @@ def trace_steps(coord: Any, batch: Any, steps: int, warmup: int) -> dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    os.environ["GRAPHLINE_STEP_TRACE"] = "1"  # before actors.pipes is imported and before Ray starts workers
+    from bench.dist_bench import add_armed_wait_arg, armed_waits, decode_batch, make_coordinator
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--device", default="auto", help="auto (GPUs when the cluster has them) or cpu")
@@ -79,24 +82,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-decode-batch", type=int, default=64)
     p.add_argument("--pcg-max-tokens", type=int, default=512)
     p.add_argument("--num-cpus", type=int, default=None)
-    p.add_argument("--armed-wait-ms", default="", help="comma list: one run per RuntimeConfig.armed_decode_wait_ms "
-                                                       "(0 = never arm); empty: the default once")
+    add_armed_wait_arg(p)
     p.add_argument("--profile", default=None, help="also cProfile each rank's step loop into PROFILE.rank<r>")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    os.environ["GRAPHLINE_STEP_TRACE"] = "1"  # before actors.pipes is imported and before Ray starts workers
     if args.profile:
         os.environ["GRAPHLINE_STEP_PROFILE"] = os.path.abspath(args.profile)
     import ray
 
     from actors.startup import ensure_ray
-    from bench.dist_bench import decode_batch, make_coordinator
 
     ensure_ray(None, args.num_cpus or (4 if args.device == "cpu" else None))
     res: dict[str, Any] = {"model": args.model, "args": vars(args), "runs": []}
     try:
-        waits = [float(x) for x in args.armed_wait_ms.split(",") if x.strip()] or [None]
-        for tp, wait in ((int(x), w) for x in args.tp.split(",") for w in waits):
+        for tp, wait in ((int(x), w) for x in args.tp.split(",") for w in armed_waits(args, int(x))):
             coord = make_coordinator(args, tp, wait)
             coord.start(progress=False)
             try:

@@ -140,13 +140,13 @@ class FullGraphRunner:
         g.graph.replay()
         return self.model.get_outputs(g.output, step.num_tokens)
 
-    def arm(self, key: DecodeGraphKey, gate: Callable[[], Any]) -> torch.Tensor:
+    def arm(self, key: DecodeGraphKey, gate: Callable[[], Any]) -> None:
         """Enqueue a replay of `key` before its step is known: the model's host-staged buffers become padding
         rows, then `gate()` enqueues device work that holds the stream until the host opens it, then the staged
         transfer and the replay follow. Before opening, the caller writes the live step into the staged buffers
         (`stage_armed`); a gate opened without it replays padding rows, which write nothing. Needs a model with
-        host staging (`stage_host_padding`, `stage_host_decode`, `copy_staged`, `wait_staged`). Returns the
-        graph's whole output buffer. Stream: the current one (the rank's forward stream)."""
+        host staging (`stage_host_padding`, `stage_host_decode`, `copy_staged`, `wait_staged`). Stream: the
+        current one (the rank's forward stream)."""
         g = self._graphs[key]
         buffers = self._buffers
         self.model.wait_staged(buffers)
@@ -154,7 +154,6 @@ class FullGraphRunner:
         gate()
         self.model.copy_staged(buffers, key.batch)
         g.graph.replay()
-        return g.output
 
     def stage_armed(self, key: DecodeGraphKey, ids: Any, num_history: Any, block_tables: Any,
                     block_size: int) -> None:

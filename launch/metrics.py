@@ -13,6 +13,7 @@ from typing import Any, Iterable, Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from actors.armed import OUTCOMES as ARMED_OUTCOMES
 from engine.async_engine import EngineObserver
 from engine.llm_engine import StepInfo
 from engine.request import RequestOutput
@@ -21,9 +22,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STEP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
-
-
-ARMED_OUTCOMES = ("armed", "went", "cancelled", "expired")  # `actors.armed.ArmedDecode.counts`
 
 
 class _StatusCollector:

@@ -30,6 +30,17 @@ from modeling.attn_metadata import AttentionMetadata, HostDecodeMetadata
 _ROW_BUFFERS = ("q_seqlens", "kv_seqlens", "q_start_loc", "last_token_index")
 
 
+def _pad_host_rows(h: dict[str, Any], lo: int, hi: int) -> None:
+    """Rows [lo, hi) of the pinned mirror's fields `h` become padding rows (token 0 at position 0, slot -1,
+    length 1, block table of the padding block 0)."""
+    if hi > lo:
+        h["input_ids"][lo:hi] = 0
+        h["position_ids"][lo:hi] = 0
+        h["slot_mapping"][lo:hi] = -1
+        h["kv_seqlens"][lo:hi] = 1
+        h["block_tables"][lo:hi] = 0
+
+
 class DecodeGraphBuffersMixin:
     """Mixed into the model; needs `self.attn_ops` (capturability) and `self.config`."""
 
@@ -116,12 +127,7 @@ class DecodeGraphBuffersMixin:
         """Make rows [0, p) of the pinned mirror padding rows (token 0 at position 0, slot -1, length 1, block
         table of the padding block): a transfer of it makes a replay of bucket `p` write no KV. Host only; the
         same precondition as `stage_host_decode`."""
-        h = buffers["_host_fields"]
-        h["input_ids"][:p] = 0
-        h["position_ids"][:p] = 0
-        h["slot_mapping"][:p] = -1
-        h["kv_seqlens"][:p] = 1
-        h["block_tables"][:p] = 0
+        _pad_host_rows(buffers["_host_fields"], 0, p)
 
     @classmethod
     def stage_host_step(cls, buffers: dict[str, Any], step: Any, p: int) -> None:
@@ -159,12 +165,7 @@ class DecodeGraphBuffersMixin:
         bt = h["block_tables"]
         bt[:n, :width] = tables
         bt[:n, width:] = 0
-        if p > n:
-            h["input_ids"][n:p] = 0
-            h["position_ids"][n:p] = 0
-            h["slot_mapping"][n:p] = -1
-            h["kv_seqlens"][n:p] = 1
-            bt[n:p] = 0
+        _pad_host_rows(h, n, p)
 
     @staticmethod
     def copy_staged(buffers: dict[str, Any], p: int) -> None:

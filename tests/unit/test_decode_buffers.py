@@ -65,6 +65,29 @@ def test_host_fill_after_a_wider_step_clears_old_table_columns(model):
     assert bufs["position_ids"][0].item() == 5 and bufs["input_ids"][0].item() == 4
 
 
+def test_armed_staging_pads_then_stages_the_live_step(model):
+    """An armed replay's staging (`FullGraphRunner.arm` / `stage_armed`): padding rows over a previous step's
+    rows, then the live step's host arrays written before the transfer, equal the ordinary host fill."""
+    rng = np.random.default_rng(7)
+    meta = GraphMeta(max_batch_size=8, max_tokens=8, max_blocks_per_seq=8, device=torch.device("cpu"))
+    bufs, ref = model.make_buffers(meta), model.make_buffers(meta)
+    ids, hist, tables = _batch(rng, 5, 6)
+    ids_h, pos_h, hmeta = build_decode_step_host(ids, hist, tables, BS)
+    _fill(model, bufs, ForwardStep(ids_h, pos_h, [], hmeta), 8)
+    model.stage_host_padding(bufs, 8)
+    model.copy_staged(bufs, 8)
+    pad = {f: bufs[f][:8].clone() for f in FIELDS}
+    assert (pad["input_ids"] == 0).all() and (pad["position_ids"] == 0).all() and (pad["block_tables"] == 0).all()
+    assert (pad["slot_mapping"] == -1).all() and (pad["kv_seqlens"] == 1).all()  # writes no KV
+    ids, hist, tables = _batch(rng, 3, 4)
+    model.stage_host_decode(bufs, ids, hist, tables, BS, 4)
+    model.copy_staged(bufs, 4)
+    ids_h, pos_h, hmeta = build_decode_step_host(ids, hist, tables, BS)
+    want = _fill(model, ref, ForwardStep(ids_h, pos_h, [], hmeta), 4)
+    for f in FIELDS:
+        assert torch.equal(bufs[f][:4], want[f]), f
+
+
 def test_update_context_views_the_buffers(model):
     meta = GraphMeta(max_batch_size=4, max_tokens=4, max_blocks_per_seq=3, device=torch.device("cpu"))
     bufs = model.make_buffers(meta)
