@@ -50,8 +50,8 @@ class RuntimeConfig:
     max_model_len: longest sequence (prompt + output); sets the block-table width.
     head_graph_max_batch: decode buckets up to this size also capture the LM head as graphs on the decode
         graph's output, one for greedy tokens alone and one for fp32 logits + argmax (`bucket x vocab` in one
-        shared pool; ~15 MiB at 16 for a 152k vocabulary, ~100 MiB at 64); larger buckets run the head eagerly;
-        0 = off.
+        shared pool; ~15 MiB at 16 for a 152k vocabulary, ~100 MiB at 64); larger buckets run the head eagerly
+        (about 0.4 ms of host launches at batch 64, more under TP); 0 = off.
     armed_decode_wait_ms: how long an armed decode step (`actors.armed`: the next greedy decode step enqueued
         behind a gate while the rank waits for its request) waits before it gives up; 0 = never arm. Only
         CUDA ranks with tensor- and expert-parallel size 1 arm.
@@ -67,7 +67,7 @@ class RuntimeConfig:
     max_model_len: int = 4096
     kernel_backend: str = "auto"
     graph: GraphRunnerConfig = field(default_factory=GraphRunnerConfig)
-    head_graph_max_batch: int = 16
+    head_graph_max_batch: int = 64
     armed_decode_wait_ms: float = 20.0
 
     def __post_init__(self) -> None:
@@ -277,9 +277,10 @@ class RankRuntime:
         return n
 
     def build_runner(self) -> None:
-        """A graph runner over the model and KV cache (captures nothing yet). Also compiles every attention kernel
-        variant serving can pick (`Qwen3ForCausalLM.warm_up_kernels`): a compile mid-serving stalls every request
-        of the step for about a second; at start-up most variants are already in Triton's cache."""
+        """A graph runner over the model and KV cache (captures nothing yet). Also compiles, side by side on
+        threads, every Triton kernel variant the capture and serving will pick (`Qwen3ForCausalLM.warm_up_kernels`:
+        the attention variants, and one eager forward + heads per decode bucket when experts are not parallel):
+        on a cold cache each costs about a second, mid-serving it stalls every request of the step."""
         self._drop_heads()
         self.runner = CUDAGraphRunner(
             self.model, self.cfg.graph, self.device, self._dummy_step, self.cfg.max_blocks_per_seq, stream=self.stream,

@@ -70,6 +70,9 @@ def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Laun
         for r, faults in test_faults.items():
             ray.get(ranks.workers[r]._test_set_faults.remote(**faults), timeout=30)
         timings: dict[str, Any] = {"ray_s": time.perf_counter() - t0, "ray_init_s": ray_init_s}
+        if use_gpu:  # attention compiles overlap the groups, weights and KV phases (`actors.kernel_warm_up`)
+            ranks.call("start_kernel_warm_up", (cfg.runtime, topo.tp, cfg.runtime.device), timeout_s=timeout,
+                       what="kernel warm-up start")
         t1 = time.perf_counter()
         coll = cfg.collective_timeout_s
         rv = ranks.call("serve_rendezvous", (topo.world, coll), ranks=[0], timeout_s=timeout)[0]
@@ -89,7 +92,7 @@ def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Laun
         ranks.call("allocate_kv_cache", (n_blocks,), timeout_s=timeout, what="KV allocation")
         timings["kv_s"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        ranks.call("build_runner", timeout_s=timeout, what="runner")  # includes the attention kernels' warm-up
+        ranks.call("build_runner", timeout_s=timeout, what="runner")  # waits for the attention kernels' warm-up
         timings["runner_s"] = time.perf_counter() - t1
         sizes = ranks.call("capture_sizes", timeout_s=timeout, what="capture sizes")
         if any(tuple(map(tuple, s)) != tuple(map(tuple, sizes[0])) for s in sizes):

@@ -60,6 +60,7 @@ class RankWorker:
         self.device: Any = None
         self._store: Any = None
         self._cfg: Any = None
+        self._kernel_warm_up: Any = None  # actors.kernel_warm_up.KernelWarmUp, from start_kernel_warm_up to build_runner
         self._ep_backend = "allgather"
         self.events: list[dict[str, Any]] = []
         self.phase, self.phase_since = "created", time.time()
@@ -117,6 +118,20 @@ class RankWorker:
         self._store, rv = serve_rendezvous(world, timeout_s, host=ray.util.get_node_ip_address())
         return rv
 
+    def start_kernel_warm_up(self, cfg: Any, tp_size: int, device: str) -> bool:
+        """Start compiling the attention kernels of `cfg`'s model in the background (`actors.kernel_warm_up`),
+        before the process groups form; returns at once. False (nothing started) without a GPU."""
+        from actors.kernel_warm_up import KernelWarmUp
+        from actors.rank import resolve_device
+
+        if not self._gpu:
+            return False
+        dev = resolve_device(device, self._local_gpu_index())
+        if dev.type != "cuda":
+            return False
+        self._kernel_warm_up = KernelWarmUp(cfg, tp_size, dev)
+        return True
+
     def init_groups(self, rank: int, topo: Any, rendezvous: Any, use_gpu: bool, device: str,
                     timeout_s: float) -> float:
         import torch
@@ -172,6 +187,9 @@ class RankWorker:
     def build_runner(self) -> None:
         self._enter("build_runner")
         try:
+            early, self._kernel_warm_up = self._kernel_warm_up, None
+            if early is not None:
+                self.runtime.timings["early_kernel_warm_up_s"] = early.join()
             self.runtime.build_runner()
             self.runtime.runner.add_reset_hook(self._on_runner_reset)
             disp = self.runtime.ctx.ep_dispatcher
@@ -463,6 +481,9 @@ class RankWorker:
         self._enter("reload_weights")
         try:
             s = self.runtime.load_model()
+            early, self._kernel_warm_up = self._kernel_warm_up, None
+            if early is not None:
+                self.runtime.timings["early_kernel_warm_up_s"] = early.join()
             self.runtime.build_runner()
             self.runtime.runner.add_reset_hook(self._on_runner_reset)
             return s

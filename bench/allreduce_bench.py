@@ -9,7 +9,7 @@ model: 2 per layer) are captured in ONE CUDA graph per implementation and replay
 figure is microseconds per all-reduce (CUDA events over the replays, the slower rank).
 When symmetric memory is unavailable the reason is reported and only NCCL is timed. With the
 fused kernel enabled, the post-projection pair (all-reduce, then residual add + RMSNorm) is
-timed against `all_reduce_add_rms_norm` the same way.
+timed against `all_reduce_add_rms_norm` the same way, for each kernel kind (push, pull).
 Multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 by default).
 """
 from __future__ import annotations
@@ -101,6 +101,11 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
                                        "variants": list(impl.variants) if impl else []},
                               "hidden": HIDDEN, "dtype": "bfloat16", "ops_per_graph": OPS_PER_GRAPH,
                               "replays": args.replays, "rows": []}
+    fused_kinds: dict[str, Any] = {}
+    if impl is not None and impl.fused:
+        from parallel.symm_fused import KINDS, FusedSymmBuffers
+
+        fused_kinds = {k: FusedSymmBuffers(impl.group_name, device, WORLD, rank, impl.max_bytes, k) for k in KINDS}
     for tokens in TOKENS:
         torch.manual_seed(1234 + rank)
         x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=device)
@@ -127,11 +132,14 @@ def _run_rank(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
                 w = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
                 row["symm_then_norm_us"] = _slowest(_graph_us(
                     lambda: add_rms_norm(impl.all_reduce(x), res, w, 1e-6), args.replays, 3, device), device)
-                row["fused_norm_us"] = _slowest(_graph_us(
-                    lambda: impl.all_reduce_add_rms_norm(x, res, w, 1e-6), args.replays, 3, device), device)
+                for kind, bufs in fused_kinds.items():
+                    row[f"fused_{kind}_us"] = _slowest(_graph_us(
+                        lambda: bufs.all_reduce_add_rms_norm(x, res, w, 1e-6), args.replays, 3, device), device)
         elif impl is not None:
             row["symm_note"] = "can_reduce() is False for this size (NCCL would be used)"
         result["rows"].append(row)
+    for bufs in fused_kinds.values():
+        bufs.close()
     if impl is not None:
         impl.close()
     dist.barrier(device_ids=[rank])
@@ -150,8 +158,10 @@ def _table(res: dict[str, Any]) -> str:
         if variants:
             exact = all(r.get(f"symm_{v}_exact", False) for v in variants)
             line += f" {r.get('speedup', float('nan')):>7.2f} {str(exact):>5}"
-        if "fused_norm_us" in r:
-            line += f"   all-reduce + add_rms_norm {r['symm_then_norm_us']:.2f} us, fused {r['fused_norm_us']:.2f} us"
+        if "symm_then_norm_us" in r:
+            line += f"   all-reduce + add_rms_norm {r['symm_then_norm_us']:.2f} us; fused: " + ", ".join(
+                f"{k.removeprefix('fused_').removesuffix('_us')} {v:.2f} us" for k, v in r.items()
+                if k.startswith("fused_") and k.endswith("_us"))
         lines.append(line)
     return "\n".join(lines)
 

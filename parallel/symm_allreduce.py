@@ -146,11 +146,13 @@ class SymmMemAllReduce:
         self._fused_pending: Optional[Any] = None  # allocated by `make_fused`, not yet agreed on
 
     # ---- the fused all-reduce + add + RMSNorm
-    def make_fused(self) -> None:
-        """Allocate and rendezvous the fused kernel's buffers (every rank together); enabled by `enable_fused`."""
+    def make_fused(self, kind: Optional[str] = None) -> None:
+        """Allocate and rendezvous the fused kernel's buffers (every rank together); enabled by `enable_fused`.
+        `kind`: "push" or "pull" (`parallel.symm_fused`); None: `GRAPHLINE_TP_FUSED_KIND`, default push."""
         from parallel.symm_fused import FusedSymmBuffers
 
-        self._fused_pending = FusedSymmBuffers(self.group_name, self.device, self.world_size, self.rank, self.max_bytes)
+        self._fused_pending = FusedSymmBuffers(self.group_name, self.device, self.world_size, self.rank, self.max_bytes,
+                                               kind)
 
     def enable_fused(self, on: bool) -> None:
         pending = getattr(self, "_fused_pending", None)
@@ -171,7 +173,7 @@ class SymmMemAllReduce:
         f = self._fused
         if f is None or not self.enabled or not x.is_cuda or x.device != self.device or x.dim() != 2:
             return False
-        if x.dtype not in self.dtypes or residual.dtype != x.dtype or weight.dtype != x.dtype:
+        if x.dtype not in self.dtypes or residual.dtype != x.dtype or weight.dtype != x.dtype:  # f.fits: its dtypes
             return False
         if residual.shape != x.shape or weight.shape != (x.shape[1],) or x.shape[1] > MAX_HIDDEN or x.numel() == 0:
             return False
@@ -190,7 +192,7 @@ class SymmMemAllReduce:
             return False
         try:
             ok = True
-            for dt in sorted(self.dtypes, key=str):
+            for dt in sorted(self.dtypes & f.dtypes, key=str):
                 for m in (1, 3, 64, 130):
                     h = 1024
                     base = ((torch.arange(m * h, device=self.device) % 5) - 2).to(dt).view(m, h)
@@ -236,7 +238,7 @@ class SymmMemAllReduce:
     def describe(self) -> str:
         names = ", ".join(str(d).removeprefix("torch.") for d in CANDIDATE_DTYPES if d in self.dtypes)
         ops = "+".join(self._ops[v] for v in self._variants)
-        fused = "; fused with add + RMSNorm" if self._fused is not None else ""
+        fused = f"; fused with add + RMSNorm ({self._fused.kind} kernel)" if self._fused is not None else ""
         return (f"{IMPL_NAME} ({ops}) for contiguous {names} tensors <= {self.max_bytes} bytes over "
                 f"{self.world_size} ranks{fused}; NCCL otherwise")
 
@@ -401,14 +403,18 @@ def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFA
 
 def _try_fused(impl: SymmMemAllReduce, group: Any, device: torch.device) -> None:
     """Set up, probe and agree on the fused all-reduce + add + RMSNorm; the plain all-reduce stays either way.
-    `GRAPHLINE_TP_FUSED_NORM=0` leaves it off (every rank of a deployment shares the environment)."""
+    `GRAPHLINE_TP_FUSED_NORM=0` leaves it off, `GRAPHLINE_TP_FUSED_KIND` picks the kernel (every rank of a
+    deployment shares the environment)."""
     import os
+
+    from parallel.symm_fused import default_kind
 
     if os.environ.get("GRAPHLINE_TP_FUSED_NORM", "1") == "0":
         return
+    kind = default_kind()  # a bad GRAPHLINE_TP_FUSED_KIND raises here, on every rank alike
     ok, reason = True, ""
     try:
-        impl.make_fused()
+        impl.make_fused(kind)
     except Exception as e:  # noqa: BLE001
         ok, reason = False, f"{type(e).__name__}: {e}"
     ok, reason = _agree(ok, reason, group, device, "fused buffers allocation/rendezvous")

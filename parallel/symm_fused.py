@@ -4,7 +4,8 @@ Replaces, after a row-parallel projection under TP, the pair "one-shot all-reduc
 add_rms_norm": each all-reduce costs a cross-GPU barrier whatever its size, and the norm
 kernel after it is a second launch that reads the sum back.
 
-Memory (one symmetric allocation per rank, `FusedSymmBuffers`, every peer maps every other):
+Pull kind (`kind="pull"`). Memory (one symmetric allocation per rank, `FusedSymmBuffers`, every peer
+maps every other):
     [ half 0: max_bytes | half 1: max_bytes | flags: int64 [G, world] ]
 One call, program b of G (rows b, b + G, ... of the `[M, H]` input):
 1. epoch = epochs[b] + 1 (a per-program int64 counter on the local device); half = epoch % 2;
@@ -23,6 +24,21 @@ lock-step across ranks, whatever M. Epochs only grow (int64), so flags are never
 Requirements: every rank of the group launches the same calls in the same order on one
 stream (TP ranks run the same steps), and G programs are co-resident (G <= SM count), since
 program b of one rank waits for program b of every peer.
+
+Push kind (`kind="push"`, the default; 16-bit dtypes): no flags and no remote reads. Memory:
+    [ half 0: world slots of max_bytes | half 1: world slots of max_bytes ], every element
+    initialised to the EMPTY mark (the bit pattern of -0.0).
+One call, program b: epoch and half as above;
+1. push: store my partial rows into slot RANK of half `half` of EVERY peer's buffer, with -0.0
+   sent as +0.0 (so data is never the mark);
+2. per row, per peer p in rank order: spin on volatile loads of slot p in MY buffer until no
+   element is the mark, add it to the fp32 sum (my own rows from registers), then store the
+   mark back (the slot is clean for the call two calls later); then the add + norm of step 5;
+3. epochs[b] = epoch.
+Why this is safe: a peer writes half h of my buffer again only two calls later, and it can
+start that call only after it read my rows of the call in between, which I push after I
+cleared half h (an earlier kernel launch, so the clear is performed first). One crossing of
+NVLink per call (the push) instead of three (signal, wait, remote read).
 """
 from __future__ import annotations
 
@@ -76,22 +92,92 @@ def _ar_add_rms_norm_kernel(X, R, W, OUT, SUM, PEERS, EPOCHS, M, eps, half_elems
     tl.store(EPOCHS + b, epoch)
 
 
+EMPTY_BITS = -32768  # int16 bit pattern of -0.0 in bf16 and fp16: the push kind's "not arrived" mark
+KINDS = ("push", "pull")
+
+
+@triton.jit
+def _ar_push_add_rms_norm_kernel(X, R, W, OUT, SUM, PEERS, EPOCHS, M, eps, half_elems, slot_elems,
+                                 H: tl.constexpr, BLOCK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                 G: tl.constexpr, EMPTY: tl.constexpr):
+    b = tl.program_id(0)
+    epoch = tl.load(EPOCHS + b) + 1
+    data = (epoch % 2) * half_elems
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    for row in range(b, M, G):
+        x = tl.load(X + row * H + offs, mask=mask)
+        x = tl.where(x == 0, tl.zeros_like(x), x)  # -0.0 is the mark
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                peer = tl.load(PEERS + p).to(tl.pointer_type(X.dtype.element_ty))
+                tl.store(peer + data + RANK * slot_elems + row * H + offs, x, mask=mask)
+    mine = tl.load(PEERS + RANK).to(tl.pointer_type(tl.int16))
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(b, M, G):
+        x = tl.load(X + row * H + offs, mask=mask, other=0.0)
+        x = tl.where(x == 0, tl.zeros_like(x), x)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for p in tl.static_range(WORLD):
+            if p == RANK:
+                acc += x.to(tl.float32)
+            else:
+                slot = mine + data + p * slot_elems + row * H + offs
+                bits = tl.load(slot, mask=mask, other=0, volatile=True)
+                while tl.max(tl.where(bits == EMPTY, 1, 0), axis=0) > 0:
+                    bits = tl.load(slot, mask=mask, other=0, volatile=True)
+                acc += bits.to(X.dtype.element_ty, bitcast=True).to(tl.float32)
+                tl.store(slot, tl.full((BLOCK,), EMPTY, tl.int16), mask=mask)
+        y = acc.to(X.dtype.element_ty).to(tl.float32)  # what the all-reduce would have returned
+        r = tl.load(R + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (y + r).to(SUM.dtype.element_ty)
+        tl.store(SUM + row * H + offs, s, mask=mask)
+        sf = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)
+        n = (sf * rstd).to(SUM.dtype.element_ty).to(tl.float32)
+        tl.store(OUT + row * H + offs, (n * w).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(EPOCHS + b, epoch)
+
+
+def default_kind() -> str:
+    """`GRAPHLINE_TP_FUSED_KIND` (push | pull), default push; every rank of a deployment shares the environment."""
+    import os
+
+    kind = os.environ.get("GRAPHLINE_TP_FUSED_KIND", "push")
+    if kind not in KINDS:
+        raise ValueError(f"GRAPHLINE_TP_FUSED_KIND={kind!r}: expected one of {', '.join(KINDS)}")
+    return kind
+
+
 class FusedSymmBuffers:
     """One rank's symmetric allocation for `all_reduce_add_rms_norm` over `group_name` (see the module docstring).
 
     Built by every rank of the group together (rendezvous), outside any CUDA graph capture; lives as long as
-    the group's `SymmMemAllReduce`. `max_bytes`: the largest `[M, H]` input, in bytes.
+    the group's `SymmMemAllReduce`. `max_bytes`: the largest `[M, H]` input, in bytes. `kind`: "push" (bf16 /
+    fp16 only) or "pull" (bf16 / fp16 / fp32); None: `default_kind()`. `dtypes`: what this kind reduces.
     """
 
-    def __init__(self, group_name: str, device: torch.device, world: int, rank: int, max_bytes: int):
+    def __init__(self, group_name: str, device: torch.device, world: int, rank: int, max_bytes: int,
+                 kind: str | None = None):
         import torch.distributed._symmetric_memory as symm_mem
 
+        self.kind = kind if kind is not None else default_kind()
+        if self.kind not in KINDS:
+            raise ValueError(f"fused all-reduce kind {self.kind!r}: expected one of {', '.join(KINDS)}")
         self.world, self.rank, self.device = world, rank, device
         self.half_bytes = -(-int(max_bytes) // 16) * 16
-        flag_bytes = PROGRAMS * world * 8
+        if self.kind == "push":
+            self.dtypes = frozenset({torch.bfloat16, torch.float16})
+            size = 2 * world * self.half_bytes
+        else:
+            self.dtypes = frozenset({torch.bfloat16, torch.float16, torch.float32})
+            size = 2 * self.half_bytes + PROGRAMS * world * 8
         with torch.cuda.device(device):
-            self.buffer = symm_mem.empty(2 * self.half_bytes + flag_bytes, dtype=torch.uint8, device=device)
-            self.buffer.zero_()
+            self.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+            if self.kind == "push":
+                self.buffer.view(torch.int16).fill_(EMPTY_BITS)
+            else:
+                self.buffer.zero_()
             handle = symm_mem.rendezvous(self.buffer, group_name)
             if handle is None:
                 raise RuntimeError("symm_mem.rendezvous returned no handle")
@@ -100,10 +186,10 @@ class FusedSymmBuffers:
         self._handle: Any = handle
         if len(handle.buffer_ptrs) != world:
             raise RuntimeError(f"rendezvous mapped {len(handle.buffer_ptrs)} buffers for a group of {world}")
-        torch.cuda.synchronize(device)  # every rank's zeroed flags before any peer signals into them
+        torch.cuda.synchronize(device)  # every rank's initialised buffer before any peer writes into it
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.numel() * x.element_size() <= self.half_bytes
+        return x.dtype in self.dtypes and x.numel() * x.element_size() <= self.half_bytes
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,12 +200,17 @@ class FusedSymmBuffers:
         out = torch.empty_like(x)
         s = torch.empty_like(x)
         block = triton.next_power_of_2(h)
-        _ar_add_rms_norm_kernel[(PROGRAMS,)](
-            x, residual, weight, out, s, self.peers, self.epochs, m, eps,
-            self.half_bytes // x.element_size(), (2 * self.half_bytes) // 8,
-            H=h, BLOCK=block, RANK=self.rank, WORLD=self.world, G=PROGRAMS,
-            num_warps=4 if block <= 2048 else 8,
-        )
+        warps = 4 if block <= 2048 else 8
+        if self.kind == "push":
+            slot = self.half_bytes // x.element_size()
+            _ar_push_add_rms_norm_kernel[(PROGRAMS,)](
+                x, residual, weight, out, s, self.peers, self.epochs, m, eps, self.world * slot, slot,
+                H=h, BLOCK=block, RANK=self.rank, WORLD=self.world, G=PROGRAMS, EMPTY=EMPTY_BITS, num_warps=warps)
+        else:
+            _ar_add_rms_norm_kernel[(PROGRAMS,)](
+                x, residual, weight, out, s, self.peers, self.epochs, m, eps,
+                self.half_bytes // x.element_size(), (2 * self.half_bytes) // 8,
+                H=h, BLOCK=block, RANK=self.rank, WORLD=self.world, G=PROGRAMS, num_warps=warps)
         return out, s
 
     def close(self) -> None:

@@ -13,39 +13,59 @@ for the semantics these kernels match.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import torch
 
-from modeling.ops.triton_decode import MAX_SPLITS, DecodeConfig, decode_attention, decode_config, device_sm_count
+from modeling.ops import triton_decode, triton_prefill
+from modeling.ops.triton_decode import (MAX_SPLITS, DecodeConfig, decode_attention, decode_config, decode_counters,
+                                     device_sm_count)
 from modeling.ops.triton_prefill import PrefillConfig, prefill_attention, prefill_config
 from modeling.ops.triton_store import store_kv
+from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
 
 # query-length bounds that reach each of `prefill_config`'s tile configs
 _PREFILL_BOUNDS = (16, 64, 128)
 
 
-def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, scale: float) -> int:
-    """Compile every variant the attention kernels can pick while serving over these caches (`[N, bs, Hkv, D]`),
-    so no step waits for a Triton compile (about a second each, on a cold cache): the decode kernel at each split
-    count (powers of two up to `MAX_SPLITS`, see `decode_config`) and the prefill kernel at each tile config.
-    One one-token sequence over the padding block 0 per variant, on the current stream: reads only, nothing is
-    stored. Returns the number of launches. Call outside CUDA graph capture (allocates)."""
+def attention_warm_up_calls(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
+                            scale: float) -> list[Callable[[], Any]]:
+    """One launch per variant the attention kernels can pick while serving over these caches (`[N, bs, Hkv, D]`):
+    the decode kernel at each split count (powers of two up to `MAX_SPLITS`, see `decode_config`) and the prefill
+    kernel at each tile config. Each is a one-token sequence over the padding block 0: reads only, nothing is
+    stored. Call them outside CUDA graph capture (they allocate), in any order, on any thread bound to the
+    caches' device (`modeling.ops.warm_up.run_side_by_side`)."""
     dev, dtype = k_cache.device, k_cache.dtype
     head_dim = k_cache.shape[3]
     q = torch.zeros((1, num_q_heads, head_dim), dtype=dtype, device=dev)
     tables = torch.zeros((1, 1), dtype=torch.int32, device=dev)
     ones = torch.ones(1, dtype=torch.int32, device=dev)
-    base = decode_config(1, k_cache.shape[2], 1, k_cache.shape[1], head_dim, dtype, device_sm_count(dev))
-    launches, splits = 0, 1
-    while splits <= MAX_SPLITS:
-        decode_attention(q, k_cache, v_cache, tables, ones, scale, config=dataclasses.replace(base, num_splits=splits))
-        launches, splits = launches + 1, splits * 2
     start = torch.zeros(1, dtype=torch.int32, device=dev)
-    for bound in _PREFILL_BOUNDS:
-        prefill_attention(q, k_cache, v_cache, start, ones, ones, tables, scale, max_q_seqlen=1,
-                          config=prefill_config(bound, head_dim, dtype))
-        launches += 1
-    return launches
+    base = decode_config(1, k_cache.shape[2], 1, k_cache.shape[1], head_dim, dtype, device_sm_count(dev))
+    decode_counters(dev)  # the split-KV arrival counters, once, before any thread launches
+
+    def decode(splits: int) -> Callable[[], Any]:
+        cfg = dataclasses.replace(base, num_splits=splits)
+        return lambda: decode_attention(q, k_cache, v_cache, tables, ones, scale, config=cfg)
+
+    def prefill(bound: int) -> Callable[[], Any]:
+        cfg = prefill_config(bound, head_dim, dtype)
+        return lambda: prefill_attention(q, k_cache, v_cache, start, ones, ones, tables, scale, max_q_seqlen=1,
+                                         config=cfg)
+
+    splits = [1 << i for i in range(MAX_SPLITS.bit_length()) if (1 << i) <= MAX_SPLITS]
+    return [decode(n) for n in splits] + [prefill(bound) for bound in _PREFILL_BOUNDS]
+
+
+def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, scale: float,
+                      threads: int | None = None) -> int:
+    """Compile every attention variant serving can pick over these caches (`attention_warm_up_calls`), side by
+    side on `threads` threads (None: `compile_threads()`), so no step waits for a Triton compile (about a second
+    each, on a cold cache). Launches on the current stream; returns the number of launches."""
+    calls = attention_warm_up_calls(k_cache, v_cache, num_q_heads, scale)
+    prime_kernel_caches([triton_decode, triton_prefill], k_cache.device)
+    run_side_by_side(calls, threads)
+    return len(calls)
 
 
 __all__ = [
@@ -55,6 +75,7 @@ __all__ = [
     "decode_config",
     "prefill_attention",
     "prefill_config",
+    "attention_warm_up_calls",
     "store_kv",
     "warm_up_attention",
 ]

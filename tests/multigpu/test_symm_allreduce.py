@@ -187,6 +187,14 @@ def _check_fused(g, rank: int, device: torch.device) -> dict[str, Any]:
         same_on_every_rank(out)
         same_on_every_rank(s)
         diffs.append(float((out.float() - ref_out.float()).abs().max()))
+    # -0.0 is the push kernel's "not arrived" mark: such inputs are sent as +0.0 (same sums), never waited on
+    xz = _rand((8, HIDDEN), torch.bfloat16, device, 5 + rank)
+    xz[::2] = -0.0
+    rz = torch.full_like(xz, -0.0)
+    out, s = comm.all_reduce_add_rms_norm(xz, rz, w, eps, g.tp_group, norm_fallback)
+    ref_out, ref_s = _unfused(xz, rz, w, eps, g.tp_group)
+    torch.testing.assert_close(s, ref_s, **_tol(torch.bfloat16))
+    torch.testing.assert_close(out, ref_out, **_tol(torch.bfloat16))
     big = _rand((1024, HIDDEN), torch.bfloat16, device, rank)
     big_res = torch.zeros_like(big)
     assert not impl.can_fuse_add_rms_norm(big, big_res, w)
@@ -223,6 +231,20 @@ def _check_fused(g, rank: int, device: torch.device) -> dict[str, Any]:
     return {"max_abs_diff": diffs}
 
 
+def _check_fused_pull(g, rank: int, device: torch.device) -> dict[str, Any]:
+    """The same checks on the pull kernel (flags, then remote reads); the push kernel comes back after."""
+    from parallel import comm
+
+    impl = comm.fast_all_reduce(g.tp_group)
+    impl.make_fused("pull")
+    impl.enable_fused(True)
+    try:
+        return _check_fused(g, rank, device)
+    finally:
+        impl.make_fused("push")
+        impl.enable_fused(True)
+
+
 def _run_checks(rank: int, ports: tuple[int, int]) -> dict[str, Any]:
     from parallel import comm
     from parallel.groups import RankGroups, Rendezvous
@@ -236,7 +258,7 @@ def _run_checks(rank: int, ports: tuple[int, int]) -> dict[str, Any]:
     res["impl"] = g.tp_allreduce_info()
     if g.tp_allreduce_impl == "symm_mem_one_shot":
         for name, fn in (("eager", _check_eager), ("graph", _check_graph), ("fallback", _check_fallback),
-                         ("fused", _check_fused)):
+                         ("fused", _check_fused), ("fused_pull", _check_fused_pull)):
             try:
                 res[name] = {"ok": True, **fn(g, rank, device)}
             except Exception:  # noqa: BLE001 - reported per check
@@ -320,7 +342,13 @@ def test_oversized_and_unsupported_fall_back_to_nccl(results):
 
 
 def test_fused_all_reduce_add_rms_norm_matches_nccl_then_norm(results):
-    _each(results, "fused")
+    _each(results, "fused")  # the default kind: push
+    for res in results.values():
+        assert "push" in res["impl"]["reason"], res["impl"]
+
+
+def test_fused_pull_kernel_matches_nccl_then_norm(results):
+    _each(results, "fused_pull")
 
 
 def test_destroy_unregisters(results):
