@@ -182,9 +182,33 @@ def table(res: dict[str, Any]) -> str:
         s = run["startup"]
         lines.append(f"{run['tp']:<3d} {s['ray_s']:5.2f} {s['groups_s']:9.2f} {s['weights_s']:10.2f} "
                      f"{s['kv_s']:5.2f} {s.get('runner_s', 0.0):9.2f} {s['capture_s']:10.2f} {s['total_s']:8.2f}")
-    for k, v in res.get("tp2_vs_tp1", {}).items():
-        lines.append(f"TP=2 / TP=1 decode step ({k}): {v:.3f}")
+    for r in res.get("tp2_vs_tp1", []):
+        armed = "default" if r["tp1_armed_wait_ms"] is None else f"{r['tp1_armed_wait_ms']:g} ms"
+        lines.append(f"TP=2 / TP=1 (TP=1 armed {armed}) {r['point']}: " + "  ".join(
+            f"{m} {r[m]:.3f}" for m in RATIO_MEASURES if m in r))
     return "\n".join(lines)
+
+
+RATIO_MEASURES = ("in_rank", "e2e", "ahead")
+
+
+def tp_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TP=2 time / TP=1 time for every point both measured, against each TP=1 run (one per armed-decode wait:
+    TP=2 never arms, so TP=1 is compared armed and not): in-rank step, strict round trip (e2e) and submitted
+    ahead, where measured. Below 1: TP=2 is faster."""
+    tp2 = next((r for r in runs if r["tp"] == 2), None)
+    out: list[dict[str, Any]] = []
+    for tp1 in (r for r in runs if r["tp"] == 1 and tp2 is not None):
+        for point, one in tp1["decode"].items():
+            two = tp2["decode"].get(point)
+            if two is None:
+                continue
+            row: dict[str, Any] = {"tp1_armed_wait_ms": tp1.get("armed_wait_ms"), "point": point}
+            for m in RATIO_MEASURES:
+                if f"{m}_ms" in one and f"{m}_ms" in two:
+                    row[m] = two[f"{m}_ms"] / one[f"{m}_ms"]
+            out.append(row)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -231,12 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         if ray.is_initialized():
             ray.shutdown()
-    by_tp: dict[int, Any] = {}
-    for r in res["runs"]:
-        by_tp.setdefault(r["tp"], r)
-    if 1 in by_tp and 2 in by_tp:
-        res["tp2_vs_tp1"] = {k: by_tp[2]["decode"][k]["in_rank_ms"] / v["in_rank_ms"]
-                             for k, v in by_tp[1]["decode"].items() if k in by_tp[2]["decode"]}
+    res["tp2_vs_tp1"] = tp_ratios(res["runs"])
     print(table(res))
     write_json(args.out, res)
     return res
