@@ -277,10 +277,10 @@ class RankRuntime:
         return n
 
     def build_runner(self) -> None:
-        """A graph runner over the model and KV cache (captures nothing yet). Also compiles, side by side on
-        threads, every Triton kernel variant the capture and serving will pick (`Qwen3ForCausalLM.warm_up_kernels`:
-        the attention variants, and one eager forward + heads per decode bucket when experts are not parallel):
-        on a cold cache each costs about a second, mid-serving it stalls every request of the step."""
+        """A graph runner over the model and KV cache (captures nothing yet). Also compiles every attention kernel
+        variant serving can pick, side by side on threads (`Qwen3ForCausalLM.warm_up_kernels`): a compile
+        mid-serving stalls every request of the step for about a second. A worker starts these compiles before
+        its process groups form (`actors.kernel_warm_up`), so here they are usually cached already."""
         self._drop_heads()
         self.runner = CUDAGraphRunner(
             self.model, self.cfg.graph, self.device, self._dummy_step, self.cfg.max_blocks_per_seq, stream=self.stream,
