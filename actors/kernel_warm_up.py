@@ -35,7 +35,6 @@ class KernelWarmUp:
     def _run(self, cfg, tp_size: int, device: torch.device) -> None:
         from modeling.kv_cache import KVCacheSpec, PagedKVCache
         from modeling.ops import get_kernel_ops
-        from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
 
         t0 = time.perf_counter()
         try:
@@ -46,11 +45,9 @@ class KernelWarmUp:
                 with torch.cuda.stream(stream):
                     cache = PagedKVCache(KVCacheSpec.for_model(mc, 2, cfg.block_size, tp_size), device)
                     k_cache, v_cache = cache.layers[0]
-                    calls = ops.attention_warm_up_calls(k_cache, v_cache, mc.num_heads // tp_size, mc.head_dim ** -0.5)
-                    prime_kernel_caches(ops.kernel_modules, device)
-                    run_side_by_side(calls)
+                    launches = ops.warm_up_attention(k_cache, v_cache, mc.num_heads // tp_size, mc.head_dim ** -0.5)
                 stream.synchronize()
-                self.launches = len(calls)
+                self.launches = launches
         except BaseException as e:  # noqa: BLE001 - build_runner compiles what is missing and raises there
             self.error = e
             log.warning("early attention kernel warm-up failed (build_runner will compile instead): %s", e)

@@ -92,20 +92,13 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
             hidden, residual = layer(position_ids, hidden, residual, kv_caches, attn_metadata, next_norm)
         return hidden
 
-    def warm_up_kernels(self, kv_caches: Sequence[Any], threads: int | None = None) -> int:
-        """Compile every attention kernel variant serving can pick over these caches
-        (`KernelOps.attention_warm_up_calls`), side by side on `threads` threads (None:
-        `modeling.ops.warm_up.compile_threads()`), on the current stream, outside graph capture; returns the number
-        of launches (0 for the torch backend)."""
-        from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
-
+    def warm_up_kernels(self, kv_caches: Sequence[Any]) -> int:
+        """Compile every attention kernel variant serving can pick over these caches (`KernelOps.warm_up_attention`:
+        side by side on threads), on the current stream, outside graph capture; returns the number of launches (0
+        for the torch backend)."""
         attn = self.layers[0].self_attn
         k_cache, v_cache = kv_caches[0]
-        calls = self.kernels.attention_warm_up_calls(k_cache, v_cache, attn.num_heads, attn.scale)
-        if calls:
-            prime_kernel_caches(self.kernels.kernel_modules, k_cache.device)
-            run_side_by_side(calls, threads)
-        return len(calls)
+        return self.kernels.warm_up_attention(k_cache, v_cache, attn.num_heads, attn.scale)
 
     def compute_logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""

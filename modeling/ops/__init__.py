@@ -29,21 +29,18 @@ class KernelOps:
     silu_mul_linear: Callable  # linear(silu_and_mul(x), w), fused where the backend can
     linear_add_rms_norm: Callable  # add_rms_norm(linear(x, w) or silu_mul_linear(x, w), residual, ...), one kernel where it can
     capturable: bool
-    # (k_cache, v_cache, num_q_heads, scale) -> one warm-up call per attention variant serving can pick
-    attention_warm_up_calls: Callable = lambda k_cache, v_cache, num_q_heads, scale: []
-    kernel_modules: tuple = ()  # the modules defining this backend's Triton kernels (`warm_up.prime_kernel_caches`)
+    # (k_cache, v_cache, num_q_heads, scale) -> launches: compile every attention variant serving can pick
+    warm_up_attention: Callable = lambda k_cache, v_cache, num_q_heads, scale: 0
 
 
 def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, linear_add_rms_norm: Callable,
-             capturable: bool, kernel_modules: tuple = ()) -> KernelOps:
+             capturable: bool) -> KernelOps:
     return KernelOps(name=name, store_kv=attention.store_kv, prefill_attention=attention.prefill_attention,
                      decode_attention=attention.decode_attention, rms_norm=fused.rms_norm,
                      add_rms_norm=fused.add_rms_norm, qk_norm_rope=fused.qk_norm_rope,
                      qk_norm_rope_store=fused.qk_norm_rope_store, silu_and_mul=fused.silu_and_mul, linear=linear,
                      silu_mul_linear=silu_mul_linear, linear_add_rms_norm=linear_add_rms_norm, capturable=capturable,
-                     attention_warm_up_calls=getattr(attention, "attention_warm_up_calls",
-                                                     KernelOps.attention_warm_up_calls),
-                     kernel_modules=kernel_modules)
+                     warm_up_attention=getattr(attention, "warm_up_attention", KernelOps.warm_up_attention))
 
 
 def _torch_silu_mul_linear(x, weight):
@@ -66,9 +63,7 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto") -> KernelOp
                         _torch_silu_mul_linear, _torch_linear_add_rms_norm, capturable=False)
     if dev.type != "cuda":
         raise ValueError("the triton kernel backend needs a CUDA device")
-    from modeling.ops import (triton_attention, triton_decode, triton_fused, triton_gemm, triton_prefill, triton_rope,
-                              triton_store)
+    from modeling.ops import triton_attention, triton_fused, triton_gemm
 
     return _collect("triton", triton_attention, triton_fused, triton_gemm.linear, triton_gemm.silu_mul_linear,
-                    triton_gemm.linear_add_rms_norm, capturable=True,
-                    kernel_modules=(triton_decode, triton_prefill, triton_store, triton_fused, triton_gemm, triton_rope))
+                    triton_gemm.linear_add_rms_norm, capturable=True)
