@@ -54,6 +54,21 @@ PROGRAMS = 64  # G: programs per call (rows are strided over them); far below an
 MAX_HIDDEN = 8192
 
 
+@triton.jit
+def _add_rms_norm_row(acc, R, OUT, SUM, w, row, offs, mask, eps, DTYPE: tl.constexpr, H: tl.constexpr):
+    """Both kernels' epilogue for one row: `acc` (fp32, the partials summed in rank order) rounded to the input
+    dtype as an all-reduce returns it, plus the residual row of R (rounded to SUM's dtype, stored to SUM), then
+    that rounded sum's RMSNorm times `w` (fp32 weights) stored to OUT."""
+    y = acc.to(DTYPE).to(tl.float32)
+    r = tl.load(R + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (y + r).to(SUM.dtype.element_ty)
+    tl.store(SUM + row * H + offs, s, mask=mask)
+    sf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)
+    n = (sf * rstd).to(SUM.dtype.element_ty).to(tl.float32)
+    tl.store(OUT + row * H + offs, (n * w).to(OUT.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])  # one variant per dtype, whatever the row count
 def _ar_add_rms_norm_kernel(X, R, W, OUT, SUM, PEERS, EPOCHS, M, eps, half_elems, flag_base,
                             H: tl.constexpr, BLOCK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
@@ -83,14 +98,7 @@ def _ar_add_rms_norm_kernel(X, R, W, OUT, SUM, PEERS, EPOCHS, M, eps, half_elems
         for p in tl.static_range(WORLD):
             peer = tl.load(PEERS + p).to(tl.pointer_type(X.dtype.element_ty))
             acc += tl.load(peer + data + row * H + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
-        y = acc.to(X.dtype.element_ty).to(tl.float32)  # what the all-reduce would have returned
-        r = tl.load(R + row * H + offs, mask=mask, other=0.0).to(tl.float32)
-        s = (y + r).to(SUM.dtype.element_ty)
-        tl.store(SUM + row * H + offs, s, mask=mask)
-        sf = s.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)
-        n = (sf * rstd).to(SUM.dtype.element_ty).to(tl.float32)
-        tl.store(OUT + row * H + offs, (n * w).to(OUT.dtype.element_ty), mask=mask)
+        _add_rms_norm_row(acc, R, OUT, SUM, w, row, offs, mask, eps, X.dtype.element_ty, H)
     tl.store(EPOCHS + b, epoch)
 
 
@@ -130,14 +138,7 @@ def _ar_push_add_rms_norm_kernel(X, R, W, OUT, SUM, PEERS, EPOCHS, M, eps, half_
                     bits = tl.load(slot, mask=mask, other=0, volatile=True)
                 acc += bits.to(X.dtype.element_ty, bitcast=True).to(tl.float32)
                 tl.store(slot, tl.full((BLOCK,), EMPTY, tl.int16), mask=mask)
-        y = acc.to(X.dtype.element_ty).to(tl.float32)  # what the all-reduce would have returned
-        r = tl.load(R + row * H + offs, mask=mask, other=0.0).to(tl.float32)
-        s = (y + r).to(SUM.dtype.element_ty)
-        tl.store(SUM + row * H + offs, s, mask=mask)
-        sf = s.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)
-        n = (sf * rstd).to(SUM.dtype.element_ty).to(tl.float32)
-        tl.store(OUT + row * H + offs, (n * w).to(OUT.dtype.element_ty), mask=mask)
+        _add_rms_norm_row(acc, R, OUT, SUM, w, row, offs, mask, eps, X.dtype.element_ty, H)
     tl.store(EPOCHS + b, epoch)
 
 
