@@ -38,6 +38,7 @@ from parallel.context import ParallelContext
 from parallel.dispatch import make_dispatcher
 from parallel.symm_allreduce import IMPL_NAME as SYMM_IMPL_NAME
 from parallel.symm_allreduce import SymmMemAllReduce, try_create_for_group
+from parallel.symm_fused import default_kind as fused_kind
 from parallel.topology import RankCoords, Topology
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class RankGroups:
         self.control: Optional[Any] = None
         self.dispatcher: Optional[Any] = None
         self.tp_allreduce_mode = tp_allreduce_mode(tp_allreduce)
+        self.tp_fused_kind = fused_kind()  # a bad GRAPHLINE_TP_FUSED_KIND fails here, before any group exists
         self.tp_allreduce_impl = "none"
         self.tp_allreduce_reason = "not initialised"
         self._tp_fast: Optional[SymmMemAllReduce] = None
@@ -163,7 +165,7 @@ class RankGroups:
         if self.tp_allreduce_mode == "nccl":
             self.tp_allreduce_impl, self.tp_allreduce_reason = "nccl", f"{TP_ALLREDUCE_ENV}=nccl"
             return
-        impl, why = try_create_for_group(self.tp_group, self.device)
+        impl, why = try_create_for_group(self.tp_group, self.device, fused_kind=self.tp_fused_kind)
         if impl is None:
             if self.tp_allreduce_mode == "symm":
                 raise GroupsError(f"{TP_ALLREDUCE_ENV}=symm but the symmetric-memory all-reduce is "

@@ -330,14 +330,18 @@ def _agree(ok: bool, reason: str, group: Any, device: torch.device, stage: str) 
     return False, reason if not ok else f"{stage} failed on group rank(s) {bad} (see their logs)"
 
 
-def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES
-                         ) -> tuple[Optional[SymmMemAllReduce], str]:
+def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
+                         fused_kind: Optional[str] = None) -> tuple[Optional[SymmMemAllReduce], str]:
     """`(impl, description)` or `(None, reason)`; every rank of `group` calls it together and gets the same verdict.
+    `fused_kind`: the fused add + RMSNorm kernel ("push" / "pull"; None: `GRAPHLINE_TP_FUSED_KIND`).
 
     Decisions that are identical on every rank by construction (device type, group size,
     backend, and the all-gathered device ordinals) return without a further collective;
     everything else is agreed over the group.
     """
+    from parallel.symm_fused import default_kind
+
+    fused_kind = fused_kind or default_kind()  # a bad GRAPHLINE_TP_FUSED_KIND raises before anything is allocated
     if group is None:
         return None, "no process group"
     if device.type != "cuda":
@@ -397,21 +401,18 @@ def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFA
         impl.close()
         return None, "numeric probe failed for every dtype / op variant (see logs)"
     impl.configure(dtypes, variants)
-    _try_fused(impl, group, device)
+    _try_fused(impl, group, device, fused_kind)
     return impl, impl.describe()
 
 
-def _try_fused(impl: SymmMemAllReduce, group: Any, device: torch.device) -> None:
-    """Set up, probe and agree on the fused all-reduce + add + RMSNorm; the plain all-reduce stays either way.
-    `GRAPHLINE_TP_FUSED_NORM=0` leaves it off, `GRAPHLINE_TP_FUSED_KIND` picks the kernel (every rank of a
-    deployment shares the environment)."""
+def _try_fused(impl: SymmMemAllReduce, group: Any, device: torch.device, kind: str) -> None:
+    """Set up, probe and agree on the fused all-reduce + add + RMSNorm with the `kind` kernel; the plain all-reduce
+    stays either way. `GRAPHLINE_TP_FUSED_NORM=0` leaves it off (every rank of a deployment shares the
+    environment)."""
     import os
-
-    from parallel.symm_fused import default_kind
 
     if os.environ.get("GRAPHLINE_TP_FUSED_NORM", "1") == "0":
         return
-    kind = default_kind()  # a bad GRAPHLINE_TP_FUSED_KIND raises here, on every rank alike
     ok, reason = True, ""
     try:
         impl.make_fused(kind)

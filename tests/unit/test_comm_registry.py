@@ -131,6 +131,15 @@ def test_tp_allreduce_mode_parsing(monkeypatch):
         RankGroups(Topology.of(tp=1), 0, torch.device("cpu"), 30.0)
 
 
+def test_bad_fused_kind_is_refused_before_any_group(monkeypatch):
+    monkeypatch.setenv("GRAPHLINE_TP_FUSED_KIND", "sideways")
+    with pytest.raises(ValueError, match="GRAPHLINE_TP_FUSED_KIND='sideways'"):
+        RankGroups(Topology.of(tp=2), 0, torch.device("cpu"), 30.0)
+    assert not dist.is_initialized()
+    monkeypatch.setenv("GRAPHLINE_TP_FUSED_KIND", "pull")
+    assert RankGroups(Topology.of(tp=2), 0, torch.device("cpu"), 30.0).tp_fused_kind == "pull"
+
+
 def test_rank_groups_records_the_tp_allreduce(monkeypatch):
     if dist.is_initialized():
         pytest.skip("torch.distributed already initialised in this process")
