@@ -14,8 +14,14 @@ a `HostGate`, on padding rows, while the device still runs the step. When the ne
 A gate that waited `wait_s` gives up and replays the padding on its own; a go that comes later is told so by
 the gate's acknowledgement and the step takes the usual path.
 
-Only ranks whose decode graphs hold no collectives arm (tensor- and expert-parallel size 1): a cancelled
-replay runs every collective of the graph, which the other ranks would not match.
+Tensor-parallel ranks arm too, collectively (`collective=True`): a cancelled replay runs every collective of
+the graph, so the ranks of a TP group must arm, go and cancel alike. The driver decides what timing would
+otherwise decide: it marks the steps after which it waits for the tokens (`StepPlan.arm_next`: the only ones
+after which these ranks arm), every rank sees the same requests in the same order (so go and cancel, taken from
+the request alone, agree), and instead of a gate that gives up on its own after `wait_s` (its deadline would pass
+on one rank and not another) the driver sends every rank a disarm after `wait_s` without a request. A rank that
+fails to arm, or whose gate still gave up (after about 45 minutes of waiting), fails its next step: its peers
+may have done otherwise. Expert-parallel ranks never arm (their DP peers run other batches).
 """
 from __future__ import annotations
 
@@ -34,6 +40,9 @@ GATE_POLL_S = 1.3e-6
 OUTCOMES = ("armed", "went", "cancelled", "expired")
 # How long the host waits for the gate to acknowledge an opened gate before it calls the device stuck.
 ACK_TIMEOUT_S = 5.0
+# A collective gate's poll budget: the largest int32 (the kernel's type for it), about 45 minutes of polls; the
+# driver's disarm ends the wait long before.
+COLLECTIVE_MAX_POLLS = 2**31 - 1
 
 
 class _Arm:
@@ -60,8 +69,11 @@ class ArmedDecode:
     takes; set-up calls on other threads `cancel` before they touch the device. Lifetime: the rank's; an arm
     never outlives the graphs it replays (the rank cancels before dropping or capturing graphs)."""
 
-    def __init__(self, device: torch.device, wait_s: float):
-        self.gate = HostGate(device, max_polls=max(1, int(wait_s / GATE_POLL_S)))
+    def __init__(self, device: torch.device, wait_s: float, collective: bool = False):
+        """`collective`: the rank's decode graphs hold collectives (tensor parallelism): no deadline of its own
+        (see the module docstring)."""
+        self.collective = collective
+        self.gate = HostGate(device, max_polls=COLLECTIVE_MAX_POLLS if collective else max(1, int(wait_s / GATE_POLL_S)))
         self.wait_s = wait_s
         self._lock = threading.Lock()
         self._arm: Optional[_Arm] = None
@@ -124,7 +136,8 @@ class ArmedDecode:
             arm, self._arm = self._arm, None
         if arm is None:
             return None
-        if (arm.lane is not lane and arm.lane.key != lane.key) or time.perf_counter() - arm.since > 0.5 * self.wait_s:
+        stale = not self.collective and time.perf_counter() - arm.since > 0.5 * self.wait_s
+        if (arm.lane is not lane and arm.lane.key != lane.key) or stale:
             self._spend(arm, "cancelled")  # stale arms are not raced against the gate's own deadline
             return None
         runner.full_graphs.stage_armed(lane.key, batch.token_ids, batch.num_history, batch.block_tables,
@@ -132,6 +145,10 @@ class ArmedDecode:
         self.gate.open(arm.seq, True)
         if not self._acknowledged(arm.seq):  # the gate gave up first: its replay ran on padding (or see below)
             self._spend(arm, "expired")
+            if self.collective:
+                raise RuntimeError("an armed tensor-parallel decode step's gate gave up waiting before its request "
+                                   "came: its padding replay ran the graph's collectives, which the peers may not "
+                                   "have matched")
             return None
         self.counts["went"] += 1
         free = self._free[arm.host.shape[0]]

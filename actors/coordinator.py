@@ -37,7 +37,7 @@ import numpy as np
 from actors.batch import BatchError, StepBatch
 from actors.errors import CoordinatorStateError, RankFailureError, StartupCaptureError
 from actors.pipes import DRIVER_POLL_S, PipeStepper, all_local
-from actors.protocol import plan_step
+from actors.protocol import plan_step, with_arm_next
 from actors.rank import RuntimeConfig
 from actors.rankset import CompiledStepper, PlainStepper, RankCallError, RankSet
 from actors.startup import capture_all, launch_ranks, summarize_status
@@ -211,21 +211,32 @@ class Coordinator:
             dp_of = [self.topo.coords(r).dp_rank for r in range(len(self._ranks))]
             env = os.environ.get("GRAPHLINE_DRIVER_POLL_S")
             poll_s = float(env) if env else (DRIVER_POLL_S if self._use_gpu else 0.0)
-            return PipeStepper(self._ranks, dp_of, timeout_s=self.cfg.collective_timeout_s, poll_s=poll_s)
+            return PipeStepper(self._ranks, dp_of, timeout_s=self.cfg.collective_timeout_s, poll_s=poll_s,
+                               disarm_after_s=self.cfg.runtime.armed_decode_wait_ms / 1e3 if self._arms_collectively
+                               else 0.0)
         if path == "compiled":
             return CompiledStepper(self._ranks)
         return PlainStepper(self._ranks)
 
     # ------------------------------------------------------------------ steps
+    @property
+    def _arms_collectively(self) -> bool:
+        """Whether the ranks arm decode steps only when told (`StepPlan.arm_next`): tensor parallelism on GPUs,
+        no expert parallelism, arming on (`actors.armed`)."""
+        return (self._use_gpu and self.topo.tp > 1 and self.topo.ep == 1
+                and self.cfg.runtime.armed_decode_wait_ms > 0)
+
     def step(self, batches: list[StepBatch | None], num_steps: int = 1) -> list[np.ndarray | None]:
         """One step: next tokens int64 `[B]` per DP rank (None for idle ones). `num_steps > 1`: multi-step
         decode (greedy decode batches whose block tables cover `num_steps` more tokens), int64 `[B, num_steps]`."""
-        return self.collect(self.submit(batches, num_steps))
+        return self.collect(self.submit(batches, num_steps, wait_next=True))
 
-    def submit(self, batches: list[StepBatch | None], num_steps: int = 1) -> StepTicket:
+    def submit(self, batches: list[StepBatch | None], num_steps: int = 1, wait_next: bool = False) -> StepTicket:
         """Validate, plan and send one step without waiting for its tokens; `collect` returns them. Negative
         token ids refer to the previous submitted step's tokens of the same DP rank (`prev_token`). At most
-        `MAX_IN_FLIGHT` steps may be in flight; a bad batch raises BatchError and sends nothing."""
+        `MAX_IN_FLIGHT` steps may be in flight; a bad batch raises BatchError and sends nothing.
+        `wait_next`: the caller will collect this step before it submits anything else (`step` does), so
+        tensor-parallel ranks may arm the next decode step behind it (`StepPlan.arm_next`)."""
         if self._state != "serving":
             self._require("serving")
         if len(batches) != self.topo.dp:
@@ -239,6 +250,8 @@ class Coordinator:
         decode_sizes, prefill_sizes = self._sizes
         plan = plan_step(batches, cross_dp=self._cross_dp, decode_buckets=decode_sizes, token_buckets=prefill_sizes,
                          num_steps=num_steps)
+        if plan is not None and wait_next and not self._in_flight and num_steps == 1 and self._arms_collectively:
+            plan = with_arm_next(plan)
         ticket = StepTicket(plan, tuple([b is not None for b in batches]))
         if plan is not None:
             try:

@@ -1,5 +1,7 @@
 """A rank's attention-kernel compiles, started before its process groups form (overlapping NCCL set-up, the
-symmetric-memory rendezvous and the weight load on a cold Triton cache).
+symmetric-memory rendezvous and the weight load on a cold Triton cache). Under tensor parallelism it first
+compiles, without launching, the fused all-reduce + add + RMSNorm kernel the group set-up probes and the decode
+graphs run (`parallel.symm_fused.warm_up_compile`), so that the probe finds it compiled.
 
 Triton specialises a kernel on dtypes, constants, pointer alignment and the divisibility of integer arguments,
 not on sizes, so a two-block KV cache of the deployment's layout (`KVCacheSpec.for_model`, this rank's share of
@@ -24,34 +26,65 @@ class KernelWarmUp:
     """Compile the attention variants of `cfg`'s model for a rank of `tp_size`-way tensor parallelism on `device`
     (CUDA), in a daemon thread started by the constructor. `cfg`: an `actors.rank.RuntimeConfig`."""
 
-    def __init__(self, cfg, tp_size: int, device: torch.device):
+    def __init__(self, cfg, tp_size: int, device: torch.device, tp_rank: int = 0):
         self.seconds = 0.0
+        self.fused_seconds = 0.0  # of which the fused TP kernel's compile (0 at TP = 1 or when it is not used)
         self.launches = 0
         self.error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(cfg, tp_size, device), name="kernel-warm-up",
-                                        daemon=True)
+        self._fused_done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(cfg, tp_size, tp_rank, device),
+                                        name="kernel-warm-up", daemon=True)
         self._thread.start()
 
-    def _run(self, cfg, tp_size: int, device: torch.device) -> None:
+    def _run(self, cfg, tp_size: int, tp_rank: int, device: torch.device) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._compile(cfg, tp_size, tp_rank, device, t0)
+        except BaseException as e:  # noqa: BLE001 - build_runner compiles what is missing and raises there
+            self.error = e
+            log.warning("early kernel warm-up failed (the rank compiles on demand instead): %s", e)
+        finally:
+            self._fused_done.set()
+        self.seconds = time.perf_counter() - t0
+
+    def _compile(self, cfg, tp_size: int, tp_rank: int, device: torch.device, t0: float) -> None:
         from modeling.kv_cache import KVCacheSpec, PagedKVCache
         from modeling.ops import get_kernel_ops
 
-        t0 = time.perf_counter()
-        try:
-            mc = cfg.model_config(device)
-            ops = get_kernel_ops(device, cfg.kernel_backend)
-            with torch.cuda.device(device), torch.inference_mode():
-                stream = torch.cuda.Stream(device)
-                with torch.cuda.stream(stream):
-                    cache = PagedKVCache(KVCacheSpec.for_model(mc, 2, cfg.block_size, tp_size), device)
-                    k_cache, v_cache = cache.layers[0]
-                    launches = ops.warm_up_attention(k_cache, v_cache, mc.num_heads // tp_size, mc.head_dim ** -0.5)
-                stream.synchronize()
-                self.launches = launches
-        except BaseException as e:  # noqa: BLE001 - build_runner compiles what is missing and raises there
-            self.error = e
-            log.warning("early attention kernel warm-up failed (build_runner will compile instead): %s", e)
-        self.seconds = time.perf_counter() - t0
+        mc = cfg.model_config(device)
+        if tp_size > 1:
+            self._compile_fused(mc, tp_size, tp_rank, device)
+        self.fused_seconds = time.perf_counter() - t0
+        self._fused_done.set()
+        ops = get_kernel_ops(device, cfg.kernel_backend)
+        with torch.cuda.device(device), torch.inference_mode():
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                cache = PagedKVCache(KVCacheSpec.for_model(mc, 2, cfg.block_size, tp_size), device)
+                k_cache, v_cache = cache.layers[0]
+                self.launches = ops.warm_up_attention(k_cache, v_cache, mc.num_heads // tp_size, mc.head_dim ** -0.5)
+            stream.synchronize()
+
+    @staticmethod
+    def _compile_fused(mc, tp_size: int, tp_rank: int, device: torch.device) -> None:
+        """The fused TP kernel for the model's hidden size and dtype, as the TP group's `SymmMemAllReduce`
+        (default size) will launch it, unless the environment turns the symmetric-memory path or the fusion off
+        (`parallel.groups`, `parallel.symm_allreduce`)."""
+        import os
+
+        from parallel.groups import TP_ALLREDUCE_ENV
+        from parallel.symm_allreduce import DEFAULT_MAX_BYTES
+        from parallel.symm_fused import warm_up_compile
+
+        if os.environ.get(TP_ALLREDUCE_ENV) == "nccl" or os.environ.get("GRAPHLINE_TP_FUSED_NORM", "1") == "0":
+            return
+        with torch.cuda.device(device):
+            warm_up_compile(mc.hidden_size, mc.dtype, tp_rank, tp_size, DEFAULT_MAX_BYTES)
+
+    def wait_fused(self, timeout_s: float = 60.0) -> None:
+        """Wait until the fused TP kernel's compile is done (or failed, or never started), at most `timeout_s`:
+        for the group set-up, whose probe would otherwise compile it a second time."""
+        self._fused_done.wait(timeout_s)
 
     def join(self, timeout_s: float = 600.0) -> float:
         """Wait for the compiles; seconds they took (0 if still running after `timeout_s`)."""

@@ -40,12 +40,13 @@ import os
 import select
 import shutil
 import tempfile
+import threading
 import time
 from collections import deque
 from typing import Any, Optional, Sequence
 
 from actors.rankset import RankCallError, RankFault, RankSet
-from actors.wire import LENGTH, REPLY_ERROR, decode_reply, encode_request
+from actors.wire import LENGTH, REPLY_ERROR, decode_reply, encode_disarm, encode_request
 
 _F_SETPIPE_SZ = 1031  # Linux fcntl: pipe capacity (large prefill frames in one write)
 POLL_MARGIN_S = 0.0003  # start polling this long before the expected reply
@@ -110,7 +111,11 @@ class PipeStepper:
 
     name = "pipe"
 
-    def __init__(self, ranks: RankSet, dp_of_rank: Sequence[int], timeout_s: float = 60.0, poll_s: float = 0.0):
+    def __init__(self, ranks: RankSet, dp_of_rank: Sequence[int], timeout_s: float = 60.0, poll_s: float = 0.0,
+                 disarm_after_s: float = 0.0):
+        """`disarm_after_s` (> 0 where tensor-parallel ranks arm, `actors.armed`): after a step marked
+        `arm_next`, when no request follows within that many seconds, a thread of this stepper sends every rank a
+        disarm frame (under the same lock as `send`, so every rank sees it at the same place among its requests)."""
         self.ranks = ranks
         self.dp_of_rank = list(dp_of_rank)
         self.poll_s = poll_s
@@ -125,6 +130,13 @@ class PipeStepper:
         self.req_fds: list[int] = []
         self.resp_fds: list[int] = []
         self._rank_of_fd: dict[int, int] = {}
+        self.disarm_after_s = disarm_after_s
+        self.disarms_sent = 0
+        self._writing = threading.Condition()  # held while requests are written; the disarm thread waits on it
+        self._disarm_at: Optional[float] = None  # monotonic deadline of the pending disarm
+        self._disarm_thread: Optional[threading.Thread] = None
+        self._disarm_idle = False  # the disarm thread waits with no deadline (a new one must wake it)
+        self._closed = False
         try:
             paths = []
             for r in range(len(ranks)):
@@ -167,15 +179,17 @@ class PipeStepper:
         plans were sent; `receive` takes the oldest. Raises RankCallError when a rank's pipe is closed."""
         frames: dict[int, bytes] = {}
         faults: list[RankFault] = []
-        for r, fd in enumerate(self.req_fds):
-            d = self.dp_of_rank[r]
-            frame = frames.get(d)
-            if frame is None:
-                frame = frames[d] = encode_request(plan, d)
-            try:
-                write_all(fd, frame)
-            except BrokenPipeError:
-                faults.append(RankFault(r, "died", "its step pipe is closed: the actor process exited"))
+        with self._writing:
+            self._disarm_at = None
+            for r, fd in enumerate(self.req_fds):
+                d = self.dp_of_rank[r]
+                frame = frames.get(d)
+                if frame is None:
+                    frame = frames[d] = encode_request(plan, d)
+                try:
+                    write_all(fd, frame)
+                except BrokenPipeError:
+                    faults.append(RankFault(r, "died", "its step pipe is closed: the actor process exited"))
         if faults:
             raise RankCallError("step", faults, {})
         self._sent.append(time.monotonic())
@@ -231,6 +245,8 @@ class PipeStepper:
             if len(self._expected) >= _MAX_SHAPES:
                 self._expected.clear()
             self._expected[key] = self._last_reply - start
+            if plan.arm_next and self.disarm_after_s > 0 and not self._sent:
+                self._schedule_disarm(self._last_reply + self.disarm_after_s)
         if faults:
             raise RankCallError("step", sorted(faults, key=lambda f: f.rank), results)
         if pending:
@@ -238,8 +254,46 @@ class PipeStepper:
             raise RankCallError("step", self.ranks.diagnose_hung(stuck, timeout_s), results)
         return [results[r] for r in range(len(self.req_fds))]
 
+    def _schedule_disarm(self, at: float) -> None:
+        with self._writing:
+            if self._closed:
+                return
+            self._disarm_at = at
+            if self._disarm_thread is None:
+                self._disarm_thread = threading.Thread(target=self._disarm_loop, name="graphline-disarm", daemon=True)
+                self._disarm_thread.start()
+            elif self._disarm_idle:  # else it wakes at an earlier deadline, finds this one and waits on
+                self._writing.notify()
+
+    def _disarm_loop(self) -> None:
+        """Send the disarm frame once a scheduled deadline passes with no request written since."""
+        frame = encode_disarm()
+        with self._writing:
+            while not self._closed:
+                at = self._disarm_at
+                if at is None:
+                    self._disarm_idle = True
+                    self._writing.wait()
+                    self._disarm_idle = False
+                    continue
+                left = at - time.monotonic()
+                if left > 0:
+                    self._writing.wait(left)
+                    continue
+                self._disarm_at = None
+                try:
+                    for fd in self.req_fds:
+                        write_all(fd, frame)
+                    self.disarms_sent += 1
+                except OSError:  # a rank died: the next step reports it
+                    pass
+
     def teardown(self) -> None:
         """Close the driver's ends (every loop reads end-of-file and exits) and remove the FIFOs. Idempotent."""
+        with self._writing:
+            self._closed = True
+            self._disarm_at = None
+            self._writing.notify()
         for fd in self.req_fds + self.resp_fds:
             try:
                 os.close(fd)

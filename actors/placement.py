@@ -8,7 +8,7 @@ and `order_ranks` sorts them: rank r = r-th actor by (node id, GPU id, bundle in
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import ray
@@ -29,6 +29,9 @@ class ActorPlace:
     node_ip: str
     gpu_ids: tuple[str, ...]
     pid: int
+    # wall-clock (time.time) moments of the actor's start: "imported" (its worker module began importing),
+    # "constructing" / "constructed" (the actor's __init__), "torch" (torch imported); for start-up reports
+    started: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def gpu_sort_key(self) -> int:

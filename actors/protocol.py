@@ -34,6 +34,9 @@ class StepPlan:
     static_tokens: Optional[int] = None
     phase: str = "local"  # "decode" | "prefill" | "mixed" | "local" (for status)
     num_steps: int = 1  # multi-step decode: every rank runs this many decode steps back to back
+    # the driver waits for this step's tokens before it sends anything else: tensor-parallel ranks may arm the
+    # next decode step behind it (`actors.armed`; TP = 1 ranks decide alone); pipe step path only
+    arm_next: bool = False
 
     def rank_args(self, dp_rank: int) -> Optional[tuple]:
         """(batch, global_decode, batch_bucket, token_bucket) for `execute`, or None: nothing to run."""
@@ -71,12 +74,20 @@ def plan_step(batches: Sequence[Optional[StepBatch]], *, cross_dp: bool, decode_
 
 def _plan(batches: tuple, global_decode: Optional[bool], batch_bucket: int = 0, token_bucket: int = 0,
           run_idle: bool = False, static_tokens: Optional[int] = None, phase: str = "local",
-          num_steps: int = 1) -> StepPlan:
+          num_steps: int = 1, arm_next: bool = False) -> StepPlan:
     """`StepPlan(...)` (same arguments and defaults) without the frozen dataclass's per-field
     `object.__setattr__`, which costs about a microsecond a step; the same object in every respect."""
     plan = object.__new__(StepPlan)
     d = plan.__dict__
     d["batches"], d["global_decode"] = batches, global_decode
     d["batch_bucket"], d["token_bucket"], d["run_idle"] = batch_bucket, token_bucket, run_idle
-    d["static_tokens"], d["phase"], d["num_steps"] = static_tokens, phase, num_steps
+    d["static_tokens"], d["phase"], d["num_steps"], d["arm_next"] = static_tokens, phase, num_steps, arm_next
     return plan
+
+
+def with_arm_next(plan: StepPlan) -> StepPlan:
+    """`plan` marked `arm_next` (a copy; `dataclasses.replace` without its per-field cost)."""
+    out = object.__new__(StepPlan)
+    out.__dict__.update(plan.__dict__)
+    out.__dict__["arm_next"] = True
+    return out

@@ -53,8 +53,8 @@ class RuntimeConfig:
         shared pool; ~15 MiB at 16 for a 152k vocabulary, ~100 MiB at 64); larger buckets run the head eagerly
         (about 0.4 ms of host launches at batch 64, more under TP); 0 = off.
     armed_decode_wait_ms: how long an armed decode step (`actors.armed`: the next greedy decode step enqueued
-        behind a gate while the rank waits for its request) waits before it gives up; 0 = never arm. Only
-        CUDA ranks with tensor- and expert-parallel size 1 arm.
+        behind a gate while the rank waits for its request) waits before it gives up (TP > 1: before the
+        driver disarms it); 0 = never arm. Only CUDA ranks with expert-parallel size 1 arm.
     """
 
     model: str = "qwen3-tiny"
@@ -296,9 +296,9 @@ class RankRuntime:
         """The armed-decode state of this rank, or None where it may not arm (see `RuntimeConfig`); compiles the
         gate kernel now rather than at the first arm."""
         wait_s = self.cfg.armed_decode_wait_ms / 1e3
-        if wait_s <= 0 or self.ctx.tp_size != 1 or self.ctx.ep_size != 1 or self.device.type != "cuda":
+        if wait_s <= 0 or self.ctx.ep_size != 1 or self.device.type != "cuda":
             return None
-        armer = ArmedDecode(self.device, wait_s)
+        armer = ArmedDecode(self.device, wait_s, collective=self.ctx.tp_size > 1)
         armer.gate.warm_up()
         return armer
 
@@ -501,6 +501,11 @@ class RankRuntime:
             armer.arm(self.runner, lane)
         return True
 
+    @property
+    def arms_collectively(self) -> bool:
+        """Whether this rank arms only when the driver says so (`StepPlan.arm_next`; tensor parallelism)."""
+        return self._armer is not None and self._armer.collective
+
     def stop_arming(self) -> None:
         """Cancel any armed step and never arm again (after a failure to arm)."""
         self.disarm()
@@ -510,7 +515,7 @@ class RankRuntime:
         """Cancel an armed step and wait for its padding replay (no-op when none): for anything that is not a
         step launch and may wait on the forward stream or drop the graphs the arm replays."""
         armer = self._armer
-        if armer is not None and armer.armed:
+        if armer is not None:  # sync even when another thread cancelled it: its padding replay may still run
             armer.cancel()
             self._sync()
 

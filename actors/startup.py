@@ -45,6 +45,23 @@ def ensure_ray(address: Optional[str], num_cpus: Optional[int]) -> bool:
     return True
 
 
+def actor_phases(places: Sequence[ActorPlace], since: float) -> dict[str, float]:
+    """Where the actors' start went, from their reported wall-clock moments (`ActorPlace.started`; one host's
+    clock), slowest actor per entry, in seconds after `since` (the placement group was ready): "module_import"
+    (the worker module began importing: negative when an idle Ray worker had imported it before),
+    "init_begin" (the actor's __init__ began), "init_end"; and "torch_import", the seconds __init__ spent
+    importing torch."""
+    out: dict[str, float] = {}
+    for name, key in (("module_import", "imported"), ("init_begin", "constructing"), ("init_end", "constructed")):
+        vals = [p.started[key] - since for p in places if key in p.started]
+        if vals:
+            out[name] = max(vals)
+    vals = [p.started["torch"] - p.started["constructing"] for p in places if "torch" in p.started]
+    if vals:
+        out["torch_import"] = max(vals)
+    return out
+
+
 def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Launched:
     """Everything of start-up before capture. On failure every actor is killed, then the error propagates."""
     t0 = time.perf_counter()
@@ -53,6 +70,7 @@ def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Laun
     use_gpu = cfg.use_gpu if cfg.use_gpu is not None else cluster_has_gpus()
     timeout = cfg.collective_timeout_s + 120.0
     pg = create_placement_group(topo.world, use_gpu, timeout_s=timeout)
+    t_pg, wall_pg = time.perf_counter(), time.time()
     # TP ranks see every GPU of their node and bind their own by id: symmetric memory (the TP all-reduce)
     # tells peers apart by device index, and under Ray's default isolation every rank would be cuda:0.
     # Not with compiled graphs: Ray's compiled-graph device setup requires its own per-actor CUDA_VISIBLE_DEVICES.
@@ -69,17 +87,25 @@ def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Laun
         ranks = RankSet([workers[i] for i in order], [places[i] for i in order], pg)
         for r, faults in test_faults.items():
             ray.get(ranks.workers[r]._test_set_faults.remote(**faults), timeout=30)
-        timings: dict[str, Any] = {"ray_s": time.perf_counter() - t0, "ray_init_s": ray_init_s}
+        t_placed = time.perf_counter()
+        timings: dict[str, Any] = {"ray_s": t_placed - t0, "ray_init_s": ray_init_s,
+                                   "placement_group_s": t_pg - t0 - ray_init_s, "actor_start_s": t_placed - t_pg,
+                                   "actor_phases_s": actor_phases(places, wall_pg)}
         if use_gpu:  # attention compiles overlap the groups, weights and KV phases (`actors.kernel_warm_up`)
-            ranks.call("start_kernel_warm_up", (cfg.runtime, topo.tp, cfg.runtime.device), timeout_s=timeout,
-                       what="kernel warm-up start")
+            ranks.call("start_kernel_warm_up", [(cfg.runtime, topo.tp, cfg.runtime.device, topo.coords(r).tp_rank)
+                                                for r in range(topo.world)],
+                       per_rank=True, timeout_s=timeout, what="kernel warm-up start")
         t1 = time.perf_counter()
         coll = cfg.collective_timeout_s
         rv = ranks.call("serve_rendezvous", (topo.world, coll), ranks=[0], timeout_s=timeout)[0]
-        ranks.call("init_groups", [(r, topo, rv, use_gpu, cfg.runtime.device, coll) for r in range(topo.world)],
-                   per_rank=True, timeout_s=timeout, what="process groups")
+        per_rank = ranks.call("init_groups", [(r, topo, rv, use_gpu, cfg.runtime.device, coll, cfg.runtime)
+                                              for r in range(topo.world)],
+                              per_rank=True, timeout_s=timeout, what="process groups")
+        timings["group_phases_s"] = {k: max(t[k] for t in per_rank) for k in per_rank[0]}  # slowest rank per phase
+        t2 = time.perf_counter()
         infos = ranks.call("build_runtime", (cfg.runtime, cfg.ep_backend), timeout_s=timeout, what="build runtime")
         timings["groups_s"] = time.perf_counter() - t1
+        timings["build_runtime_s"] = time.perf_counter() - t2
         model_config = infos[0]["model_config"]
         if topo.ep_enabled and not model_config.is_moe:
             raise ValueError(f"ep={topo.ep} needs a MoE model; {cfg.runtime.model!r} is dense")

@@ -6,10 +6,13 @@ into the received buffer (zero-copy; the rank must not write to them). Frames ar
 length-prefixed so a reader knows how much to read from a stream.
 
 request  = u32 body length | body
-body     = u8 global_decode (0 False, 1 True, 2 None) | u8 flags (1 batch, 2 run) | i32 batch_bucket
+body     = u8 global_decode (0 False, 1 True, 2 None) | u8 flags (1 batch, 2 run, 4 arm next, 8 disarm) | i32 batch_bucket
            | i32 token_bucket | i32 static_tokens (-1 None) | i32 num_steps
            [| i32 B | i32 T | i32 W | token_ids i64[T] | q_seqlens i32[B] | num_history i32[B]
             | block_tables i32[B*W] | temperature f32[B] | top_k i32[B] | top_p f32[B] | seeds i64[B]]
+           flag 4 (`StepPlan.arm_next`): the driver waits for this step's tokens before it sends anything else, so
+           a tensor-parallel rank may arm the next decode step (`actors.armed`); flag 8 alone: a disarm frame (the
+           driver went idle after such a step: cancel the arm), which gets no reply
 reply    = u32 body length | u8 status | f64 in-rank seconds | payload
            status OK: next tokens i64[B] (i64[B, num_steps] row-major for multi-step decode); NONE: nothing (idle rank or TP rank > 0); ERROR: utf-8 text
 """
@@ -45,6 +48,7 @@ _NDARRAYS = (np.ndarray,) * len(_FIELDS)
 _I64, _I32, _F32 = np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32)
 
 REPLY_OK, REPLY_NONE, REPLY_ERROR = 0, 1, 2
+ARM_NEXT, DISARM = 4, 8  # request flags (see the module docstring)
 
 
 class WireError(ValueError):
@@ -54,7 +58,7 @@ class WireError(ValueError):
 def encode_request(plan: StepPlan, dp_rank: int) -> bytes:
     """This DP rank's share of `plan` as one length-prefixed frame."""
     batch = plan.batches[dp_rank]
-    flags = 3 if batch is not None else (2 if plan.run_idle else 0)  # 1 batch, 2 run
+    flags = (3 if batch is not None else (2 if plan.run_idle else 0)) | (ARM_NEXT if plan.arm_next else 0)
     static = -1 if plan.static_tokens is None else plan.static_tokens
     head = (_DECODE_FLAG[plan.global_decode], flags, plan.batch_bucket, plan.token_bucket, static, plan.num_steps)
     if batch is None:
@@ -66,6 +70,16 @@ def encode_request(plan: StepPlan, dp_rank: int) -> bytes:
         body = b"".join([np.ascontiguousarray(a, dtype=dtype).tobytes() for a, dtype in zip(arrays, _DTYPES)])
     shape = (arrays[1].shape[0], arrays[0].shape[0], arrays[3].shape[1])  # B, T, W
     return _FRAME_BATCH.pack(_HEAD.size + _SHAPE.size + len(body), *head, *shape) + body
+
+
+def encode_disarm() -> bytes:
+    """The disarm frame (no step, no reply)."""
+    return _FRAME_HEAD.pack(_HEAD.size, _DECODE_FLAG[None], DISARM, 0, 0, -1, 1)
+
+
+def request_control(body: memoryview | bytes) -> int:
+    """The request's ARM_NEXT / DISARM flags (0 for a frame too short to have them: `decode_request` says why)."""
+    return body[1] & (ARM_NEXT | DISARM) if len(body) >= _HEAD.size else 0
 
 
 def decode_request(body: memoryview | bytes) -> Optional[tuple]:

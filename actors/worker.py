@@ -25,7 +25,11 @@ import time
 from collections import deque
 from typing import Any, Optional
 
-import ray
+_IMPORTED_AT = time.time()  # when this module began importing in the actor's process (start-up reports)
+
+import ray  # noqa: E402
+import torch  # noqa: E402,F401 - here, not in __init__: an idle Ray worker that imports this module early takes
+              # torch's import (seconds) off the actors' start-up
 
 from actors.errors import RankStepError
 from actors.pipes import STEP_TRACE
@@ -50,7 +54,9 @@ class _Launched:
 @ray.remote(concurrency_groups={"health": 2})
 class RankWorker:
     def __init__(self, bundle: int, test_faults: Optional[dict] = None):
+        constructing = time.time()
         import torch
+        self._started = {"imported": _IMPORTED_AT, "constructing": constructing, "torch": time.time()}
 
         self.bundle = bundle
         self.rank: Optional[int] = None
@@ -61,6 +67,7 @@ class RankWorker:
         self._store: Any = None
         self._cfg: Any = None
         self._kernel_warm_up: Any = None  # actors.kernel_warm_up.KernelWarmUp, from start_kernel_warm_up to build_runner
+        self._arm_failure: Optional[BaseException] = None  # a failed collective arm: every later step fails
         self._ep_backend = "allgather"
         self.events: list[dict[str, Any]] = []
         self.phase, self.phase_since = "created", time.time()
@@ -75,6 +82,7 @@ class RankWorker:
         self._gpu = bool(ray.get_gpu_ids())
         if not self._gpu:
             torch.set_num_threads(1)
+        self._started["constructed"] = time.time()
 
     # ------------------------------------------------------------------ helpers
     def _enter(self, phase: str) -> None:
@@ -109,7 +117,7 @@ class RankWorker:
     def place(self) -> ActorPlace:
         ctx = ray.get_runtime_context()
         return ActorPlace(bundle=self.bundle, node_id=ctx.get_node_id(), node_ip=ray.util.get_node_ip_address(),
-                          gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()), pid=os.getpid())
+                          gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()), pid=os.getpid(), started=self._started)
 
     def serve_rendezvous(self, world: int, timeout_s: float):
         """Rank 0 only: start the TCPStore on port 0 and report (host, port)."""
@@ -118,7 +126,7 @@ class RankWorker:
         self._store, rv = serve_rendezvous(world, timeout_s, host=ray.util.get_node_ip_address())
         return rv
 
-    def start_kernel_warm_up(self, cfg: Any, tp_size: int, device: str) -> bool:
+    def start_kernel_warm_up(self, cfg: Any, tp_size: int, device: str, tp_rank: int = 0) -> bool:
         """Start compiling the attention kernels of `cfg`'s model in the background (`actors.kernel_warm_up`),
         before the process groups form; returns at once. False (nothing started) without a GPU."""
         from actors.kernel_warm_up import KernelWarmUp
@@ -129,11 +137,14 @@ class RankWorker:
         dev = resolve_device(device, self._local_gpu_index())
         if dev.type != "cuda":
             return False
-        self._kernel_warm_up = KernelWarmUp(cfg, tp_size, dev)
+        self._kernel_warm_up = KernelWarmUp(cfg, tp_size, dev, tp_rank)
         return True
 
     def init_groups(self, rank: int, topo: Any, rendezvous: Any, use_gpu: bool, device: str,
-                    timeout_s: float) -> float:
+                    timeout_s: float, cfg: Any = None) -> dict[str, float]:
+        """Join the world and create this rank's groups; returns seconds per phase (`RankGroups.timings`) and
+        "total_s". `cfg` (`RuntimeConfig`, optional): the model served, whose hidden size and dtype the fused
+        TP all-reduce is probed for."""
         import torch
 
         from actors.rank import resolve_device
@@ -143,10 +154,16 @@ class RankWorker:
         self.rank, self.coords = rank, topo.coords(rank)
         self.device = resolve_device(device, self._local_gpu_index()) if use_gpu else torch.device("cpu")
         self._enter("init_groups")
-        self.groups = RankGroups(topo, rank, self.device, timeout_s)
+        probe = None
+        if cfg is not None and self.device.type == "cuda" and topo.tp > 1:
+            mc = cfg.model_config(self.device)
+            probe = (mc.hidden_size, mc.dtype)
+        early = self._kernel_warm_up
+        self.groups = RankGroups(topo, rank, self.device, timeout_s, fused_probe=probe,
+                                 before_tp_setup=None if early is None else early.wait_fused)
         self.groups.init(rendezvous, store=self._store)
         self._leave()
-        return time.perf_counter() - t0
+        return {**self.groups.timings, "total_s": time.perf_counter() - t0}
 
     def build_runtime(self, cfg: Any, ep_backend: str) -> dict[str, Any]:
         """Build the context (EP dispatcher included) and the Ray-free runtime; returns model facts."""
@@ -287,7 +304,8 @@ class RankWorker:
         import torch
 
         from actors.pipes import read_frame, write_all
-        from actors.wire import REPLY_ERROR, decode_request, encode_reply, encode_tokens
+        from actors.wire import ARM_NEXT, DISARM, REPLY_ERROR, decode_request, encode_reply, encode_tokens, \
+            request_control
 
         request = os.open(request_path, os.O_RDONLY)  # blocks until the driver opens its end
         if self.device is not None and self.device.type == "cuda":
@@ -343,7 +361,13 @@ class RankWorker:
                         return
                     t_read = time.perf_counter()
                     strict = not pending  # nothing in flight: the driver waited for the previous step's tokens
+                    control = request_control(body)
+                    if control & DISARM:  # no reply: the driver went idle after an arm_next step
+                        self.runtime.disarm()
+                        continue
                     try:
+                        if self._arm_failure is not None:
+                            raise self._arm_failure
                         decoded = decode_request(body)
                         if decoded is None:
                             pending.append(encode_tokens(None, 0.0))
@@ -354,7 +378,12 @@ class RankWorker:
                     except Exception as e:  # noqa: BLE001 - reported to the driver, which tears the group down
                         pending.append(error_frame(e))
                         continue
-                    if strict and spin_s and decoded is not None and not select.select([request], [], [], 0)[0]:
+                    if decoded is None:
+                        continue
+                    if self.runtime.arms_collectively:  # the driver decides, for every rank alike
+                        if control & ARM_NEXT:
+                            self._arm_next()
+                    elif strict and spin_s and not select.select([request], [], [], 0)[0]:
                         self._arm_next()
         except OSError:
             return  # the driver went away mid-write
@@ -375,6 +404,9 @@ class RankWorker:
             self.runtime.arm_next()
         except Exception as e:  # noqa: BLE001
             self._log("arming_failed", error=repr(e))
+            if self.runtime.arms_collectively:  # the peers armed: the next cancel would not match theirs
+                self._arm_failure = RankStepError(f"rank {self.rank}: arming the next tensor-parallel decode step "
+                                                  f"failed ({type(e).__name__}: {e}); its peers armed theirs")
             self.runtime.stop_arming()
 
     def _launch_traced(self, decoded: tuple, t_read: float) -> "_Launched":

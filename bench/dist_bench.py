@@ -98,10 +98,9 @@ def add_armed_wait_arg(p: argparse.ArgumentParser) -> None:
 
 
 def armed_waits(args: Any, tp: int) -> list[Optional[float]]:
-    """The `--armed-wait-ms` values to run at this TP size (None: the runtime's default); ranks with TP > 1 never
-    arm, so they run the first one only."""
-    waits = [float(x) for x in args.armed_wait_ms.split(",") if x.strip()] or [None]
-    return waits if tp == 1 else waits[:1]
+    """The `--armed-wait-ms` values to run at this TP size (None: the runtime's default). TP ranks arm too
+    (collectively, `actors.armed`), so every size runs each value."""
+    return [float(x) for x in args.armed_wait_ms.split(",") if x.strip()] or [None]
 
 
 def make_coordinator(args: Any, tp: int, armed_wait_ms: Optional[float] = None) -> Coordinator:
@@ -182,9 +181,14 @@ def table(res: dict[str, Any]) -> str:
         s = run["startup"]
         lines.append(f"{run['tp']:<3d} {s['ray_s']:5.2f} {s['groups_s']:9.2f} {s['weights_s']:10.2f} "
                      f"{s['kv_s']:5.2f} {s.get('runner_s', 0.0):9.2f} {s['capture_s']:10.2f} {s['total_s']:8.2f}")
+        detail = {k: s[k] for k in ("placement_group_s", "actor_start_s", "build_runtime_s") if k in s}
+        detail.update({f"actor.{k}": v for k, v in s.get("actor_phases_s", {}).items()})
+        detail.update(s.get("group_phases_s", {}))
+        if detail:
+            lines.append("    " + "  ".join(f"{k} {v:.2f}" for k, v in detail.items()))
     for r in res.get("tp2_vs_tp1", []):
-        armed = "default" if r["tp1_armed_wait_ms"] is None else f"{r['tp1_armed_wait_ms']:g} ms"
-        lines.append(f"TP=2 / TP=1 (TP=1 armed {armed}) {r['point']}: " + "  ".join(
+        armed = ["default" if r[k] is None else f"{r[k]:g} ms" for k in ("tp2_armed_wait_ms", "tp1_armed_wait_ms")]
+        lines.append(f"TP=2 (armed {armed[0]}) / TP=1 (armed {armed[1]}) {r['point']}: " + "  ".join(
             f"{m} {r[m]:.3f}" for m in RATIO_MEASURES if m in r))
     return "\n".join(lines)
 
@@ -193,21 +197,28 @@ RATIO_MEASURES = ("in_rank", "e2e", "ahead")
 
 
 def tp_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """TP=2 time / TP=1 time for every point both measured, against each TP=1 run (one per armed-decode wait:
-    TP=2 never arms, so TP=1 is compared armed and not): in-rank step, strict round trip (e2e) and submitted
-    ahead, where measured. Below 1: TP=2 is faster."""
-    tp2 = next((r for r in runs if r["tp"] == 2), None)
+    """TP=2 time / TP=1 time for every point both measured, for every pair of a TP=2 run and a TP=1 run (one run
+    per armed-decode wait and TP size): in-rank step, strict round trip (e2e) and submitted ahead, where
+    measured. Below 1: TP=2 is faster."""
     out: list[dict[str, Any]] = []
-    for tp1 in (r for r in runs if r["tp"] == 1 and tp2 is not None):
-        for point, one in tp1["decode"].items():
-            two = tp2["decode"].get(point)
-            if two is None:
-                continue
-            row: dict[str, Any] = {"tp1_armed_wait_ms": tp1.get("armed_wait_ms"), "point": point}
-            for m in RATIO_MEASURES:
-                if f"{m}_ms" in one and f"{m}_ms" in two:
-                    row[m] = two[f"{m}_ms"] / one[f"{m}_ms"]
-            out.append(row)
+    for tp2 in (r for r in runs if r["tp"] == 2):
+        for tp1 in (r for r in runs if r["tp"] == 1):
+            out.extend(_pair_ratios(tp1, tp2))
+    return out
+
+
+def _pair_ratios(tp1: dict[str, Any], tp2: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for point, one in tp1["decode"].items():
+        two = tp2["decode"].get(point)
+        if two is None:
+            continue
+        row: dict[str, Any] = {"tp1_armed_wait_ms": tp1.get("armed_wait_ms"),
+                               "tp2_armed_wait_ms": tp2.get("armed_wait_ms"), "point": point}
+        for m in RATIO_MEASURES:
+            if f"{m}_ms" in one and f"{m}_ms" in two:
+                row[m] = two[f"{m}_ms"] / one[f"{m}_ms"]
+        out.append(row)
     return out
 
 

@@ -21,6 +21,9 @@ with CUDA events from before the launch to after the tokens' device-to-host copy
                for a step an armed replay took (`actors.armed`: enqueued before its request came, so
                `launch` is staging the step and opening the gate)
   armed_steps  the rank's count of steps armed replays took (a count, not microseconds)
+  read_skew    (more than one rank) the last rank's read minus the first rank's read: how much later the last
+               rank could start the step, which collectives inside the graph make every rank wait for
+  r<i>_launch, r<i>_wait  rank i's own launch and wait (i > 0)
 
 `host_exposed` = total - device: the host time in series with the device.
 """
@@ -51,9 +54,12 @@ def trace_steps(coord: Any, batch: Any, steps: int, warmup: int) -> dict[str, fl
     driver = list(coord._stepper.trace)[-steps:]
     ranks = coord._ranks.call("step_trace", (True,), timeout_s=60, what="read step trace")
     rank0 = ranks[0][-steps:]
+    others = [recs[-steps:] for recs in ranks[1:]]
+    extra = ("read_skew",) + tuple(f"r{i}_{k}" for i in range(1, len(ranks)) for k in ("launch", "wait")) \
+        if others else ()
     rows: dict[str, list[float]] = {k: [] for k in SEGMENTS + ("device", "total", "host_exposed", "lane_steps",
-                                                     "armed_steps")}
-    for (t0, t1), (sent, got), r in zip(spans, driver, rank0):
+                                                     "armed_steps") + extra}
+    for j, ((t0, t1), (sent, got), r) in enumerate(zip(spans, driver, rank0)):
         seg = {"driver_pre": sent - t0, "to_rank": r["read"] - sent, "decode": r["decoded"] - r["read"],
                "launch": r["launched"] - r["call"],
                "wait": r["ready"] - r["launched"], "reply": r["written"] - r["ready"],
@@ -62,6 +68,12 @@ def trace_steps(coord: Any, batch: Any, steps: int, warmup: int) -> dict[str, fl
         seg["lane_steps"] = r.get("lane_steps", 0.0) / 1e6  # reported as a count, not microseconds
         seg["armed_steps"] = r.get("armed_steps", 0.0) / 1e6
         seg["host_exposed"] = seg["total"] - seg["device"]
+        if others:
+            reads = [r["read"]] + [o[j]["read"] for o in others]
+            seg["read_skew"] = max(reads) - min(reads)
+            for i, o in enumerate(others, start=1):
+                seg[f"r{i}_launch"] = o[j]["launched"] - o[j]["call"]
+                seg[f"r{i}_wait"] = o[j]["ready"] - o[j]["launched"]
         for k, v in seg.items():
             rows[k].append(v)
     return {k: 1e6 * statistics.median(v) for k, v in rows.items()}

@@ -26,9 +26,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,12 @@ class RankGroups:
     """Owns one rank's process groups and EP dispatcher (lifetime: `init()` .. `destroy()`)."""
 
     def __init__(self, topo: Topology, rank: int, device: torch.device, timeout_s: float,
-                 tp_allreduce: Optional[str] = None):
+                 tp_allreduce: Optional[str] = None, fused_probe: Optional[tuple[int, torch.dtype]] = None,
+                 before_tp_setup: Optional[Callable[[], None]] = None):
+        """`fused_probe`: (hidden size, dtype) of the model these groups serve, which the fused TP all-reduce +
+        RMSNorm is probed (and compiled) for (`try_create_for_group`); None: every dtype, hidden 1024.
+        `before_tp_setup`: called right before the TP all-reduce set-up (to wait for a compile of its kernel on
+        another thread, `actors.kernel_warm_up`)."""
         self.topo = topo
         self.coords: RankCoords = topo.coords(rank)
         self.device = device
@@ -98,10 +104,14 @@ class RankGroups:
         self.dispatcher: Optional[Any] = None
         self.tp_allreduce_mode = tp_allreduce_mode(tp_allreduce)
         self.tp_fused_kind = fused_kind()  # a bad GRAPHLINE_TP_FUSED_KIND fails here, before any group exists
+        self.fused_probe = fused_probe
+        self._before_tp_setup = before_tp_setup
         self.tp_allreduce_impl = "none"
         self.tp_allreduce_reason = "not initialised"
         self._tp_fast: Optional[SymmMemAllReduce] = None
         self._store: Optional[Any] = None
+        self.timings: dict[str, float] = {}  # seconds per `init` phase (start-up reports)
+        self.symm_timings: dict[str, float] = {}  # seconds per symmetric-memory set-up stage (within tp_allreduce_setup_s)
         self._initialized = False
         self._destroyed = False
 
@@ -116,6 +126,7 @@ class RankGroups:
         if dist.is_initialized():
             raise GroupsError("torch.distributed is already initialised by someone else in this process")
         world = self.topo.world
+        t0 = time.perf_counter()
         if store is None:
             store = dist.TCPStore(rendezvous.host, rendezvous.port, world, is_master=False, timeout=self.timeout)
         self._store = store
@@ -125,6 +136,7 @@ class RankGroups:
             kwargs["device_id"] = self.device  # eager NCCL init: no communicator is created inside a capture
         dist.init_process_group(**kwargs)
         self._initialized = True
+        t1 = time.perf_counter()
         self.control = dist.new_group(list(range(world)), backend="gloo", timeout=self.timeout)
         if self.topo.tp > 1:
             for ranks in self.topo.tp_groups():
@@ -133,13 +145,22 @@ class RankGroups:
                     self.tp_group = g
         if self.topo.ep_enabled:
             self.ep_group = dist.group.WORLD
+        t2 = time.perf_counter()
         self._warm_up()
+        t_wait = time.perf_counter()
+        if self._before_tp_setup is not None and self.tp_group is not None:
+            self._before_tp_setup()
+        t3 = time.perf_counter()
         try:
             self._setup_tp_allreduce()
         except GroupsError:
             self.destroy()  # every TP rank reaches the same verdict, so all of them raise here
             raise
+        t4 = time.perf_counter()
         self.barrier()
+        self.timings = {"init_process_group_s": t1 - t0, "new_groups_s": t2 - t1, "collective_warm_up_s": t_wait - t2,
+                        "wait_compile_s": t3 - t_wait, "tp_allreduce_setup_s": t4 - t3,
+                        "barrier_s": time.perf_counter() - t4, **self.symm_timings}
 
     def _warm_up(self) -> None:
         """One small collective per device group, so communicators exist before any graph capture."""
@@ -165,7 +186,8 @@ class RankGroups:
         if self.tp_allreduce_mode == "nccl":
             self.tp_allreduce_impl, self.tp_allreduce_reason = "nccl", f"{TP_ALLREDUCE_ENV}=nccl"
             return
-        impl, why = try_create_for_group(self.tp_group, self.device, fused_kind=self.tp_fused_kind)
+        impl, why = try_create_for_group(self.tp_group, self.device, fused_kind=self.tp_fused_kind,
+                                         fused_probe=self.fused_probe, timings=self.symm_timings)
         if impl is None:
             if self.tp_allreduce_mode == "symm":
                 raise GroupsError(f"{TP_ALLREDUCE_ENV}=symm but the symmetric-memory all-reduce is "

@@ -41,6 +41,7 @@ decides per call, from shapes and dtypes only.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Optional
 
 import torch
@@ -185,16 +186,22 @@ class SymmMemAllReduce:
         Capturable; call only when `can_fuse_add_rms_norm`."""
         return self._fused.all_reduce_add_rms_norm(x, residual, weight, eps)
 
-    def probe_fused(self) -> bool:
-        """Run the fused kernel on exact inputs and compare with the unfused arithmetic; no exceptions escape."""
+    def probe_fused(self, hidden: int = 1024, dtypes: Optional[frozenset[torch.dtype]] = None) -> bool:
+        """Run the fused kernel on exact `[M, hidden]` inputs of each dtype it and the all-reduce both take
+        (narrowed to `dtypes` when given: the model's, so no variant the model never runs gets compiled) and
+        compare with the unfused arithmetic; the fused kernel then takes only the dtypes probed. No exceptions
+        escape."""
         f = getattr(self, "_fused_pending", None)
         if f is None:
             return False
+        probed = self.dtypes & f.dtypes if dtypes is None else self.dtypes & f.dtypes & dtypes
+        if not probed:
+            return False
         try:
             ok = True
-            for dt in sorted(self.dtypes & f.dtypes, key=str):
+            for dt in sorted(probed, key=str):
                 for m in (1, 3, 64, 130):
-                    h = 1024
+                    h = hidden
                     base = ((torch.arange(m * h, device=self.device) % 5) - 2).to(dt).view(m, h)
                     g = torch.Generator(device=self.device).manual_seed(1234 + m)
                     res = torch.randn(m, h, generator=g, device=self.device).to(dt)
@@ -209,6 +216,7 @@ class SymmMemAllReduce:
                         ok = ok and torch.equal(s, want_s) and bool(
                             torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2))
             torch.cuda.synchronize(self.device)
+            f.dtypes = frozenset(probed)
             return ok
         except Exception as e:  # noqa: BLE001 - a kernel that cannot build here is a normal outcome
             log.info("fused all-reduce + add + RMSNorm probe failed: %s", e)
@@ -331,9 +339,14 @@ def _agree(ok: bool, reason: str, group: Any, device: torch.device, stage: str) 
 
 
 def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
-                         fused_kind: Optional[str] = None) -> tuple[Optional[SymmMemAllReduce], str]:
+                         fused_kind: Optional[str] = None, fused_probe: Optional[tuple[int, torch.dtype]] = None,
+                         timings: Optional[dict[str, float]] = None) -> tuple[Optional[SymmMemAllReduce], str]:
     """`(impl, description)` or `(None, reason)`; every rank of `group` calls it together and gets the same verdict.
     `fused_kind`: the fused add + RMSNorm kernel ("push" / "pull"; None: `GRAPHLINE_TP_FUSED_KIND`).
+    `fused_probe`: (hidden size, dtype) of the model the group serves: the fused kernel is probed, and enabled,
+    for that shape's dtype only (None: hidden 1024, every dtype it takes); the same on every rank.
+    `timings`: filled with seconds per set-up stage ("symm_rendezvous_s", "symm_probe_s", "fused_rendezvous_s",
+    "fused_probe_s").
 
     Decisions that are identical on every rank by construction (device type, group size,
     backend, and the all-gathered device ordinals) return without a further collective;
@@ -378,6 +391,8 @@ def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFA
     if not ok:
         return None, reason
 
+    timings = timings if timings is not None else {}
+    t0 = time.perf_counter()
     impl: Optional[SymmMemAllReduce] = None
     try:
         impl = SymmMemAllReduce(group, device, max_bytes)
@@ -390,6 +405,8 @@ def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFA
             impl.close()
         return None, reason
 
+    t1 = time.perf_counter()
+    timings["symm_rendezvous_s"] = t1 - t0
     keys = [(dt, v) for dt in CANDIDATE_DTYPES for v in VARIANTS]
     local = impl.probe()
     agreed = _gather_ints([int(local.get(k, False)) for k in keys], group, device).all(dim=0).tolist()
@@ -401,11 +418,13 @@ def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFA
         impl.close()
         return None, "numeric probe failed for every dtype / op variant (see logs)"
     impl.configure(dtypes, variants)
-    _try_fused(impl, group, device, fused_kind)
+    timings["symm_probe_s"] = time.perf_counter() - t1
+    _try_fused(impl, group, device, fused_kind, fused_probe, timings)
     return impl, impl.describe()
 
 
-def _try_fused(impl: SymmMemAllReduce, group: Any, device: torch.device, kind: str) -> None:
+def _try_fused(impl: SymmMemAllReduce, group: Any, device: torch.device, kind: str,
+               probe: Optional[tuple[int, torch.dtype]], timings: dict[str, float]) -> None:
     """Set up, probe and agree on the fused all-reduce + add + RMSNorm with the `kind` kernel; the plain all-reduce
     stays either way. `GRAPHLINE_TP_FUSED_NORM=0` leaves it off (every rank of a deployment shares the
     environment)."""
@@ -414,13 +433,18 @@ def _try_fused(impl: SymmMemAllReduce, group: Any, device: torch.device, kind: s
     if os.environ.get("GRAPHLINE_TP_FUSED_NORM", "1") == "0":
         return
     ok, reason = True, ""
+    t0 = time.perf_counter()
     try:
         impl.make_fused(kind)
     except Exception as e:  # noqa: BLE001
         ok, reason = False, f"{type(e).__name__}: {e}"
     ok, reason = _agree(ok, reason, group, device, "fused buffers allocation/rendezvous")
+    t1 = time.perf_counter()
+    timings["fused_rendezvous_s"] = t1 - t0
     if ok:
-        ok, reason = _agree(impl.probe_fused(), "numeric probe failed", group, device, "fused probe")
+        local = impl.probe_fused() if probe is None else impl.probe_fused(probe[0], frozenset({probe[1]}))
+        ok, reason = _agree(local, "numeric probe failed", group, device, "fused probe")
+    timings["fused_probe_s"] = time.perf_counter() - t1
     impl.enable_fused(ok)
     if not ok:
         log.warning("fused all-reduce + add + RMSNorm unavailable: %s", reason)

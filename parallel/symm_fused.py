@@ -152,6 +152,35 @@ def default_kind() -> str:
     return kind
 
 
+def _kernel_call(kind: str, x: Any, residual: Any, weight: Any, out: Any, s: Any, peers: Any, epochs: Any, m: int,
+                 eps: float, h: int, elem_size: int, half_bytes: int, rank: int, world: int
+                 ) -> tuple[Any, tuple, dict[str, Any]]:
+    """(kernel, positional args, meta-parameters) of one fused call: the one place both the launch and the
+    compile-only warm-up (`warm_up_compile`, with dtypes in place of tensors) take them from, so that both
+    specialise alike."""
+    block = triton.next_power_of_2(h)
+    meta = dict(H=h, BLOCK=block, RANK=rank, WORLD=world, G=PROGRAMS, num_warps=4 if block <= 2048 else 8)
+    if kind == "push":
+        slot = half_bytes // elem_size
+        return (_ar_push_add_rms_norm_kernel, (x, residual, weight, out, s, peers, epochs, m, eps, world * slot, slot),
+                {**meta, "EMPTY": EMPTY_BITS})
+    return (_ar_add_rms_norm_kernel,
+            (x, residual, weight, out, s, peers, epochs, m, eps, half_bytes // elem_size, (2 * half_bytes) // 8), meta)
+
+
+def warm_up_compile(hidden: int, dtype: torch.dtype, rank: int, world: int, max_bytes: int, kind: str | None = None,
+                    eps: float = 1e-6) -> None:
+    """Compile (without launching, with no buffers and no peers) the fused kernel `FusedSymmBuffers` of this
+    `kind`, `max_bytes`, group rank and size will launch for `[M, hidden]` inputs of `dtype`, into Triton's caches;
+    on the current CUDA device. Lets a rank compile it before its process groups exist."""
+    kind = kind if kind is not None else default_kind()
+    half_bytes = -(-int(max_bytes) // 16) * 16
+    elem = torch.empty((), dtype=dtype).element_size()
+    kernel, args, meta = _kernel_call(kind, dtype, dtype, dtype, dtype, dtype, torch.int64, torch.int64, 1, eps,
+                                      hidden, elem, half_bytes, rank, world)
+    kernel.warmup(*args, grid=(PROGRAMS,), **meta)
+
+
 class FusedSymmBuffers:
     """One rank's symmetric allocation for `all_reduce_add_rms_norm` over `group_name` (see the module docstring).
 
@@ -202,18 +231,9 @@ class FusedSymmBuffers:
         m, h = x.shape
         out = torch.empty_like(x)
         s = torch.empty_like(x)
-        block = triton.next_power_of_2(h)
-        warps = 4 if block <= 2048 else 8
-        if self.kind == "push":
-            slot = self.half_bytes // x.element_size()
-            _ar_push_add_rms_norm_kernel[(PROGRAMS,)](
-                x, residual, weight, out, s, self.peers, self.epochs, m, eps, self.world * slot, slot,
-                H=h, BLOCK=block, RANK=self.rank, WORLD=self.world, G=PROGRAMS, EMPTY=EMPTY_BITS, num_warps=warps)
-        else:
-            _ar_add_rms_norm_kernel[(PROGRAMS,)](
-                x, residual, weight, out, s, self.peers, self.epochs, m, eps,
-                self.half_bytes // x.element_size(), (2 * self.half_bytes) // 8,
-                H=h, BLOCK=block, RANK=self.rank, WORLD=self.world, G=PROGRAMS, num_warps=warps)
+        kernel, args, meta = _kernel_call(self.kind, x, residual, weight, out, s, self.peers, self.epochs, m, eps, h,
+                                          x.element_size(), self.half_bytes, self.rank, self.world)
+        kernel[(PROGRAMS,)](*args, **meta)
         return out, s
 
     def close(self) -> None:

@@ -157,6 +157,28 @@ def test_tp2_steps_submitted_ahead_with_previous_step_references_equal_one_rank(
     assert coord.status()["steps"] > 0
 
 
+def test_tp2_disarm_frames_between_arm_next_steps_keep_every_reply_in_order(tp2, reference, monkeypatch):
+    """The driver side of collective arming on the real pipe path: strict steps carry `arm_next`, and a disarm frame
+    goes to every rank whenever the driver stays idle past `disarm_after_s` after one, racing the next step's
+    requests (one lock orders them). A rank answering a disarm, or reading it as a step, would shift every later
+    reply (CPU ranks never arm: the frames only have to be consumed)."""
+    coord, _ = tp2
+    monkeypatch.setattr(Coordinator, "_arms_collectively", property(lambda self: True))
+    stepper = coord._stepper
+    monkeypatch.setattr(stepper, "disarm_after_s", 0.0005)
+    sent = []
+    real_send = stepper.send
+    monkeypatch.setattr(stepper, "send", lambda plan: (sent.append(plan.arm_next), real_send(plan))[1])
+    before = stepper.disarms_sent
+    run_scenario(coord, reference, decode_script(1, PROMPTS, steps=6))
+    ticket = coord.submit([StepBatch.from_sequences([[7, 7]], [0], [[50]])])  # not strict: no arm_next
+    coord.collect(ticket)
+    assert sent[:-1] and all(sent[:-1]) and sent[-1] is False
+    assert stepper.disarms_sent > before
+    time.sleep(0.05)  # a disarm after the last strict step, then a step
+    run_scenario(coord, reference, decode_script(1, PROMPTS[:1], steps=2))
+
+
 def test_tp2_greedy_head_equals_the_logits_head(tp2):
     """Without a logits observer greedy steps take the greedy LM head (per-shard argmax, one (value, index)
     exchange over gloo); with one, the gathered fp32 logits. The same batches give the same tokens."""

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from actors.batch import StepBatch
 from actors.coordinator import DeploymentConfig
 from actors.rank import RankRuntime, RuntimeConfig
 from graphrunner.config import GraphRunnerConfig
@@ -179,6 +180,49 @@ def test_tp2_greedy_head_equals_the_logits_head(cache):
     tables = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(ps))]
     runs = greedy_with_and_without_logits_observer(coord, ps, tables, steps=12)
     assert runs[0] == runs[1]
+
+
+def _armed_counts(coord) -> list[dict]:
+    return [dict(r["armed_decode"] or {}) for r in coord.status()["ranks"]]
+
+
+def test_tp2_armed_decode_equals_unarmed_steps_and_is_disarmed_when_idle(cache):
+    """TP=2 ranks arm collectively (`actors.armed`): strict greedy steps after the first are armed replays on both
+    ranks, their tokens equal the same steps taken without arming (logits head, no lane), a prefill after an arm
+    cancels it on both ranks alike, and a driver idle past the wait sends the disarm every rank follows."""
+    import time
+
+    coord = cache.get("tp2", DeploymentConfig(runtime=rt_cfg("qwen3-0.6b"), tp=2))
+    wait_s = coord.cfg.runtime.armed_decode_wait_ms / 1e3
+    ps = prompts(3, 24, hi=180)
+    tables = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(ps))]
+    time.sleep(3 * wait_s)
+    before = _armed_counts(coord)
+    assert all(c.get("armed", 0) == c.get("went", 0) + c.get("cancelled", 0) for c in before), before
+    runs = greedy_with_and_without_logits_observer(coord, ps, tables, steps=12)
+    assert runs[0] == runs[1]
+    after = _armed_counts(coord)
+    went = [a["went"] - b.get("went", 0) for a, b in zip(after, before)]
+    assert went[0] == went[1] >= 10, (before, after)
+    assert after[0] == after[1] and after[0]["expired"] == 0, after
+    # the last step's arm waits for a request; the driver stays idle, so it disarms every rank
+    sent = coord._stepper.disarms_sent
+    time.sleep(3 * wait_s + 0.05)
+    idle = _armed_counts(coord)
+    assert coord._stepper.disarms_sent > sent
+    assert idle[0] == idle[1] and idle[0]["cancelled"] > after[0]["cancelled"], (after, idle)
+    assert idle[0]["armed"] == idle[0]["went"] + idle[0]["cancelled"], idle
+    # armed, then a prefill of other sequences: every rank cancels, and the tokens still equal the first run
+    out = [[int(t)] for t in coord.step([StepBatch.from_sequences(ps, [0] * len(ps), tables)])[0]]
+    b = StepBatch.from_sequences([[o[-1]] for o in out], [len(p) for p in ps], tables)
+    out = [o + [int(t)] for o, t in zip(out, coord.step([b])[0].tolist())]  # armed behind this one
+    other = prompts(1, 25, hi=100)
+    coord.step([StepBatch.from_sequences(other, [0], [[60, 61]])])
+    b = StepBatch.from_sequences([[o[-1]] for o in out], [len(p) + 1 for p in ps], tables)
+    out = [o + [int(t)] for o, t in zip(out, coord.step([b])[0].tolist())]
+    assert out == [r[:3] for r in runs[0]]
+    last = _armed_counts(coord)
+    assert last[0] == last[1] and last[0]["cancelled"] > idle[0]["cancelled"] and last[0]["expired"] == 0, last
 
 
 def test_dp2_dense_equals_one_rank(cache, ref_dense):

@@ -252,10 +252,21 @@ def _run_checks(rank: int, ports: tuple[int, int]) -> dict[str, Any]:
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
+    from parallel.symm_allreduce import DEFAULT_MAX_BYTES
+    from parallel.symm_fused import _ar_push_add_rms_norm_kernel, warm_up_compile
+
     res: dict[str, Any] = {}
-    g = RankGroups(Topology.of(tp=WORLD), rank, device, timeout_s=60, tp_allreduce="auto")
+    # the compile-only warm-up (`actors.kernel_warm_up`, before any group exists) specialises the push kernel the
+    # way the model-hinted probe and the decode calls launch it: neither compiles another variant
+    warm_up_compile(HIDDEN, torch.bfloat16, rank, WORLD, DEFAULT_MAX_BYTES)
+    compiled = _compiled_variants(_ar_push_add_rms_norm_kernel, rank)
+    g = RankGroups(Topology.of(tp=WORLD), rank, device, timeout_s=60, tp_allreduce="auto",
+                   fused_probe=(HIDDEN, torch.bfloat16))
     g.init(Rendezvous("127.0.0.1", ports[0]))
     res["impl"] = g.tp_allreduce_info()
+    after = _compiled_variants(_ar_push_add_rms_norm_kernel, rank)
+    res["warm_up_compile"] = {"ok": compiled == 1 and after == 1, "before_probe": compiled, "after_probe": after,
+                              "probe_s": g.timings.get("fused_probe_s")}
     if g.tp_allreduce_impl == "symm_mem_one_shot":
         for name, fn in (("eager", _check_eager), ("graph", _check_graph), ("fallback", _check_fallback),
                          ("fused", _check_fused), ("fused_pull", _check_fused_pull)):
@@ -271,6 +282,14 @@ def _run_checks(rank: int, ports: tuple[int, int]) -> dict[str, Any]:
     res["nccl_mode"] = {"impl": g2.tp_allreduce_impl, "registered": comm.fast_all_reduce(g2.tp_group) is not None}
     g2.destroy()
     return res
+
+
+def _compiled_variants(kernel: Any, device_index: int) -> int:
+    """How many variants of the Triton `kernel` this process compiled for the device."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return len(caches[device_index][0]) if device_index in caches else 0
+    return len(kernel.cache.get(device_index, {}))
 
 
 def _worker(rank: int, ports: tuple[int, int], out_q: Any) -> None:
@@ -321,6 +340,10 @@ def _each(results: dict[int, Any], key: str) -> None:
         entry = res.get(key)
         assert entry is not None, f"rank {rank}: check {key!r} did not run (impl: {res['impl']})"
         assert entry["ok"], f"rank {rank}: {key} failed:\n{entry.get('error')}"
+
+
+def test_compile_only_warm_up_is_the_variant_the_probe_launches(results):
+    _each(results, "warm_up_compile")
 
 
 def test_symm_mem_registered(results):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from actors.batch import BatchError, StepBatch
-from actors.protocol import StepPlan, _plan, plan_step
+from actors.protocol import StepPlan, _plan, plan_step, with_arm_next
 from actors.wire import _FIELDS, LENGTH, decode_request, encode_request
 
 VOCAB, BS, MAX_BLOCKS, KV = 1000, 4, 6, 50
@@ -146,6 +146,8 @@ def test_fast_plan_is_a_step_plan():
         assert hash(idle) == hash(StepPlan((None, None), None, **kw)) and pickle.loads(pickle.dumps(idle)) == idle
         with pytest.raises(dataclasses.FrozenInstanceError):
             fast.phase = "x"
+    armed = with_arm_next(_plan((b, None), True, batch_bucket=4))
+    assert armed == StepPlan((b, None), True, batch_bucket=4, arm_next=True) and armed.arm_next
     assert plan_step([None, None], cross_dp=False, decode_buckets=[1], token_buckets=[16]) is None
     assert plan_step(iter([b]), cross_dp=False, decode_buckets=[1], token_buckets=[16]).batches == (b,)
 

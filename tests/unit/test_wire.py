@@ -4,8 +4,8 @@ import pytest
 
 from actors.batch import StepBatch
 from actors.protocol import plan_step
-from actors.wire import (LENGTH, REPLY_ERROR, REPLY_NONE, REPLY_OK, WireError, decode_reply, decode_request,
-                         encode_reply, encode_request, encode_tokens)
+from actors.wire import (ARM_NEXT, DISARM, LENGTH, REPLY_ERROR, REPLY_NONE, REPLY_OK, WireError, decode_reply,
+                         decode_request, encode_disarm, encode_reply, encode_request, encode_tokens, request_control)
 
 
 def _body(frame: bytes) -> bytes:
@@ -38,6 +38,25 @@ def test_idle_rank_without_collectives_runs_nothing():
     assert gd is None and static is None and batch.batch_size == 1
     multi = plan_step([b, None], cross_dp=False, decode_buckets=[1], token_buckets=[16], num_steps=4)
     assert decode_request(_body(encode_request(multi, 0)))[2] == 4
+
+
+def test_arm_next_flag_and_disarm_frame():
+    """`StepPlan.arm_next` reaches every rank's request (an idle one's too) without changing what it runs; the
+    disarm frame carries no step and only the DISARM control flag."""
+    import dataclasses
+
+    b = StepBatch.from_sequences([[1], [2]], [4, 5], [[2], [3]])
+    plan = plan_step([b, None], cross_dp=True, decode_buckets=[2], token_buckets=[16])
+    armed = dataclasses.replace(plan, arm_next=True)
+    for d in (0, 1):
+        plain, flagged = _body(encode_request(plan, d)), _body(encode_request(armed, d))
+        assert request_control(plain) == 0 and request_control(flagged) == ARM_NEXT
+        (b0, *rest0), s0, n0 = decode_request(plain)
+        (b1, *rest1), s1, n1 = decode_request(flagged)
+        assert (rest0, s0, n0) == (rest1, s1, n1) and (b0 is None) == (b1 is None) == (d == 1)
+    disarm = _body(encode_disarm())
+    assert request_control(disarm) == DISARM
+    assert request_control(b"\x00") == 0  # too short: decode_request reports it
 
 
 def test_truncated_request_is_rejected():
