@@ -95,7 +95,7 @@ class _StatusCollector:
                     mem.add_metric([rk, k.split("_")[1]], float(r[k]))
             if r.get("decode_lane_steps") is not None:
                 lane.add_metric([rk], float(r["decode_lane_steps"]))
-            counts = r.get("armed_decode") or {}  # none: a rank that never arms (TP/EP > 1, CPU) exports zeros
+            counts = r.get("armed_decode") or {}  # none: a rank that never arms (EP > 1, CPU, arming off) exports zeros
             for outcome in ARMED_OUTCOMES:
                 armed.add_metric([rk, outcome], float(counts.get(outcome, 0)))
         eng = st.get("engine") or {}
