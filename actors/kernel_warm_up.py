@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 
 
 class KernelWarmUp:
-    """Compile the attention variants of `cfg`'s model for a rank of `tp_size`-way tensor parallelism on `device`
-    (CUDA), in a daemon thread started by the constructor. `cfg`: an `actors.rank.RuntimeConfig`."""
+    """Compile, in a daemon thread started by the constructor, the kernels of `cfg`'s model for the rank `tp_rank`
+    of `tp_size`-way tensor parallelism on `device` (CUDA): the fused TP kernel first (`tp_size > 1`; `wait_fused`
+    waits for it), then the attention variants. `cfg`: an `actors.rank.RuntimeConfig`."""
 
     def __init__(self, cfg, tp_size: int, device: torch.device, tp_rank: int = 0):
         self.seconds = 0.0

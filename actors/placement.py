@@ -29,8 +29,8 @@ class ActorPlace:
     node_ip: str
     gpu_ids: tuple[str, ...]
     pid: int
-    # wall-clock (time.time) moments of the actor's start: "imported" (its worker module began importing),
-    # "constructing" / "constructed" (the actor's __init__), "torch" (torch imported); for start-up reports
+    # wall-clock (time.time) moments of the actor's start: "constructing" / "constructed" (the actor's __init__),
+    # "torch" (its torch import done); for start-up reports
     started: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property

@@ -47,12 +47,11 @@ def ensure_ray(address: Optional[str], num_cpus: Optional[int]) -> bool:
 
 def actor_phases(places: Sequence[ActorPlace], since: float) -> dict[str, float]:
     """Where the actors' start went, from their reported wall-clock moments (`ActorPlace.started`; one host's
-    clock), slowest actor per entry, in seconds after `since` (the placement group was ready): "module_import"
-    (the worker module began importing: negative when an idle Ray worker had imported it before),
-    "init_begin" (the actor's __init__ began), "init_end"; and "torch_import", the seconds __init__ spent
-    importing torch."""
+    clock), slowest actor per entry, in seconds after `since` (the placement group was ready): "init_begin" (the
+    actor's __init__ began: Ray started the process and unpickled the actor class, importing torch with it),
+    "init_end"; and "torch_import", the seconds __init__ spent importing torch (~0 when the unpickling did)."""
     out: dict[str, float] = {}
-    for name, key in (("module_import", "imported"), ("init_begin", "constructing"), ("init_end", "constructed")):
+    for name, key in (("init_begin", "constructing"), ("init_end", "constructed")):
         vals = [p.started[key] - since for p in places if key in p.started]
         if vals:
             out[name] = max(vals)

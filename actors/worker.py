@@ -25,11 +25,7 @@ import time
 from collections import deque
 from typing import Any, Optional
 
-_IMPORTED_AT = time.time()  # when this module began importing in the actor's process (start-up reports)
-
-import ray  # noqa: E402
-import torch  # noqa: E402,F401 - here, not in __init__: an idle Ray worker that imports this module early takes
-              # torch's import (seconds) off the actors' start-up
+import ray
 
 from actors.errors import RankStepError
 from actors.pipes import STEP_TRACE
@@ -56,7 +52,7 @@ class RankWorker:
     def __init__(self, bundle: int, test_faults: Optional[dict] = None):
         constructing = time.time()
         import torch
-        self._started = {"imported": _IMPORTED_AT, "constructing": constructing, "torch": time.time()}
+        self._started = {"constructing": constructing, "torch": time.time()}
 
         self.bundle = bundle
         self.rank: Optional[int] = None
