@@ -48,8 +48,8 @@ def ensure_ray(address: Optional[str], num_cpus: Optional[int]) -> bool:
 def actor_phases(places: Sequence[ActorPlace], since: float) -> dict[str, float]:
     """Where the actors' start went, from their reported wall-clock moments (`ActorPlace.started`; one host's
     clock), slowest actor per entry, in seconds after `since` (the placement group was ready): "init_begin" (the
-    actor's __init__ began: Ray started the process and unpickled the actor class, importing torch with it),
-    "init_end"; and "torch_import", the seconds __init__ spent importing torch (~0 when the unpickling did)."""
+    actor's __init__ began: Ray started the process and loaded the actor class), "init_end"; and "torch_import",
+    the seconds __init__ spent importing torch."""
     out: dict[str, float] = {}
     for name, key in (("init_begin", "constructing"), ("init_end", "constructed")):
         vals = [p.started[key] - since for p in places if key in p.started]

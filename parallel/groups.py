@@ -110,8 +110,9 @@ class RankGroups:
         self.tp_allreduce_reason = "not initialised"
         self._tp_fast: Optional[SymmMemAllReduce] = None
         self._store: Optional[Any] = None
-        self.timings: dict[str, float] = {}  # seconds per `init` phase (start-up reports)
-        self.symm_timings: dict[str, float] = {}  # seconds per symmetric-memory set-up stage (within tp_allreduce_setup_s)
+        # seconds per `init` phase and per symmetric-memory set-up stage (within tp_allreduce_setup_s), for start-up
+        # reports
+        self.timings: dict[str, float] = {}
         self._initialized = False
         self._destroyed = False
 
@@ -158,9 +159,9 @@ class RankGroups:
             raise
         t4 = time.perf_counter()
         self.barrier()
-        self.timings = {"init_process_group_s": t1 - t0, "new_groups_s": t2 - t1, "collective_warm_up_s": t_wait - t2,
-                        "wait_compile_s": t3 - t_wait, "tp_allreduce_setup_s": t4 - t3,
-                        "barrier_s": time.perf_counter() - t4, **self.symm_timings}
+        self.timings.update({"init_process_group_s": t1 - t0, "new_groups_s": t2 - t1,
+                             "collective_warm_up_s": t_wait - t2, "wait_compile_s": t3 - t_wait,
+                             "tp_allreduce_setup_s": t4 - t3, "barrier_s": time.perf_counter() - t4})
 
     def _warm_up(self) -> None:
         """One small collective per device group, so communicators exist before any graph capture."""
@@ -187,7 +188,7 @@ class RankGroups:
             self.tp_allreduce_impl, self.tp_allreduce_reason = "nccl", f"{TP_ALLREDUCE_ENV}=nccl"
             return
         impl, why = try_create_for_group(self.tp_group, self.device, fused_kind=self.tp_fused_kind,
-                                         fused_probe=self.fused_probe, timings=self.symm_timings)
+                                         fused_probe=self.fused_probe, timings=self.timings)
         if impl is None:
             if self.tp_allreduce_mode == "symm":
                 raise GroupsError(f"{TP_ALLREDUCE_ENV}=symm but the symmetric-memory all-reduce is "

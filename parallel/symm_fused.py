@@ -168,16 +168,21 @@ def _kernel_call(kind: str, x: Any, residual: Any, weight: Any, out: Any, s: Any
             (x, residual, weight, out, s, peers, epochs, m, eps, half_bytes // elem_size, (2 * half_bytes) // 8), meta)
 
 
+def _half_bytes(max_bytes: int) -> int:
+    """One half of a rank's fused buffer for inputs up to `max_bytes` (rounded up to 16 bytes): the launch's integer
+    arguments derive from it, so the buffers and the compile-only warm-up must round alike."""
+    return -(-int(max_bytes) // 16) * 16
+
+
 def warm_up_compile(hidden: int, dtype: torch.dtype, rank: int, world: int, max_bytes: int, kind: str | None = None,
                     eps: float = 1e-6) -> None:
     """Compile (without launching, with no buffers and no peers) the fused kernel `FusedSymmBuffers` of this
     `kind`, `max_bytes`, group rank and size will launch for `[M, hidden]` inputs of `dtype`, into Triton's caches;
     on the current CUDA device. Lets a rank compile it before its process groups exist."""
     kind = kind if kind is not None else default_kind()
-    half_bytes = -(-int(max_bytes) // 16) * 16
     elem = torch.empty((), dtype=dtype).element_size()
     kernel, args, meta = _kernel_call(kind, dtype, dtype, dtype, dtype, dtype, torch.int64, torch.int64, 1, eps,
-                                      hidden, elem, half_bytes, rank, world)
+                                      hidden, elem, _half_bytes(max_bytes), rank, world)
     kernel.warmup(*args, grid=(PROGRAMS,), **meta)
 
 
@@ -197,7 +202,7 @@ class FusedSymmBuffers:
         if self.kind not in KINDS:
             raise ValueError(f"fused all-reduce kind {self.kind!r}: expected one of {', '.join(KINDS)}")
         self.world, self.rank, self.device = world, rank, device
-        self.half_bytes = -(-int(max_bytes) // 16) * 16
+        self.half_bytes = _half_bytes(max_bytes)
         if self.kind == "push":
             self.dtypes = frozenset({torch.bfloat16, torch.float16})
             size = 2 * world * self.half_bytes
