@@ -1,8 +1,8 @@
 """One-shot all-reduce of small tensors over NVLink through PyTorch symmetric memory.
 
-Each rank owns one symmetric buffer (`torch.distributed._symmetric_memory.empty`, then
-`rendezvous` with the group): every peer maps every other peer's buffer. An all-reduce is
-ONE kernel, `torch.ops.symm_mem.one_shot_all_reduce*`: the rank writes its input into its
+Each rank owns one symmetric buffer (`symm_empty_bytes`, then `rendezvous` with the group):
+every peer maps every other peer's buffer. An all-reduce is ONE kernel,
+`torch.ops.symm_mem.one_shot_all_reduce*`: the rank writes its input into its
 own buffer, a device-side barrier (signal pads) waits for the peers, then each rank reads
 every peer's buffer and sums into a fresh output; a closing barrier keeps the buffer from
 being overwritten while a peer still reads it. No host synchronisation and fixed addresses,
@@ -70,6 +70,17 @@ def _symm_mem_module() -> Any:
     return symm_mem
 
 
+def symm_empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 `[nbytes]` tensor in symmetric memory on `device` (CUDA), for `rendezvous`: what
+    `symm_mem.empty(nbytes, dtype=torch.uint8, device=device)` gives with `TORCH_SYMMMEM_IMPLICIT_POOL=0`,
+    without that wrapper's stride helper (`torch._prims_common.make_contiguous_strides_for`), whose first use in a
+    process imports sympy: 483 modules, 1.9-3.4 s with the GIL held on the H200 machines (no bytecode cache there),
+    against 1 ms for the allocation itself (`python -m bench.symm_setup_bench`)."""
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    return _SymmetricMemory.empty_strided_p2p((int(nbytes),), (1,), torch.uint8, device)
+
+
 def _op(name: str) -> Optional[Any]:
     ns = getattr(torch.ops, "symm_mem", None)
     if ns is None:
@@ -135,7 +146,7 @@ class SymmMemAllReduce:
         # `enable_symm_mem_for_group` is deliberately not called: deprecated ("no need to call this
         # function anymore"), and its name-keyed store cache goes stale when groups are re-created.
         with torch.cuda.device(device):
-            self._buffer: Optional[torch.Tensor] = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=device)
+            self._buffer: Optional[torch.Tensor] = symm_empty_bytes(self.max_bytes, device)
             self._buffer.zero_()
             self._handle: Any = symm_mem.rendezvous(self._buffer, self.group_name)
             if self._handle is None:

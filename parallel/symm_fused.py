@@ -198,6 +198,8 @@ class FusedSymmBuffers:
                  kind: str | None = None):
         import torch.distributed._symmetric_memory as symm_mem
 
+        from parallel.symm_allreduce import symm_empty_bytes
+
         self.kind = kind if kind is not None else default_kind()
         if self.kind not in KINDS:
             raise ValueError(f"fused all-reduce kind {self.kind!r}: expected one of {', '.join(KINDS)}")
@@ -210,7 +212,7 @@ class FusedSymmBuffers:
             self.dtypes = frozenset({torch.bfloat16, torch.float16, torch.float32})
             size = 2 * self.half_bytes + PROGRAMS * world * 8
         with torch.cuda.device(device):
-            self.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+            self.buffer = symm_empty_bytes(size, device)
             if self.kind == "push":
                 self.buffer.view(torch.int16).fill_(EMPTY_BITS)
             else:

@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from modeling.ops.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+
 LOG2E = 1.4426950408889634
 TARGET_WAVES = 4  # aim for about this many programs per SM in the split kernel
 MAX_SPLITS = 64
@@ -198,7 +200,10 @@ def _decode_split_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # before the early exit below too (`modeling.ops.pdl`, rule 3)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -385,6 +390,7 @@ def decode_attention(
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch(q.device),
     )
     if splits > 1 and not single_launch:
         _decode_reduce_kernel[(batch, num_kv_heads)](

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from modeling.ops.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+
 _MAX_BLOCK = 65536  # one row lives in registers of one program
 _SILU_BLOCK = 1024  # silu_and_mul is a pure elementwise op: columns are split over programs
 
@@ -57,8 +59,11 @@ def _rms_norm_kernel(
     eps,
     H: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (A, B): row (a, b) of a `[A, B, H]` view with strides (stride_xa, stride_xb, 1)."""
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     nb = tl.num_programs(1).to(tl.int64)
@@ -104,6 +109,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         H=h,
         BLOCK=block,
         num_warps=_row_warps(block),
+        **pdl_launch(x.device),
     )
     return out
 
@@ -138,7 +144,10 @@ def _add_rms_norm_kernel(
     eps,
     H: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -177,6 +186,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         H=h,
         BLOCK=block,
         num_warps=_row_warps(block),
+        **pdl_launch(x.device),
     )
     return out, s
 
@@ -191,8 +201,11 @@ def _silu_and_mul_kernel(
     stride_x,
     I: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T, cdiv(I, BLOCK)): columns [j*BLOCK, (j+1)*BLOCK) of row t."""
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -221,6 +234,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         I=i,
         BLOCK=block,
         num_warps=max(1, min(4, block // 256)),
+        **pdl_launch(x.device),
     )
     return out
 

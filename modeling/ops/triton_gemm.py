@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from modeling.ops.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from modeling.ops.triton_fused import add_rms_norm, add_rms_norm_row, silu_and_mul
 
 SKINNY_MAX_M = 16
@@ -114,11 +115,39 @@ def _add_rms_norm_rows(Y, CNT, R, RS, NW, NO, eps, M, N, stride_ym,
         tl.store(CNT + NORM_SLOT, 0)
 
 
+@triton.jit
+def _load_w_chunk(w_ptrs, offs_k, k0, K, m_mask, n_mask, EVEN_K: tl.constexpr):
+    """The weight chunk at K offset k0 (`[BLOCK_N, BLOCK_K]`) and the mask of its x chunk."""
+    if EVEN_K:
+        x_mask = m_mask[:, None]
+        w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
+    else:
+        k_mask = offs_k + k0 < K
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    return w, x_mask
+
+
+@triton.jit
+def _load_x_chunk(x_ptrs, x_mask, K, GATED: tl.constexpr, DTYPE: tl.constexpr):
+    """The x chunk `[BLOCK_M, BLOCK_K]` at x_ptrs; GATED: silu(gate) * up from X `[M, 2K]`, rounded exactly as
+    `silu_and_mul` rounds them."""
+    if GATED:
+        g = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+        x = (act * u).to(DTYPE)
+    else:
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    return x
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(X, W, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_ym, R, RS, NW, NO, eps,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
-                        NORM: tl.constexpr, NORM_SLOT: tl.constexpr, BLOCK_H: tl.constexpr):
+                        NORM: tl.constexpr, NORM_SLOT: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -131,25 +160,14 @@ def _skinny_gemm_kernel(X, W, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k_per_split, BLOCK_K):
-        if EVEN_K:
-            x_mask = m_mask[:, None]
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-        else:
-            k_mask = offs_k + k0 < K
-            x_mask = m_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if GATED:  # x = silu(gate) * up from X `[M, 2K]`, rounded exactly as `silu_and_mul` rounds them
-            g = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-            u = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(W.dtype.element_ty).to(tl.float32)
-            x = (act * u).to(W.dtype.element_ty)
-        else:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    # The first weight chunk streams in while the previous kernel finishes (`modeling.ops.pdl`, rule 2).
+    w, x_mask = _load_w_chunk(w_ptrs, offs_k, 0, K, m_mask, n_mask, EVEN_K)
+    pdl_wait(PDL)
+    acc = tl.dot(_load_x_chunk(x_ptrs, x_mask, K, GATED, W.dtype.element_ty), tl.trans(w),
+                 tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+    for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
+        w, x_mask = _load_w_chunk(w_ptrs, offs_k, k0, K, m_mask, n_mask, EVEN_K)
+        acc += tl.dot(_load_x_chunk(x_ptrs + k0, x_mask, K, GATED, W.dtype.element_ty), tl.trans(w))
     y_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
@@ -251,7 +269,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig, y: torch.Ten
         BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
         EVEN_K=(k % (split_k * cfg.block_k) == 0), GATED=gated, NORM=norm is not None, NORM_SLOT=_NORM_SLOT,
         BLOCK_H=triton.next_power_of_2(n) if norm is not None else 16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
 
 
 def linear_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig,

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from modeling.ops.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from modeling.ops.triton_store import _last_dim_contiguous
 
 
@@ -265,10 +266,12 @@ def _qk_norm_rope_store_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_D: tl.constexpr, PAGE: tl.constexpr, KO_TY: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE: tl.constexpr, KO_TY: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (T, HQ + HKV) like `_qk_norm_rope_kernel`: q heads go to QO; k head hk of a stored row goes to
     K_CACHE (rounded to KO_TY, the dtype `qk_norm_rope` returns k in, then to the cache's) with v head hk."""
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cos_off, sin_off = _rope_offsets(POS, t, stride_cos, stride_sin)
@@ -302,9 +305,12 @@ def _qk_norm_rope_store_token_kernel(
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HQB: tl.constexpr, HKB: tl.constexpr, D: tl.constexpr,
     HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, KO_TY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T,) like `_qk_norm_rope_token_kernel`: all q heads to QO; all k and v heads of a stored row to the
     caches."""
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos_off, sin_off = _rope_offsets(POS, t, stride_cos, stride_sin)
     _norm_rope_heads(Q, QO, QW, COS, SIN, t * stride_qt, stride_qh, t * HQ * D, cos_off, sin_off, eps,
@@ -370,7 +376,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), eps)
     meta = dict(D=d, HALF=half, BLOCK=block, BLOCK_D=triton.next_power_of_2(d), PAGE=k_cache.shape[1],
-                KO_TY=_TL_DTYPES[k_dtype])
+                KO_TY=_TL_DTYPES[k_dtype], **pdl_launch(q.device))
     if _use_token_kernel(t, hq, block):  # same variant as qk_norm_rope: same reductions, same bits
         _qk_norm_rope_store_token_kernel[(t,)](
             *args, HQ=hq, HKV=hkv, HQB=triton.next_power_of_2(hq), HKB=triton.next_power_of_2(hkv), **meta,

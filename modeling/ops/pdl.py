@@ -1,0 +1,91 @@
+"""Programmatic dependent launch (PDL) for the decode-path Triton kernels (sm_90 and later).
+
+A kernel launched with PDL may start while the kernel before it in the stream still runs: its programs
+become resident as soon as every program of the previous kernel has signalled `gdc_launch_dependents` (or
+exited), instead of after that kernel finished and flushed its memory. Inside a CUDA graph the capture keeps
+this as a programmatic edge. A decode step is ~200 short kernels in a row, most of them a few microseconds,
+so the launch and ramp-up of each kernel hidden under the tail of the previous one is a measurable share.
+
+`PDL: tl.constexpr` is the mode: 0 off, 1 (`GRAPHLINE_PDL=1`) the next kernel may start once every program of
+this one passed its wait, 2 (`GRAPHLINE_PDL=early`) as soon as every program of this one is resident. Every
+kernel that takes it follows three rules:
+1. `pdl_launch_dependents(PDL)` first (the early trigger; a no-op in mode 1);
+2. before `pdl_wait(PDL)`, only loads of data no kernel of the step writes (weights, norm weights);
+3. `pdl_wait(PDL)` in every program before any other load, any store or atomic, and any early exit (in mode 1 it
+   also triggers the next kernel). The wait returns once the previous kernel completed and its memory is
+   visible; since that kernel waited the same way on its own predecessor, everything earlier in the stream is
+   complete too (which is why no program may skip the wait, even one with nothing to do).
+Launch sites pass `**pdl_launch(device)`: `PDL=<mode>, launch_pdl=True` where PDL is on, `PDL=0` elsewhere
+(CPU interpreter, GPUs before sm_90, a Triton without the `launch_pdl` option, `GRAPHLINE_PDL=0`, the default:
+`python -m bench.pdl_bench` measured no gain at batch 1 on an H200, see docs/benchmarks.md).
+Kernels that spin on other GPUs (the TP fused all-reduce) and the armed-decode gate are never launched with PDL.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+PDL_ENV = "GRAPHLINE_PDL"
+PDL_MODES = {"0": 0, "1": 1, "early": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_has_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        import triton.language.extra.cuda as cuda_extra
+    except ImportError:
+        return False
+    names = {f.name for f in dataclasses.fields(CUDAOptions)}
+    return "launch_pdl" in names and hasattr(cuda_extra, "gdc_wait") and hasattr(cuda_extra, "gdc_launch_dependents")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_mode(device: torch.device) -> int:
+    """The PDL mode of kernels launched on `device` (0 off, 1, 2: see the module doc): `GRAPHLINE_PDL` (default 0)
+    where the device is CUDA of compute capability 9.0 or later, Triton has the `launch_pdl` option and the CPU
+    interpreter is off; 0 elsewhere."""
+    raw = os.environ.get(PDL_ENV, "0")
+    if raw not in PDL_MODES:
+        raise ValueError(f"{PDL_ENV}={raw!r}: use 0 (off, the default), 1 (trigger after the wait) or early")
+    mode = PDL_MODES[raw]
+    if mode == 0 or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not _triton_has_pdl():
+        return 0
+    return mode if _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device()) else 0
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    return pdl_mode(device) != 0
+
+
+def pdl_launch(device: torch.device) -> dict[str, Any]:
+    """Keyword arguments for a launch of a kernel with a `PDL` constexpr (see the module doc)."""
+    mode = pdl_mode(device)
+    return {"PDL": mode, "launch_pdl": True} if mode else {"PDL": 0}
+
+
+@triton.jit
+def pdl_launch_dependents(PDL: tl.constexpr):
+    """Rule 1: in mode 2, let the next kernel in the stream start now."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Rule 3: wait until the previous kernel in the stream completed and its writes are visible; in mode 1, then
+    let the next kernel start."""
+    if PDL != 0:
+        tl.extra.cuda.gdc_wait()
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
