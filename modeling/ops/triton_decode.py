@@ -11,9 +11,11 @@ from kv_seqlens. With S == 1 it writes the output directly. With S > 1 it writes
 a normalised partial output and its log2-sum-exp to fp32 scratch
 (`[B, Hq, S, D]`, `[B, Hq, S]`), and the S partials of (b, h) are combined in
 the fixed order s = 0..S-1 (`_combine_splits`), either
-- in the same launch (default): each program then bumps the int32 arrival
-  counter of (b, h) (acq_rel, gpu scope); the program that arrives last combines,
-  writes the output and resets the counter to 0; or
+- in the same launch (default): each program that owns a tile (split 0 alone for
+  an empty sequence) bumps the int32 arrival counter of (b, h) (acq_rel, gpu
+  scope); the one that arrives last combines, writes the output and resets the
+  counter to 0. The other splits exit at once: a short context in a graph
+  captured for the longest one pays no atomics for its empty splits; or
 - by a second launch, `_decode_reduce_kernel` on grid `(B, Hkv)` (the fallback
   when B * Hkv exceeds the counter slots, or with `single_launch=False`).
 Both give the same bits. S depends only on (B, Hkv, W, bs, SM count), never on
@@ -212,10 +214,14 @@ def _decode_split_kernel(
     per_split = tl.cdiv(n_tiles, NUM_SPLITS)
     t_begin = split * per_split
     t_end = tl.minimum(t_begin + per_split, n_tiles)
+    n_active = _active_splits(kv_len, BLOCK_N, NUM_SPLITS)
+    n_arrive = tl.maximum(n_active, 1)  # split 0 closes an empty sequence's count and writes its zeros
     if NUM_SPLITS > 1:
         if not SINGLE_LAUNCH:
             if t_begin >= t_end:
                 return  # the reduce kernel never reads empty splits
+        elif split >= n_arrive:
+            return  # owns no tile: writes nothing, and the last of the first n_arrive splits combines
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -272,11 +278,11 @@ def _decode_split_kernel(
             # All threads' partial stores precede the (single-thread) release of the counter increment.
             tl.debug_barrier()
             arrived = tl.atomic_add(COUNTERS + slot, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
+            if arrived == n_arrive - 1:
                 # Last arrival: its acquire saw every other program's release; .cg reads bypass L1.
-                _combine_splits(PART_O, PART_LSE, OUT, b, kvh, _active_splits(kv_len, BLOCK_N, NUM_SPLITS), stride_ob,
+                _combine_splits(PART_O, PART_LSE, OUT, b, kvh, n_active, stride_ob,
                                 stride_oh, GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_H, BLOCK_S, BLOCK_C, BLOCK_D, ".cg")
-                tl.store(COUNTERS + slot, 0)  # all S programs of (b, h) have arrived: nobody reads it this launch
+                tl.store(COUNTERS + slot, 0)  # every counting program of (b, h) arrived: nobody reads it this launch
 
 
 @triton.jit
