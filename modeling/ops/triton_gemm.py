@@ -160,14 +160,27 @@ def _skinny_gemm_kernel(X, W, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    # The first weight chunk streams in while the previous kernel finishes (`modeling.ops.pdl`, rule 2).
-    w, x_mask = _load_w_chunk(w_ptrs, offs_k, 0, K, m_mask, n_mask, EVEN_K)
-    pdl_wait(PDL)
-    acc = tl.dot(_load_x_chunk(x_ptrs, x_mask, K, GATED, W.dtype.element_ty), tl.trans(w),
-                 tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
-    for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
-        w, x_mask = _load_w_chunk(w_ptrs, offs_k, k0, K, m_mask, n_mask, EVEN_K)
-        acc += tl.dot(_load_x_chunk(x_ptrs + k0, x_mask, K, GATED, W.dtype.element_ty), tl.trans(w))
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PDL != 0:
+        # The first weight chunk streams in while the previous kernel finishes (`modeling.ops.pdl`, rule 2).
+        w, x_mask = _load_w_chunk(w_ptrs, offs_k, 0, K, m_mask, n_mask, EVEN_K)
+        pdl_wait(PDL)
+        acc += tl.dot(_load_x_chunk(x_ptrs, x_mask, K, GATED, W.dtype.element_ty), tl.trans(w))
+        for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
+            w, x_mask = _load_w_chunk(w_ptrs, offs_k, k0, K, m_mask, n_mask, EVEN_K)
+            acc += tl.dot(_load_x_chunk(x_ptrs + k0, x_mask, K, GATED, W.dtype.element_ty), tl.trans(w))
+    else:  # one loop over every chunk, as before PDL: its software pipeline prefetches them all
+        for k0 in range(0, k_per_split, BLOCK_K):
+            if EVEN_K:
+                x_mask = m_mask[:, None]
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            else:
+                k_mask = offs_k + k0 < K
+                x_mask = m_mask[:, None] & k_mask[None, :]
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.dot(_load_x_chunk(x_ptrs, x_mask, K, GATED, W.dtype.element_ty), tl.trans(w))
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     y_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
