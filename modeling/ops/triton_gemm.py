@@ -117,14 +117,15 @@ def _add_rms_norm_rows(Y, CNT, R, RS, NW, NO, eps, M, N, stride_ym,
 
 @triton.jit
 def _load_w_chunk(w_ptrs, offs_k, k0, K, m_mask, n_mask, EVEN_K: tl.constexpr):
-    """The weight chunk at K offset k0 (`[BLOCK_N, BLOCK_K]`) and the mask of its x chunk."""
+    """The weight chunk `[BLOCK_N, BLOCK_K]` at `w_ptrs`, which point at K offset k0 of this program's slice
+    (k0 only masks the tail), and the mask of its x chunk."""
     if EVEN_K:
         x_mask = m_mask[:, None]
-        w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
     else:
         k_mask = offs_k + k0 < K
         x_mask = m_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     return w, x_mask
 
 
@@ -167,17 +168,11 @@ def _skinny_gemm_kernel(X, W, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_
         pdl_wait(PDL)
         acc += tl.dot(_load_x_chunk(x_ptrs, x_mask, K, GATED, W.dtype.element_ty), tl.trans(w))
         for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
-            w, x_mask = _load_w_chunk(w_ptrs, offs_k, k0, K, m_mask, n_mask, EVEN_K)
+            w, x_mask = _load_w_chunk(w_ptrs + k0, offs_k, k0, K, m_mask, n_mask, EVEN_K)
             acc += tl.dot(_load_x_chunk(x_ptrs + k0, x_mask, K, GATED, W.dtype.element_ty), tl.trans(w))
     else:  # one loop over every chunk, as before PDL: its software pipeline prefetches them all
         for k0 in range(0, k_per_split, BLOCK_K):
-            if EVEN_K:
-                x_mask = m_mask[:, None]
-                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            else:
-                k_mask = offs_k + k0 < K
-                x_mask = m_mask[:, None] & k_mask[None, :]
-                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w, x_mask = _load_w_chunk(w_ptrs, offs_k, k0, K, m_mask, n_mask, EVEN_K)
             acc += tl.dot(_load_x_chunk(x_ptrs, x_mask, K, GATED, W.dtype.element_ty), tl.trans(w))
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
