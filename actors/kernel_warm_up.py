@@ -71,13 +71,11 @@ class KernelWarmUp:
         """The fused TP kernel for the model's hidden size and dtype, as the TP group's `SymmMemAllReduce`
         (default size) will launch it, unless the environment turns the symmetric-memory path or the fusion off
         (`parallel.groups`, `parallel.symm_allreduce`)."""
-        import os
-
-        from parallel.groups import TP_ALLREDUCE_ENV
-        from parallel.symm_allreduce import DEFAULT_MAX_BYTES
+        from parallel.groups import tp_allreduce_mode
+        from parallel.symm_allreduce import DEFAULT_MAX_BYTES, fused_norm_enabled
         from parallel.symm_fused import warm_up_compile
 
-        if os.environ.get(TP_ALLREDUCE_ENV) == "nccl" or os.environ.get("GRAPHLINE_TP_FUSED_NORM", "1") == "0":
+        if tp_allreduce_mode() == "nccl" or not fused_norm_enabled():
             return
         with torch.cuda.device(device):
             warm_up_compile(mc.hidden_size, mc.dtype, tp_rank, tp_size, DEFAULT_MAX_BYTES)

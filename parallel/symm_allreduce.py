@@ -434,14 +434,22 @@ def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFA
     return impl, impl.describe()
 
 
-def _try_fused(impl: SymmMemAllReduce, group: Any, device: torch.device, kind: str,
-               probe: Optional[tuple[int, torch.dtype]], timings: dict[str, float]) -> None:
-    """Set up, probe and agree on the fused all-reduce + add + RMSNorm with the `kind` kernel; the plain all-reduce
-    stays either way. `GRAPHLINE_TP_FUSED_NORM=0` leaves it off (every rank of a deployment shares the
-    environment)."""
+TP_FUSED_NORM_ENV = "GRAPHLINE_TP_FUSED_NORM"
+
+
+def fused_norm_enabled() -> bool:
+    """Whether TP groups try the fused all-reduce + add + RMSNorm: not when `GRAPHLINE_TP_FUSED_NORM=0` (every rank
+    of a deployment shares the environment)."""
     import os
 
-    if os.environ.get("GRAPHLINE_TP_FUSED_NORM", "1") == "0":
+    return os.environ.get(TP_FUSED_NORM_ENV, "1") != "0"
+
+
+def _try_fused(impl: SymmMemAllReduce, group: Any, device: torch.device, kind: str,
+               probe: Optional[tuple[int, torch.dtype]], timings: dict[str, float]) -> None:
+    """Set up, probe and agree on the fused all-reduce + add + RMSNorm with the `kind` kernel, where
+    `fused_norm_enabled`; the plain all-reduce stays either way."""
+    if not fused_norm_enabled():
         return
     ok, reason = True, ""
     t0 = time.perf_counter()
