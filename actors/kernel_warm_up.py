@@ -1,4 +1,4 @@
-"""A rank's attention-kernel compiles, started before its process groups form (overlapping NCCL set-up, the
+"""A rank's attention- and projection-kernel compiles, started before its process groups form (overlapping NCCL set-up, the
 symmetric-memory rendezvous and the weight load on a cold Triton cache). Under tensor parallelism it first
 compiles, without launching, the fused all-reduce + add + RMSNorm kernel the group set-up probes and the decode
 graphs run (`parallel.symm_fused.warm_up_compile`), so that the probe finds it compiled.
@@ -6,7 +6,8 @@ graphs run (`parallel.symm_fused.warm_up_compile`), so that the probe finds it c
 Triton specialises a kernel on dtypes, constants, pointer alignment and the divisibility of integer arguments,
 not on sizes, so a two-block KV cache of the deployment's layout (`KVCacheSpec.for_model`, this rank's share of
 the KV heads) compiles exactly the attention variants `RankRuntime.build_runner` then asks for over the real
-cache. Lifetime: one background thread per rank at start-up, on its own CUDA stream; the worker joins it before
+cache; one layer's projections of the rank's shapes, uninitialised, compile the decode GEMV variants the same
+way (`modeling.qwen3.config_projection_warm_up_calls`). Lifetime: one background thread per rank at start-up, on its own CUDA stream; the worker joins it before
 `build_runner`. A failure here is logged, never raised: `build_runner` compiles whatever is still missing and
 reports its own errors.
 """
@@ -51,6 +52,9 @@ class KernelWarmUp:
     def _compile(self, cfg, tp_size: int, tp_rank: int, device: torch.device, t0: float) -> None:
         from modeling.kv_cache import KVCacheSpec, PagedKVCache
         from modeling.ops import get_kernel_ops
+        from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
+        from modeling.qwen3 import config_projection_warm_up_calls
+        from parallel.context import ParallelContext
 
         mc = cfg.model_config(device)
         if tp_size > 1:
@@ -64,6 +68,14 @@ class KernelWarmUp:
                 cache = PagedKVCache(KVCacheSpec.for_model(mc, 2, cfg.block_size, tp_size), device)
                 k_cache, v_cache = cache.layers[0]
                 self.launches = ops.warm_up_attention(k_cache, v_cache, mc.num_heads // tp_size, mc.head_dim ** -0.5)
+                calls = config_projection_warm_up_calls(mc, ParallelContext(tp_rank=tp_rank, tp_size=tp_size), ops,
+                                                        device)
+                if calls:
+                    from modeling.ops import triton_gemm, triton_gemv
+
+                    prime_kernel_caches([triton_gemv, triton_gemm], device)
+                    run_side_by_side(calls)
+                self.launches += len(calls)
             stream.synchronize()
 
     @staticmethod

@@ -73,8 +73,13 @@ class Qwen3Attention(nn.Module):
 
     def attend(self, positions: torch.Tensor, x: torch.Tensor, kv_caches: Sequence[Any], attn_metadata: Any) -> torch.Tensor:
         """Everything before the output projection: x `[T, H]` -> attention output `[T, Hq_local * D]`."""
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        return self.attend_projected(positions, self.qkv_proj(x), kv_caches, attn_metadata)
+
+    def attend_projected(self, positions: torch.Tensor, qkv: torch.Tensor, kv_caches: Sequence[Any],
+                         attn_metadata: Any) -> torch.Tensor:
+        """`attend` after the qkv projection: qkv `[T, (Hq_local + 2 * Hkv_local) * D]` -> `[T, Hq_local * D]`."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.qkv_proj.local_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)

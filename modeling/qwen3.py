@@ -7,7 +7,7 @@ and opts into piecewise prefill graphs by installing its operators' eager bounda
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -16,10 +16,11 @@ from modeling.attention import AttentionImpl
 from modeling.config import ModelConfig
 from modeling.cudagraph import DecodeGraphBuffersMixin
 from modeling.layers import Qwen3Attention, Qwen3MLP, RMSNorm, RotaryEmbedding, project_add_norm
+from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
 from modeling.moe import SparseMoeBlock
 from modeling.ops import KernelOps, get_kernel_ops
 from parallel.context import ParallelContext
-from parallel.layers import ParallelLMHead, VocabParallelEmbedding
+from parallel.layers import (ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -45,6 +46,26 @@ class Qwen3DecoderLayer(nn.Module):
             up = self.mlp.gate_up_proj(hidden)
             return project_add_norm(self.mlp.down_proj, up, residual, next_norm, self.ops, gated=True)
         return next_norm(self.mlp(hidden), residual)
+
+    def forward_norm_first(self, positions, pending, residual, kv_caches, attn_metadata):
+        """The same layer with each residual add + norm riding on the projection AFTER it (`KernelOps.norm_linear`:
+        the GEMV's prologue at 1-2 tokens; TP = 1 only). pending: the previous layer's output, not yet added to
+        residual (None before the first layer, where residual is the embedding). Returns (this layer's output,
+        not yet added; the stream it is to be added to)."""
+        attn = self.self_attn
+        norm = self.input_layernorm
+        if pending is None:
+            qkv, residual = self.ops.norm_linear(residual, None, norm.weight, norm.eps, attn.qkv_proj.weight)
+        else:
+            qkv, residual = self.ops.norm_linear(pending, residual, norm.weight, norm.eps, attn.qkv_proj.weight)
+        y = attn.o_proj(attn.attend_projected(positions, qkv, kv_caches, attn_metadata))
+        norm = self.post_attention_layernorm
+        if isinstance(self.mlp, Qwen3MLP):
+            act, residual = self.ops.norm_linear(y, residual, norm.weight, norm.eps, self.mlp.gate_up_proj.weight,
+                                                 gated=True)
+            return self.mlp.down_proj(act), residual
+        hidden, residual = norm(y, residual)
+        return self.mlp(hidden), residual
 
 
 class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
@@ -86,6 +107,11 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
         if constants:
             raise TypeError(f"Qwen3ForCausalLM.forward takes no extra arguments, got {sorted(constants)}")
         residual = self.embed_tokens(input_ids)
+        if self.ctx.tp_size == 1 and input_ids.shape[0] <= self.kernels.prologue_norm_max_tokens:
+            pending = None
+            for layer in self.layers:
+                pending, residual = layer.forward_norm_first(position_ids, pending, residual, kv_caches, attn_metadata)
+            return self.norm(pending, residual)[0]
         hidden = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
@@ -93,12 +119,22 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
         return hidden
 
     def warm_up_kernels(self, kv_caches: Sequence[Any]) -> int:
-        """Compile every attention kernel variant serving can pick over these caches (`KernelOps.warm_up_attention`:
-        side by side on threads), on the current stream, outside graph capture; returns the number of launches (0
-        for the torch backend)."""
+        """Compile every attention kernel variant serving can pick over these caches (`KernelOps.warm_up_attention`)
+        and every projection variant of the decode graphs (`decode_projection_warm_up_calls`), each side by side on
+        threads, on the current stream, outside graph capture; returns the number of launches (0 for the torch
+        backend)."""
         attn = self.layers[0].self_attn
         k_cache, v_cache = kv_caches[0]
-        return self.kernels.warm_up_attention(k_cache, v_cache, attn.num_heads, attn.scale)
+        launches = self.kernels.warm_up_attention(k_cache, v_cache, attn.num_heads, attn.scale)
+        mlp = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, Qwen3MLP)), None)
+        calls = decode_projection_warm_up_calls(attn.qkv_proj, attn.o_proj, mlp, self.layers[0].input_layernorm,
+                                                self.ctx.tp_size, self.kernels)
+        if calls:
+            from modeling.ops import triton_gemm, triton_gemv
+
+            prime_kernel_caches([triton_gemv, triton_gemm], self.device)
+            run_side_by_side(calls)
+        return launches + len(calls)
 
     def compute_logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""
@@ -124,3 +160,50 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
         for op in self._boundary_operators():
             op.enable_piecewise_cuda_graph()
         return True
+
+
+def decode_projection_warm_up_calls(qkv_proj: QKVParallelLinear, o_proj: RowParallelLinear, mlp: Qwen3MLP | None,
+                                    norm: RMSNorm, tp_size: int, ops: KernelOps) -> list[Callable[[], Any]]:
+    """One call per projection kernel variant a decode graph of 1..`ops.prologue_norm_max_tokens` tokens launches
+    through these modules (the norm-first layout at TP = 1, with the first layer's norm-only prologue; the plain
+    projections under TP), so a cold Triton cache compiles them side by side instead of one by one inside the
+    capture. Triton specialises on dtypes, constants and divisibility, not on values: the modules' weights may be
+    uninitialised. Each call allocates its inputs and discards its outputs: call outside capture, on any thread
+    bound to the weights' device (`modeling.ops.warm_up.run_side_by_side`). Empty for the torch backend."""
+    calls: list[Callable[[], Any]] = []
+    weight = norm.weight
+    hidden, dev, dtype = weight.shape[0], weight.device, weight.dtype
+    for t in range(1, ops.prologue_norm_max_tokens + 1):
+        def rows(width: int, t: int = t) -> torch.Tensor:
+            return torch.zeros((t, width), dtype=dtype, device=dev)
+
+        attn_out = o_proj.weight.shape[1]
+        if tp_size == 1:
+            calls += [lambda r=rows: ops.norm_linear(r(hidden), None, weight, norm.eps, qkv_proj.weight),
+                      lambda r=rows: ops.norm_linear(r(hidden), r(hidden), weight, norm.eps, qkv_proj.weight),
+                      lambda r=rows: ops.linear(r(attn_out), o_proj.weight)]
+            if mlp is not None:
+                calls += [lambda r=rows: ops.norm_linear(r(hidden), r(hidden), weight, norm.eps,
+                                                         mlp.gate_up_proj.weight, gated=True),
+                          lambda r=rows: ops.linear(r(mlp.down_proj.weight.shape[1]), mlp.down_proj.weight)]
+        else:
+            calls += [lambda r=rows: ops.linear(r(hidden), qkv_proj.weight),
+                      lambda r=rows: ops.linear(r(attn_out), o_proj.weight)]
+            if mlp is not None:
+                calls += [lambda r=rows: ops.linear(r(hidden), mlp.gate_up_proj.weight),
+                          lambda r=rows: ops.linear(r(mlp.down_proj.weight.shape[1]), mlp.down_proj.weight)]
+    return calls
+
+
+def config_projection_warm_up_calls(cfg: ModelConfig, ctx: ParallelContext, ops: KernelOps,
+                                    device: torch.device) -> list[Callable[[], Any]]:
+    """`decode_projection_warm_up_calls` before the model exists: over one layer's projections of this rank's
+    shapes (`ctx`: tp_rank / tp_size only), uninitialised, on `device`. Lifetime: the calls hold those weights."""
+    if ops.prologue_norm_max_tokens == 0:
+        return []
+    qkv = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, ctx, cfg.dtype, device)
+    o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, ctx, cfg.dtype, device)
+    dense = any(not cfg.layer_is_moe(i) for i in range(cfg.num_layers))
+    mlp = Qwen3MLP(cfg.hidden_size, cfg.intermediate_size, ctx, cfg.dtype, ops, device) if dense else None
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops, device)
+    return decode_projection_warm_up_calls(qkv, o_proj, mlp, norm, ctx.tp_size, ops)

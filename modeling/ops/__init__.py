@@ -28,18 +28,24 @@ class KernelOps:
     linear: Callable
     silu_mul_linear: Callable  # linear(silu_and_mul(x), w), fused where the backend can
     linear_add_rms_norm: Callable  # add_rms_norm(linear(x, w) or silu_mul_linear(x, w), residual, ...), one kernel where it can
+    # (x, residual | None, norm_weight, eps, w, gated=) -> (linear(norm(x + residual), w) [silu_and_mul'ed], x + residual)
+    norm_linear: Callable
     capturable: bool
+    # Up to this many tokens the model runs the norm before each projection inside it (`norm_linear`: the residual
+    # add + RMSNorm in the GEMV's prologue) instead of after the projection before it (`linear_add_rms_norm`).
+    prologue_norm_max_tokens: int = 0
     # (k_cache, v_cache, num_q_heads, scale) -> launches: compile every attention variant serving can pick
     warm_up_attention: Callable = lambda k_cache, v_cache, num_q_heads, scale: 0
 
 
 def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, linear_add_rms_norm: Callable,
-             capturable: bool) -> KernelOps:
+             norm_linear: Callable, capturable: bool, prologue_norm_max_tokens: int) -> KernelOps:
     return KernelOps(name=name, store_kv=attention.store_kv, prefill_attention=attention.prefill_attention,
                      decode_attention=attention.decode_attention, rms_norm=fused.rms_norm,
                      add_rms_norm=fused.add_rms_norm, qk_norm_rope=fused.qk_norm_rope,
                      qk_norm_rope_store=fused.qk_norm_rope_store, silu_and_mul=fused.silu_and_mul, linear=linear,
-                     silu_mul_linear=silu_mul_linear, linear_add_rms_norm=linear_add_rms_norm, capturable=capturable,
+                     silu_mul_linear=silu_mul_linear, linear_add_rms_norm=linear_add_rms_norm,
+                     norm_linear=norm_linear, capturable=capturable, prologue_norm_max_tokens=prologue_norm_max_tokens,
                      warm_up_attention=getattr(attention, "warm_up_attention", KernelOps.warm_up_attention))
 
 
@@ -52,6 +58,15 @@ def _torch_linear_add_rms_norm(x, weight, residual, norm_weight, eps, *, gated=F
     return fused_ref.add_rms_norm(y, residual, norm_weight, eps)
 
 
+def _torch_norm_linear(x, residual, norm_weight, eps, weight, *, gated=False):
+    if residual is None:
+        normed, summed = fused_ref.rms_norm(x, norm_weight, eps), x
+    else:
+        normed, summed = fused_ref.add_rms_norm(x, residual, norm_weight, eps)
+    y = F.linear(normed, weight)
+    return (fused_ref.silu_and_mul(y) if gated else y), summed
+
+
 def get_kernel_ops(device: torch.device | str, prefer: str = "auto") -> KernelOps:
     """prefer: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"."""
     dev = torch.device(device)
@@ -60,10 +75,12 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto") -> KernelOp
     if prefer == "torch" or (prefer == "auto" and dev.type != "cuda"):
         # The reference ops loop over sequences on the host: usable in graphs only on the full-graph-free paths.
         return _collect("torch", attention_ref, fused_ref, F.linear,
-                        _torch_silu_mul_linear, _torch_linear_add_rms_norm, capturable=False)
+                        _torch_silu_mul_linear, _torch_linear_add_rms_norm, _torch_norm_linear, capturable=False,
+                        prologue_norm_max_tokens=0)
     if dev.type != "cuda":
         raise ValueError("the triton kernel backend needs a CUDA device")
-    from modeling.ops import triton_attention, triton_fused, triton_gemm
+    from modeling.ops import triton_attention, triton_fused, triton_gemm, triton_gemv
 
     return _collect("triton", triton_attention, triton_fused, triton_gemm.linear, triton_gemm.silu_mul_linear,
-                    triton_gemm.linear_add_rms_norm, capturable=True)
+                    triton_gemm.linear_add_rms_norm, triton_gemm.norm_linear, capturable=True,
+                    prologue_norm_max_tokens=triton_gemv.GEMV_MAX_M)

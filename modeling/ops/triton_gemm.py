@@ -35,8 +35,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from modeling.ops import triton_gemv
 from modeling.ops.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from modeling.ops.triton_fused import add_rms_norm, add_rms_norm_row, silu_and_mul
+from modeling.ops.triton_fused import add_rms_norm, add_rms_norm_row, rms_norm, silu_and_mul
 
 SKINNY_MAX_M = 16
 _BLOCK_M = 16  # tl.dot needs >= 16 rows; rows >= M are masked
@@ -315,11 +316,14 @@ def _triton_config(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`F.linear(x, weight)` for x `[..., K]`, weight `[N, K]`; the Triton path when x is 2-D CUDA bf16/fp16
+    """`F.linear(x, weight)` for x `[..., K]`, weight `[N, K]`; the GEMV (`triton_gemv`) where it applies (1-2
+    rows, weights up to GEMV_MAX_N rows, x's dtype out), else the skinny Triton path when x is 2-D CUDA bf16/fp16
     with rows <= SKINNY_MAX_M and weight has unit last stride. `out_dtype` (default x.dtype) is the output
     dtype; the Triton path writes it straight from the fp32 accumulator (fp32 logits), the `F.linear`
     fallback (larger M, fp32, CPU, strided weight) casts its x.dtype result. Call once per device before
     CUDA graph capture (allocates the split-K counters); same-device calls must be stream-ordered."""
+    if (out_dtype is None or out_dtype == x.dtype) and triton_gemv.applies(x, weight):
+        return triton_gemv.gemv(x, weight)
     cfg = _triton_config(x, weight)
     if cfg is None:
         y = F.linear(x, weight)
@@ -360,3 +364,21 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
     x = x if x.stride(1) == 1 else x.contiguous()
     return linear_add_rms_norm_with_config(x, weight, cfg, residual.contiguous(), norm_weight.contiguous(), eps,
                                            gated=gated)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, *, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual) * norm_weight, weight), x + residual): the projection with the residual add
+    and RMSNorm before it (residual None: the norm of x, and x itself as the stream); gated: weight `[2N, K]`
+    (gate then up) and the first output is silu_and_mul of the projection, `[M, N]`. One GEMV launch where
+    `triton_gemv.applies` (1-2 rows), residual `[M, K]` and norm_weight `[K]` matching x's dtype; else the norm,
+    linear and silu_and_mul kernels. Rounded like the unfused operators; fp32 sums may be ordered differently."""
+    k = x.shape[-1]
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"norm_linear: gated weight {tuple(weight.shape)} needs an even number of rows (gate, up)")
+    if (triton_gemv.applies(x, weight) and norm_weight.shape == (k,) and norm_weight.dtype == x.dtype
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
+        return triton_gemv.norm_gemv(x, residual, norm_weight, eps, weight, gated)
+    normed, summed = (rms_norm(x, norm_weight, eps), x) if residual is None else add_rms_norm(x, residual, norm_weight, eps)
+    y = linear(normed, weight)
+    return (silu_and_mul(y) if gated else y), summed

@@ -1,0 +1,122 @@
+"""The decode GEMV (`modeling/ops/triton_gemv.py`) on the GPU: equals F.linear and the unfused norm / SiLU-gate
+operators (bf16 tolerance; the new residual stream bitwise), replays bitwise from a CUDA graph, drives the model's
+norm-first layout to the reference path's greedy tokens at batch 1 and 2, and its variants are compiled by the
+early warm-up so a rank's capture compiles none."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(4096, 1024), (1024, 2048), (1024, 3072), (3072, 1024), (100, 300), (512, 9000)]  # (N, K), last: 3 chunks
+
+
+def _inputs(m: int, n: int, k: int, gated: bool = False):
+    g = torch.Generator(device="cuda").manual_seed(m * 1000003 + n * 31 + k)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    r = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16()
+    w = (torch.randn(2 * n if gated else n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+    return x, r, nw, w
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemv_matches_linear(m, n, k):
+    from modeling.ops.triton_gemm import linear
+    from modeling.ops.triton_gemv import applies
+
+    x, _, _, w = _inputs(m, n, k)
+    assert applies(x, w)
+    torch.testing.assert_close(linear(x, w).float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_norm_linear_matches_the_unfused_operators(m, n, k, gated):
+    from modeling.ops.triton_fused import add_rms_norm, rms_norm, silu_and_mul
+    from modeling.ops.triton_gemm import norm_linear
+
+    x, r, nw, w = _inputs(m, n, k, gated)
+    normed, summed = add_rms_norm(x, r, nw, 1e-6)
+    want = F.linear(normed.float(), w.float())
+    want = silu_and_mul(want.bfloat16()).float() if gated else want
+    y, s = norm_linear(x, r, nw, 1e-6, w, gated=gated)
+    assert torch.equal(s, summed)
+    torch.testing.assert_close(y.float(), want, atol=3e-2, rtol=3e-2)
+    y, s = norm_linear(x, None, nw, 1e-6, w, gated=gated)
+    want = F.linear(rms_norm(x, nw, 1e-6).float(), w.float())
+    want = silu_and_mul(want.bfloat16()).float() if gated else want
+    assert s is x
+    torch.testing.assert_close(y.float(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_gemv_graph_replays_bitwise_with_changing_inputs():
+    from modeling.ops.triton_gemm import linear, norm_linear
+
+    x, r, nw, w = _inputs(1, 3072, 1024, gated=True)
+    w_down = _inputs(1, 1024, 3072)[3]
+    norm_linear(x, r, nw, 1e-6, w, gated=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        act, s = norm_linear(x, r, nw, 1e-6, w, gated=True)
+        y = linear(act, w_down)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        e_act, e_s = norm_linear(x, r, nw, 1e-6, w, gated=True)
+        assert torch.equal(act, e_act) and torch.equal(s, e_s) and torch.equal(y, linear(e_act, w_down))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("batch", [1, 2])
+def test_norm_first_layout_greedy_tokens_match_the_reference_path(batch):
+    """qwen3-0.6b greedy decode of `batch` sequences (the GEMV layout: 1-2 tokens per step) with Triton kernels
+    equals the torch reference operators' tokens for 32 steps."""
+    from actors.rank import RuntimeConfig
+    from modeling.generate import generate
+    from modeling.loader import init_random
+    from modeling.ops import get_kernel_ops
+    from modeling.qwen3 import Qwen3ForCausalLM
+    from tests.gpu.helpers import random_tokens
+
+    cfg = RuntimeConfig(model="qwen3-0.6b", device="cuda").model_config(torch.device("cuda"))
+    outs = []
+    for backend in ("triton", "torch"):
+        ops = get_kernel_ops("cuda", backend)
+        assert ops.prologue_norm_max_tokens == (2 if backend == "triton" else 0)
+        with torch.device("cuda"):
+            m = Qwen3ForCausalLM(cfg, device="cuda", ops=ops)
+        init_random(m, 0)
+        rng = np.random.default_rng(5)
+        prompts = [random_tokens(rng, n, cfg.vocab_size) for n in (23, 71)[:batch]]
+        outs.append(generate(m, prompts, max_new_tokens=32, block_size=64).tokens)
+        del m
+    assert outs[0] == outs[1]
+
+
+def test_early_warm_up_compiles_every_gemv_variant_the_capture_uses():
+    from actors.kernel_warm_up import KernelWarmUp
+    from actors.rank import RankRuntime, RuntimeConfig
+    from graphrunner.config import GraphRunnerConfig
+    from modeling.ops.triton_gemv import _gemv_kernel
+    from parallel.context import ParallelContext
+
+    def variants() -> int:
+        return sum(len(entry[0]) for entry in _gemv_kernel.device_caches.values())
+
+    cfg = RuntimeConfig(model="qwen3-0.6b", device="cuda", num_kv_blocks=300, max_model_len=2048,
+                        graph=GraphRunnerConfig(max_decode_batch=8, pcg_max_tokens=0), armed_decode_wait_ms=0)
+    _gemv_kernel.device_caches.clear()  # earlier tests compiled some variants: count this warm-up's own
+    early = KernelWarmUp(cfg, 1, torch.device("cuda", 0))
+    assert early.join() > 0 and early.error is None
+    warmed = variants()
+    assert warmed == 10, warmed  # M_PAD 1 and 2 x (qkv rms-only, qkv add+rms, o_proj, gate_up gated, down)
+    rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
+    rt.load_model()
+    rt.allocate_kv_cache()
+    rt.build_runner()
+    rt.capture_all()
+    assert variants() == warmed, "the capture compiled GEMV variants the early warm-up missed"
