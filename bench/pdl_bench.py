@@ -3,8 +3,8 @@
 One rank runtime of the same model per mode is built in this process, its kernels captured with
 `GRAPHLINE_PDL=<mode>` (0: off; 1: the next kernel starts once this one passed its wait; early: once this one
 is resident); then the rank's synchronous decode step (inputs in, next tokens on the host) is timed on each in
-turn, in rounds, at each batch. The tokens must be identical (the kernels' arithmetic does not change). Prints
-median ms per step and each mode's ratio to off.
+turn, in rounds, at each batch (`bench.decode_ab`). The tokens must be identical (the kernels' arithmetic does
+not change). Prints median ms per step and each mode's ratio to off.
 
     python -m bench.pdl_bench --model qwen3-0.6b --batches 1,8,64 --context 128
 """
@@ -12,42 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
-import numpy as np
 import torch
 
-from actors.rank import RankRuntime, RuntimeConfig
-from bench.common import machine, write_json
-from bench.graph_bench import _decode_batch
-from graphrunner.config import GraphRunnerConfig
+from bench.common import write_json
+from bench.decode_ab import compare
 from modeling.ops.pdl import PDL_ENV, pdl_enabled
-from parallel.context import ParallelContext
 
 
-def _runtime(args, mode: str, max_batch: int) -> RankRuntime:
-    os.environ[PDL_ENV] = mode
-    graph = GraphRunnerConfig(max_decode_batch=max_batch, pcg_max_tokens=512)
-    cfg = RuntimeConfig(model=args.model, device="cuda", num_kv_blocks=args.blocks, graph=graph)
-    rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
-    rt.load_model()
-    rt.allocate_kv_cache()
-    rt.build_runner()
-    rt.capture_all()
-    return rt
-
-
-def _time_steps(rt: RankRuntime, sb, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        rt.execute(sb)
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
-@torch.inference_mode()
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -62,35 +34,22 @@ def main() -> dict:
     modes = args.modes.split(",")
     if modes[0] != "0":
         raise SystemExit("--modes must start with 0 (the baseline)")
-    batches = [int(b) for b in args.batches.split(",")]
     saved = os.environ.get(PDL_ENV)
+    os.environ[PDL_ENV] = "1"
     try:
-        os.environ[PDL_ENV] = "1"
         if not pdl_enabled(torch.device("cuda", 0)):
             raise SystemExit("PDL is not available here (needs sm_90+ and a Triton with launch_pdl)")
-        sides = {m: _runtime(args, m, max(batches)) for m in modes}
     finally:
         if saved is None:
             os.environ.pop(PDL_ENV, None)
         else:
             os.environ[PDL_ENV] = saved
-    res: dict = {"machine": machine(), "model": args.model, "context": args.context, "batches": {}}
-    for b in batches:
-        sbs = {k: _decode_batch(rt, b, args.context) for k, rt in sides.items()}
-        toks = {k: np.asarray(rt.execute(sbs[k])) for k, rt in sides.items()}
-        for k in modes[1:]:
-            if not np.array_equal(toks["0"], toks[k]):
-                raise SystemExit(f"batch {b}: tokens differ with PDL {k}: {toks[k][:8]} vs {toks['0'][:8]}")
-        times: dict[str, list[float]] = {k: [] for k in modes}
-        for r in range(args.rounds):
-            for k in (modes if r % 2 == 0 else modes[::-1]):
-                _time_steps(sides[k], sbs[k], 5)
-                times[k] += _time_steps(sides[k], sbs[k], args.steps)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        res["batches"][b] = {f"{k}_ms": v for k, v in med.items()}
-        res["batches"][b].update({f"{k}_ratio": med[k] / med["0"] for k in modes[1:]})
-        print(f"batch {b:4d}: " + "  ".join(f"PDL {k} {med[k]:.3f} ms" for k in modes) + "  " +
-              "  ".join(f"{k}/off {med[k] / med['0']:.3f}" for k in modes[1:]), flush=True)
+
+    def differ(label: str, batch: int) -> None:
+        raise SystemExit(f"batch {batch}: tokens differ with PDL {label}")
+
+    res = compare([(m, {PDL_ENV: m}) for m in modes], args.model, tuple(int(b) for b in args.batches.split(",")),
+                  args.context, args.blocks, args.rounds, args.steps, on_tokens_differ=differ)
     if args.out:
         write_json(args.out, res)
     return res

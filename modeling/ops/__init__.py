@@ -83,4 +83,4 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto") -> KernelOp
 
     return _collect("triton", triton_attention, triton_fused, triton_gemm.linear, triton_gemm.silu_mul_linear,
                     triton_gemm.linear_add_rms_norm, triton_gemm.norm_linear, capturable=True,
-                    prologue_norm_max_tokens=triton_gemv.GEMV_MAX_M)
+                    prologue_norm_max_tokens=triton_gemv.GEMV_MAX_M if triton_gemv.gemv_enabled() else 0)

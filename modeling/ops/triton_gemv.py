@@ -18,6 +18,7 @@ activation dtype before the GEMV, gate and up are rounded to it before the SiLU.
 (sum of squares, dot products) are ordered differently from those kernels and from cuBLAS.
 
 The kernel takes up to 4 rows (M_PAD 1, 2, 4: rows broadcast against the weight tile); `applies` admits
+GEMV_ENV = "GRAPHLINE_GEMV"  # 0 turns the GEMV (and the model's norm-first layout) off: A/B benchmarks
 GEMV_MAX_M = 2, where it measured faster than the kernels it replaces (at 4 rows it was slower).
 
 Grid `(cdiv(N, BLOCK_N),)`, static, no host sync, no process-wide state: capturable anywhere.
@@ -36,6 +37,7 @@ import triton.language as tl
 
 from modeling.ops.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
+GEMV_ENV = "GRAPHLINE_GEMV"  # 0 turns the GEMV (and the model's norm-first layout) off: A/B benchmarks
 GEMV_MAX_M = 2  # measured faster than the layout it replaces at M = 1, 2; slower at 4 (bench.gemv_tune)
 GEMV_MAX_N = 32768  # wider weights (the LM head) stay on the skinny GEMM, which streams them near roofline
 NORM_NONE, NORM_RMS, NORM_ADD_RMS = 0, 1, 2
@@ -180,14 +182,22 @@ def config_for(n: int, k: int, m: int, norm: int, gated: bool) -> GemvConfig:
     return GemvConfig(*entry) if entry is not None else default_config(n, k, gated)
 
 
+def gemv_enabled() -> bool:
+    """`GRAPHLINE_GEMV`: 1 (the default) or 0; anything else raises ValueError naming the choices."""
+    raw = os.environ.get(GEMV_ENV, "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"{GEMV_ENV}={raw!r}: use 1 (the decode GEMV, the default) or 0 (off)")
+    return raw == "1"
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the GEMV serves x `[M, K]` @ weight^T: x 2-D with M <= GEMV_MAX_M rows and unit last stride, weight
     2-D with unit last stride and at most GEMV_MAX_N rows (larger ones, the LM head, stay on the skinny GEMM),
-    both bf16 or both fp16 on one CUDA device (or any device under the Triton interpreter)."""
+    both bf16 or both fp16 on one CUDA device (or any device under the Triton interpreter), and `gemv_enabled()`."""
     return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M and x.shape[1] == weight.shape[1]
             and weight.shape[0] <= GEMV_MAX_N and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device
-            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and gemv_enabled())
 
 
 def gemv_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig, *, residual: torch.Tensor | None = None,

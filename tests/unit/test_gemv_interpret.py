@@ -121,3 +121,17 @@ def test_config_table_and_heuristic():
         assert cfg.block_k >= k or (k > 8192 and cfg.block_k == 4096)
         assert 1 <= cfg.block_n <= 16 and cfg.block_n & (cfg.block_n - 1) == 0
         assert gv.default_config(512, k, True).block_n <= cfg.block_n
+
+
+def test_gemv_switch_parses_strictly(monkeypatch):
+    from modeling.ops import triton_gemv as gv
+
+    monkeypatch.delenv(gv.GEMV_ENV, raising=False)
+    assert gv.gemv_enabled()
+    monkeypatch.setenv(gv.GEMV_ENV, "0")
+    assert not gv.gemv_enabled()
+    monkeypatch.setenv(gv.GEMV_ENV, " 1 ")
+    assert gv.gemv_enabled()
+    monkeypatch.setenv(gv.GEMV_ENV, "yes")
+    with pytest.raises(ValueError, match="GRAPHLINE_GEMV='yes'.*use 1.*or 0"):
+        gv.gemv_enabled()

@@ -1,0 +1,129 @@
+"""Kernel-level switches side by side in one process on one GPU: the rank's synchronous decode step under each.
+
+One rank runtime of the same model per variant is built in this process, each captured with its environment
+variables set (a variant is `label:NAME=VALUE[;NAME=VALUE...]`; the first is the baseline); then the rank's
+synchronous decode step (inputs in, next tokens on the host) is timed on each in turn, in alternating rounds, at
+each batch. Prints median ms per step, each variant's ratio to the baseline and whether its tokens equal the
+baseline's (switches that change the arithmetic may flip near-tied greedy choices of random weights).
+
+    python -m bench.decode_ab --variants "off:GRAPHLINE_GEMV=0" "gemv:GRAPHLINE_GEMV=1" --batches 1,2,64
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from actors.rank import RankRuntime, RuntimeConfig
+from bench.common import machine, write_json
+from bench.graph_bench import _decode_batch
+from graphrunner.config import GraphRunnerConfig
+from parallel.context import ParallelContext
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """`label:NAME=VALUE;NAME=VALUE` -> (label, {NAME: VALUE}); an empty assignment list is allowed."""
+    label, _, assigns = text.partition(":")
+    env = {}
+    for item in filter(None, assigns.split(";")):
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise SystemExit(f"variant {text!r}: {item!r} is not NAME=VALUE")
+        env[name.strip()] = value.strip()
+    if not label:
+        raise SystemExit(f"variant {text!r} has no label")
+    return label, env
+
+
+def _runtime(model: str, blocks: int, env: dict[str, str], max_batch: int) -> RankRuntime:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        graph = GraphRunnerConfig(max_decode_batch=max_batch, pcg_max_tokens=512)
+        cfg = RuntimeConfig(model=model, device="cuda", num_kv_blocks=blocks, graph=graph)
+        rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
+        rt.load_model()
+        rt.allocate_kv_cache()
+        rt.build_runner()
+        rt.capture_all()
+        return rt
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _time_steps(rt: RankRuntime, sb, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        rt.execute(sb)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+@torch.inference_mode()
+def compare(variants: list[tuple[str, dict[str, str]]], model: str = "qwen3-0.6b", batches: tuple[int, ...] = (1,),
+            context: int = 128, blocks: int = 2048, rounds: int = 10, steps: int = 100,
+            on_tokens_differ: Callable[[str, int], None] | None = None) -> dict:
+    """Build one runtime per variant, time the decode step side by side; returns the JSON-ready result.
+    `on_tokens_differ(label, batch)` is called where a variant's tokens differ from the baseline's (default:
+    recorded only)."""
+    labels = [label for label, _ in variants]
+    sides = {label: _runtime(model, blocks, env, max(batches)) for label, env in variants}
+    base = labels[0]
+    res: dict = {"machine": machine(), "model": model, "context": context,
+                 "variants": {label: env for label, env in variants}, "batches": {}}
+    for b in batches:
+        sbs = {k: _decode_batch(rt, b, context) for k, rt in sides.items()}
+        toks = {k: np.asarray(rt.execute(sbs[k])) for k, rt in sides.items()}
+        same = {k: bool(np.array_equal(toks[base], toks[k])) for k in labels[1:]}
+        for k, ok in same.items():
+            if not ok and on_tokens_differ is not None:
+                on_tokens_differ(k, b)
+        times: dict[str, list[float]] = {k: [] for k in labels}
+        for r in range(rounds):
+            for k in (labels if r % 2 == 0 else labels[::-1]):
+                _time_steps(sides[k], sbs[k], 5)
+                times[k] += _time_steps(sides[k], sbs[k], steps)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        row = {f"{k}_ms": v for k, v in med.items()}
+        row.update({f"{k}_ratio": med[k] / med[base] for k in labels[1:]})
+        row.update({f"{k}_tokens_equal": v for k, v in same.items()})
+        res["batches"][b] = row
+        print(f"batch {b:4d}: " + "  ".join(f"{k} {med[k]:.3f} ms" for k in labels) + "  " +
+              "  ".join(f"{k}/{base} {med[k] / med[base]:.3f}{'' if same[k] else ' (tokens differ)'}"
+                        for k in labels[1:]), flush=True)
+    return res
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", nargs="+", required=True, help="label:NAME=VALUE;... (first: the baseline)")
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--blocks", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=100, help="steps per round and side")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    variants = [parse_variant(v) for v in args.variants]
+    if len({label for label, _ in variants}) != len(variants):
+        raise SystemExit("variant labels must differ")
+    res = compare(variants, args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.blocks,
+                  args.rounds, args.steps)
+    if args.out:
+        write_json(args.out, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
