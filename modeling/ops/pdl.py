@@ -16,8 +16,10 @@ kernel that takes it follows three rules:
    visible; since that kernel waited the same way on its own predecessor, everything earlier in the stream is
    complete too (which is why no program may skip the wait, even one with nothing to do).
 Launch sites pass `**pdl_launch(device)`: `PDL=<mode>, launch_pdl=True` where PDL is on, `PDL=0` elsewhere
-(CPU interpreter, GPUs before sm_90, a Triton without the `launch_pdl` option, `GRAPHLINE_PDL=0`, the default:
-`python -m bench.pdl_bench` measured no gain at batch 1 on an H200, see docs/benchmarks.md).
+(CPU interpreter, GPUs before sm_90, a Triton without the `launch_pdl` option, `GRAPHLINE_PDL=0`). The default is
+`early`: with the decode GEMV (`triton_gemv`), which loads its program's whole weight tile before the wait, the
+batch-1 decode step of qwen3-0.6b measured 0.87 of PDL off on an H200 (`python -m bench.decode_ab`, see
+docs/benchmarks.md); before the GEMV it gained nothing dependable, the skinny GEMM prefetching one chunk only.
 Kernels that spin on other GPUs (the TP fused all-reduce) and the armed-decode gate are never launched with PDL.
 """
 from __future__ import annotations
@@ -52,12 +54,12 @@ def _device_has_pdl(index: int) -> bool:
 
 
 def pdl_mode(device: torch.device) -> int:
-    """The PDL mode of kernels launched on `device` (0 off, 1, 2: see the module doc): `GRAPHLINE_PDL` (default 0)
+    """The PDL mode of kernels launched on `device` (0 off, 1, 2: see the module doc): `GRAPHLINE_PDL` (default early)
     where the device is CUDA of compute capability 9.0 or later, Triton has the `launch_pdl` option and the CPU
     interpreter is off; 0 elsewhere."""
-    raw = os.environ.get(PDL_ENV, "0")
+    raw = os.environ.get(PDL_ENV, "early")
     if raw not in PDL_MODES:
-        raise ValueError(f"{PDL_ENV}={raw!r}: use 0 (off, the default), 1 (trigger after the wait) or early")
+        raise ValueError(f"{PDL_ENV}={raw!r}: use 0 (off), 1 (trigger after the wait) or early (the default)")
     mode = PDL_MODES[raw]
     if mode == 0 or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not _triton_has_pdl():
         return 0

@@ -172,7 +172,7 @@ def test_linear_add_rms_norm_equals_gemm_then_add_rms_norm(n, k, m, gated):
     within one bf16 rounding (fp32 sum-of-squares order); inside a graph replayed with fresh inputs many times
     (a memory-ordering race in the whole-row arrival would show as a stale row); counters back at zero."""
     from modeling.ops.triton_fused import add_rms_norm, silu_and_mul
-    from modeling.ops.triton_gemm import linear, linear_add_rms_norm, split_k_counters
+    from modeling.ops.triton_gemm import config_for, linear_add_rms_norm, linear_with_config, split_k_counters
 
     g = torch.Generator(device="cuda").manual_seed(m * n + k + gated)
     x = torch.randn(m, 2 * k if gated else k, device="cuda", generator=g).bfloat16()
@@ -180,8 +180,9 @@ def test_linear_add_rms_norm_equals_gemm_then_add_rms_norm(n, k, m, gated):
     res = torch.randn(m, n, device="cuda", generator=g).bfloat16()
     nw = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
 
-    def unfused():
-        return add_rms_norm(linear(silu_and_mul(x) if gated else x, w), res, nw, 1e-6)
+    def unfused():  # the skinny GEMM the epilogue rides on (`linear` itself takes the GEMV at 1-2 rows)
+        y = linear_with_config(silu_and_mul(x) if gated else x, w, config_for(n, k, m, x.device))
+        return add_rms_norm(y, res, nw, 1e-6)
 
     def check(normed, summed):
         want_n, want_s = unfused()

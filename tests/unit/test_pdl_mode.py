@@ -1,4 +1,4 @@
-"""`modeling.ops.pdl`: the GRAPHLINE_PDL switch is parsed strictly, defaults to off, and never turns PDL on for the
+"""`modeling.ops.pdl`: the GRAPHLINE_PDL switch is parsed strictly, defaults to early, and never turns PDL on for the
 CPU or under the Triton interpreter (the kernels' `PDL` constexpr stays 0 there, with no `launch_pdl` option)."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from modeling.ops import pdl
 
 
-def test_default_is_off(monkeypatch):
+def test_default_is_off_on_the_cpu(monkeypatch):
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
     assert pdl.pdl_mode(torch.device("cpu")) == 0
     assert pdl.pdl_launch(torch.device("cpu")) == {"PDL": 0}
@@ -24,7 +24,7 @@ def test_cpu_and_interpreter_never_launch_with_pdl(monkeypatch, raw):
 @pytest.mark.parametrize("raw", ["on", "2", "", "Early"])
 def test_a_bad_value_names_the_variable_and_the_choices(monkeypatch, raw):
     monkeypatch.setenv(pdl.PDL_ENV, raw)
-    with pytest.raises(ValueError, match=r"GRAPHLINE_PDL=.*use 0 \(off, the default\), 1 .* or early"):
+    with pytest.raises(ValueError, match=r"GRAPHLINE_PDL=.*use 0 \(off\), 1 .* or early \(the default\)"):
         pdl.pdl_mode(torch.device("cpu"))
 
 
@@ -34,7 +34,7 @@ def test_modes_where_the_gpu_and_triton_support_it(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    assert pdl.pdl_mode(gpu0) == 0  # off unless asked for
+    assert pdl.pdl_mode(gpu0) == 2 and pdl.pdl_mode(gpu1) == 0  # early by default where the GPU has it
     for raw, mode in (("0", 0), ("1", 1), ("early", 2)):
         monkeypatch.setenv(pdl.PDL_ENV, raw)
         assert pdl.pdl_mode(gpu0) == mode and pdl.pdl_mode(gpu1) == 0
