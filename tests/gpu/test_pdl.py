@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (`modeling.ops.pdl`): off by default, modes 1 and early on sm_90+, and a long chain
+"""Programmatic dependent launch (`modeling.ops.pdl`): early by default on sm_90+, modes 0 and 1 on request, and a long chain
 of dependent PDL kernels replayed from a CUDA graph gives bitwise the results of the same chain launched without
 PDL (a kernel reading its predecessor's output before `gdc_wait` would race and differ)."""
 import pytest
@@ -6,16 +6,18 @@ import torch
 
 from modeling.ops import pdl
 from modeling.ops.triton_fused import add_rms_norm, rms_norm, silu_and_mul
-from modeling.ops.triton_gemm import linear, linear_add_rms_norm
+from modeling.ops.triton_gemm import linear, linear_add_rms_norm, norm_linear
 
 pytestmark = pytest.mark.gpu
 
 
 def test_pdl_switch(monkeypatch):
     dev = torch.device("cuda", 0)
-    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    assert pdl.pdl_launch(dev) == {"PDL": 0}
     supported = torch.cuda.get_device_capability(0)[0] >= 9 and pdl._triton_has_pdl()
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    assert pdl.pdl_launch(dev) == ({"PDL": 2, "launch_pdl": True} if supported else {"PDL": 0})
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert pdl.pdl_launch(dev) == {"PDL": 0}
     for raw, mode in (("1", 1), ("early", 2)):
         monkeypatch.setenv(pdl.PDL_ENV, raw)
         assert pdl.pdl_mode(dev) == (mode if supported else 0)
@@ -28,7 +30,8 @@ def test_pdl_switch(monkeypatch):
 
 
 def _chain(x, ws, norm_w, steps):
-    """`steps` layers of dependent decode-path kernels: GEMM + add/RMSNorm epilogue, SiLU-gate, GEMMs, norms."""
+    """`steps` layers of dependent decode-path kernels: GEMM + add/RMSNorm epilogue, SiLU-gate, GEMMs, norms, and
+    the GEMV with its add/RMSNorm prologue and SiLU-gate epilogue (`linear` itself is the GEMV at 1-2 rows)."""
     h = x
     res = torch.zeros_like(x)
     for i in range(steps):
@@ -38,11 +41,13 @@ def _chain(x, ws, norm_w, steps):
         y = linear(act, ws["down"])
         h, res = add_rms_norm(y, res, norm_w, 1e-6)
         h = rms_norm(h, norm_w, 1e-6)
+        act, res = norm_linear(h, res, norm_w, 1e-6, ws["gate_up"], gated=True)
+        h = linear(act, ws["down"])
     return h, res
 
 
 @pytest.mark.parametrize("mode", ["1", "early"])
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, 2, 4])
 def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl(monkeypatch, m, mode):
     monkeypatch.setenv(pdl.PDL_ENV, mode)
     if not pdl.pdl_enabled(torch.device("cuda", 0)):
