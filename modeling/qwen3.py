@@ -186,12 +186,13 @@ def decode_projection_warm_up_calls(qkv_proj: QKVParallelLinear, o_proj: RowPara
                 calls += [lambda r=rows: ops.norm_linear(r(hidden), r(hidden), weight, norm.eps,
                                                          mlp.gate_up_proj.weight, gated=True),
                           lambda r=rows: ops.linear(r(mlp.down_proj.weight.shape[1]), mlp.down_proj.weight)]
-        else:
+        else:  # under TP the down projection takes the SiLU-gate as `project_add_norm` calls it
             calls += [lambda r=rows: ops.linear(r(hidden), qkv_proj.weight),
                       lambda r=rows: ops.linear(r(attn_out), o_proj.weight)]
             if mlp is not None:
                 calls += [lambda r=rows: ops.linear(r(hidden), mlp.gate_up_proj.weight),
-                          lambda r=rows: ops.linear(r(mlp.down_proj.weight.shape[1]), mlp.down_proj.weight)]
+                          lambda r=rows: ops.silu_mul_linear(r(2 * mlp.down_proj.weight.shape[1]),
+                                                             mlp.down_proj.weight)]
     return calls
 
 

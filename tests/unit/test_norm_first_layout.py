@@ -100,7 +100,7 @@ def test_projection_warm_up_calls_cover_each_decode_projection(preset, tp_size, 
         return lambda *a, **k: seen.append((name, a[0].shape[0])) or fn(*a, **k)
 
     ops = dataclasses.replace(ops, prologue_norm_max_tokens=2, linear=counted("linear"),
-                              norm_linear=counted("norm_linear"))
+                              norm_linear=counted("norm_linear"), silu_mul_linear=counted("silu_mul_linear"))
     calls = config_projection_warm_up_calls(cfg, ParallelContext(tp_rank=tp_size - 1, tp_size=tp_size), ops,
                                             torch.device("cpu"))
     dense = any(not cfg.layer_is_moe(i) for i in range(cfg.num_layers))
@@ -108,4 +108,5 @@ def test_projection_warm_up_calls_cover_each_decode_projection(preset, tp_size, 
     for call in calls:
         call()
     assert sorted({t for _, t in seen}) == [1, 2] and len(seen) == len(calls)
-    assert {name for name, _ in seen} == ({"linear", "norm_linear"} if tp_size == 1 else {"linear"})
+    names = {"linear", "norm_linear"} if tp_size == 1 else {"linear", "silu_mul_linear"} if dense else {"linear"}
+    assert {name for name, _ in seen} == names
