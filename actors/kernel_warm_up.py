@@ -1,15 +1,15 @@
-"""A rank's attention- and projection-kernel compiles, started before its process groups form (overlapping NCCL set-up, the
-symmetric-memory rendezvous and the weight load on a cold Triton cache). Under tensor parallelism it first
-compiles, without launching, the fused all-reduce + add + RMSNorm kernel the group set-up probes and the decode
-graphs run (`parallel.symm_fused.warm_up_compile`), so that the probe finds it compiled.
+"""A rank's attention- and projection-kernel compiles, started before its process groups form (overlapping NCCL
+set-up, the symmetric-memory rendezvous and the weight load on a cold Triton cache). Under tensor parallelism it
+first compiles, without launching, the fused all-reduce + add + RMSNorm kernel the group set-up probes and the
+decode graphs run (`parallel.symm_fused.warm_up_compile`), so that the probe finds it compiled.
 
 Triton specialises a kernel on dtypes, constants, pointer alignment and the divisibility of integer arguments,
 not on sizes, so a two-block KV cache of the deployment's layout (`KVCacheSpec.for_model`, this rank's share of
 the KV heads) compiles exactly the attention variants `RankRuntime.build_runner` then asks for over the real
-cache; one layer's projections of the rank's shapes, uninitialised, compile the decode GEMV variants the same
-way (`modeling.qwen3.config_projection_warm_up_calls`). Lifetime: one background thread per rank at start-up, on its own CUDA stream; the worker joins it before
-`build_runner`. A failure here is logged, never raised: `build_runner` compiles whatever is still missing and
-reports its own errors.
+cache; one layer's projections of the rank's shapes, uninitialised, compile the decode graphs' projection
+variants the same way (`modeling.qwen3.config_projection_warm_up_calls`). Lifetime: one background thread per
+rank at start-up, on its own CUDA stream; the worker joins it before `build_runner`. A failure here is logged,
+never raised: `build_runner` compiles whatever is still missing and reports its own errors.
 """
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ class KernelOps:
     linear: Callable
     silu_mul_linear: Callable  # linear(silu_and_mul(x), w), fused where the backend can
     linear_add_rms_norm: Callable  # add_rms_norm(linear(x, w) or silu_mul_linear(x, w), residual, ...), one kernel where it can
-    # (x, residual | None, norm_weight, eps, w, gated=) -> (linear(norm(x + residual), w) [silu_and_mul'ed], x + residual)
+    # (x, residual | None, norm_weight, eps, w, gated=) -> (linear(norm(x + residual), w), x + residual); gated:
+    # the first output is silu_and_mul'ed. One kernel where the backend can (the GEMV at 1-2 rows).
     norm_linear: Callable
     capturable: bool
     # Up to this many tokens the model runs the norm before each projection inside it (`norm_linear`: the residual

@@ -379,6 +379,9 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     if (triton_gemv.applies(x, weight) and norm_weight.shape == (k,) and norm_weight.dtype == x.dtype
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
         return triton_gemv.norm_gemv(x, residual, norm_weight, eps, weight, gated)
-    normed, summed = (rms_norm(x, norm_weight, eps), x) if residual is None else add_rms_norm(x, residual, norm_weight, eps)
+    if residual is None:
+        normed, summed = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, summed = add_rms_norm(x, residual, norm_weight, eps)
     y = linear(normed, weight)
     return (silu_and_mul(y) if gated else y), summed

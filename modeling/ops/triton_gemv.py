@@ -18,12 +18,13 @@ activation dtype before the GEMV, gate and up are rounded to it before the SiLU.
 (sum of squares, dot products) are ordered differently from those kernels and from cuBLAS.
 
 The kernel takes up to 4 rows (M_PAD 1, 2, 4: rows broadcast against the weight tile); `applies` admits
-GEMV_ENV = "GRAPHLINE_GEMV"  # 0 turns the GEMV (and the model's norm-first layout) off: A/B benchmarks
 GEMV_MAX_M = 2, where it measured faster than the kernels it replaces (at 4 rows it was slower).
+`GRAPHLINE_GEMV=0` turns it off (and with it the model's norm-first layout), for A/B benchmarks.
 
 Grid `(cdiv(N, BLOCK_N),)`, static, no host sync, no process-wide state: capturable anywhere.
 Launch configs come from `_CONFIGS` (measured, `python -m bench.gemv_tune`), keyed by (N, K,
-M class, norm, gated); other shapes use `default_config`.
+M_PAD, norm, gated); other shapes use `default_config`. Lifetime: outputs are new tensors from the caching
+allocator on the current stream (graph-pool memory under capture).
 """
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def _x_chunk(X, R, RS, offs_m, m_mask, offs_k, k_mask, stride_xm, stride_rm, sto
     if NORM == 2:
         r = tl.load(R + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
         s = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(RS + offs_m[:, None] * stride_rm + offs_k[None, :], s, mask=(offs_m < store_rows)[:, None] & k_mask[None, :])
+        store = (offs_m < store_rows)[:, None] & k_mask[None, :]
+        tl.store(RS + offs_m[:, None] * stride_rm + offs_k[None, :], s, mask=store)
         return s.to(tl.float32)
     return x.to(tl.float32)
 
