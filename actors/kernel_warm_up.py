@@ -52,8 +52,7 @@ class KernelWarmUp:
     def _compile(self, cfg, tp_size: int, tp_rank: int, device: torch.device, t0: float) -> None:
         from modeling.kv_cache import KVCacheSpec, PagedKVCache
         from modeling.ops import get_kernel_ops
-        from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
-        from modeling.qwen3 import config_projection_warm_up_calls
+        from modeling.qwen3 import config_projection_warm_up_calls, run_projection_warm_up
         from parallel.context import ParallelContext
 
         mc = cfg.model_config(device)
@@ -70,12 +69,7 @@ class KernelWarmUp:
                 self.launches = ops.warm_up_attention(k_cache, v_cache, mc.num_heads // tp_size, mc.head_dim ** -0.5)
                 calls = config_projection_warm_up_calls(mc, ParallelContext(tp_rank=tp_rank, tp_size=tp_size), ops,
                                                         device)
-                if calls:
-                    from modeling.ops import triton_gemm, triton_gemv
-
-                    prime_kernel_caches([triton_gemv, triton_gemm], device)
-                    run_side_by_side(calls)
-                self.launches += len(calls)
+                self.launches += run_projection_warm_up(calls, device)
             stream.synchronize()
 
     @staticmethod

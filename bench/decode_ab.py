@@ -11,7 +11,6 @@ baseline's (switches that change the arithmetic may flip near-tied greedy choice
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Callable
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 
 from actors.rank import RankRuntime, RuntimeConfig
-from bench.common import machine, write_json
+from bench.common import environ, machine, write_json
 from bench.graph_bench import _decode_batch
 from graphrunner.config import GraphRunnerConfig
 from parallel.context import ParallelContext
@@ -41,9 +40,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def _runtime(model: str, blocks: int, env: dict[str, str], max_batch: int) -> RankRuntime:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environ(env):
         graph = GraphRunnerConfig(max_decode_batch=max_batch, pcg_max_tokens=512)
         cfg = RuntimeConfig(model=model, device="cuda", num_kv_blocks=blocks, graph=graph)
         rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
@@ -52,12 +49,6 @@ def _runtime(model: str, blocks: int, env: dict[str, str], max_batch: int) -> Ra
         rt.build_runner()
         rt.capture_all()
         return rt
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _time_steps(rt: RankRuntime, sb, n: int) -> list[float]:
@@ -104,25 +95,36 @@ def compare(variants: list[tuple[str, dict[str, str]]], model: str = "qwen3-0.6b
     return res
 
 
-def main() -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", nargs="+", required=True, help="label:NAME=VALUE;... (first: the baseline)")
+def add_step_args(ap: argparse.ArgumentParser, batches: str) -> None:
+    """The options of a side-by-side decode-step comparison (`compare`'s keyword arguments and `--out`)."""
     ap.add_argument("--model", default="qwen3-0.6b")
-    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--batches", default=batches)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--blocks", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=100, help="steps per round and side")
     ap.add_argument("--out", default=None)
+
+
+def run(args: argparse.Namespace, variants: list[tuple[str, dict[str, str]]],
+        on_tokens_differ: Callable[[str, int], None] | None = None) -> dict:
+    """`compare` with the options of `add_step_args`; writes `--out`."""
+    res = compare(variants, args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.blocks,
+                  args.rounds, args.steps, on_tokens_differ)
+    if args.out:
+        write_json(args.out, res)
+    return res
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", nargs="+", required=True, help="label:NAME=VALUE;... (first: the baseline)")
+    add_step_args(ap, "1,64")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     if len({label for label, _ in variants}) != len(variants):
         raise SystemExit("variant labels must differ")
-    res = compare(variants, args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.blocks,
-                  args.rounds, args.steps)
-    if args.out:
-        write_json(args.out, res)
-    return res
+    return run(args, variants)
 
 
 if __name__ == "__main__":

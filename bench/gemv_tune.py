@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import copy_bandwidth, machine, write_json
+from bench.common import copy_bandwidth, environ, machine, write_json
 from bench.gemm_tune import GraphTimer
 
 H, I, QKV, ATT = 1024, 3072, 4096, 2048  # Qwen3-0.6B: hidden, intermediate, q+k+v width, attention width
@@ -168,22 +168,15 @@ def chain(m: int, best: dict[tuple[str, int], Cfg], timer: GraphTimer) -> dict:
             y, _ = gemv_with_config(act, w["down"][i], cfg["down"])
         return add_rms_norm(y, res, nw, EPS)[1]
 
-    from modeling.ops.pdl import PDL_ENV
+    from modeling.ops.pdl import PDL_ENV, pdl_supported
 
     out = {"m": m}
-    modes = ["0", "early"] if pdl_available() else ["0"]
-    saved = os.environ.get(PDL_ENV)
-    try:
-        for mode in modes:  # PDL is read at every launch: each capture below gets the mode set here
-            os.environ[PDL_ENV] = mode
+    modes = ["0", "early"] if pdl_supported(torch.device("cuda", torch.cuda.current_device())) else ["0"]
+    for mode in modes:
+        with environ({PDL_ENV: mode}):  # PDL is read at every launch: each capture below gets the mode set here
             for label, fn in (("before", before), ("gemv", after), ("before_again", before), ("gemv_again", after)):
                 us, _, _ = timer.run(lambda i, fn=fn: fn(COPIES), 1)
                 out[f"{label}_pdl{mode}_us_per_layer"] = us / COPIES
-    finally:
-        if saved is None:
-            os.environ.pop(PDL_ENV, None)
-        else:
-            os.environ[PDL_ENV] = saved
     for mode in modes:
         b = (out[f"before_pdl{mode}_us_per_layer"] + out[f"before_again_pdl{mode}_us_per_layer"]) / 2
         a = (out[f"gemv_pdl{mode}_us_per_layer"] + out[f"gemv_again_pdl{mode}_us_per_layer"]) / 2
@@ -191,21 +184,6 @@ def chain(m: int, best: dict[tuple[str, int], Cfg], timer: GraphTimer) -> dict:
         print(f"chain M={m} PDL={mode}: before {b:.2f} us/layer, GEMV {a:.2f} us/layer, ratio {a / b:.3f} "
               f"(saves {(b - a) * COPIES:.0f} us per 28-layer step)", flush=True)
     return out
-
-
-def pdl_available() -> bool:
-    """Whether this device and Triton can launch with PDL (probed with the mode forced on)."""
-    from modeling.ops.pdl import PDL_ENV, pdl_enabled
-
-    saved = os.environ.get(PDL_ENV)
-    os.environ[PDL_ENV] = "early"
-    try:
-        return pdl_enabled(torch.device("cuda", torch.cuda.current_device()))
-    finally:
-        if saved is None:
-            os.environ.pop(PDL_ENV, None)
-        else:
-            os.environ[PDL_ENV] = saved
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,48 +11,28 @@ not change). Prints median ms per step and each mode's ratio to off.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
-from bench.common import write_json
-from bench.decode_ab import compare
-from modeling.ops.pdl import PDL_ENV, pdl_enabled
+from bench.decode_ab import add_step_args, run
+from modeling.ops.pdl import PDL_ENV, pdl_supported
 
 
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-0.6b")
-    ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--blocks", type=int, default=2048)
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=100, help="steps per round and side")
     ap.add_argument("--modes", default="0,1,early")
-    ap.add_argument("--out", default=None)
+    add_step_args(ap, "1,8,64")
     args = ap.parse_args()
     modes = args.modes.split(",")
     if modes[0] != "0":
         raise SystemExit("--modes must start with 0 (the baseline)")
-    saved = os.environ.get(PDL_ENV)
-    os.environ[PDL_ENV] = "1"
-    try:
-        if not pdl_enabled(torch.device("cuda", 0)):
-            raise SystemExit("PDL is not available here (needs sm_90+ and a Triton with launch_pdl)")
-    finally:
-        if saved is None:
-            os.environ.pop(PDL_ENV, None)
-        else:
-            os.environ[PDL_ENV] = saved
+    if not pdl_supported(torch.device("cuda", 0)):
+        raise SystemExit("PDL is not available here (needs sm_90+ and a Triton with launch_pdl)")
 
     def differ(label: str, batch: int) -> None:
         raise SystemExit(f"batch {batch}: tokens differ with PDL {label}")
 
-    res = compare([(m, {PDL_ENV: m}) for m in modes], args.model, tuple(int(b) for b in args.batches.split(",")),
-                  args.context, args.blocks, args.rounds, args.steps, on_tokens_differ=differ)
-    if args.out:
-        write_json(args.out, res)
-    return res
+    return run(args, [(m, {PDL_ENV: m}) for m in modes], differ)
 
 
 if __name__ == "__main__":

@@ -129,12 +129,7 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
         mlp = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, Qwen3MLP)), None)
         calls = decode_projection_warm_up_calls(attn.qkv_proj, attn.o_proj, mlp, self.layers[0].input_layernorm,
                                                 self.ctx.tp_size, self.kernels)
-        if calls:
-            from modeling.ops import triton_gemm, triton_gemv
-
-            prime_kernel_caches([triton_gemv, triton_gemm], self.device)
-            run_side_by_side(calls)
-        return launches + len(calls)
+        return launches + run_projection_warm_up(calls, self.device)
 
     def compute_logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""
@@ -173,11 +168,11 @@ def decode_projection_warm_up_calls(qkv_proj: QKVParallelLinear, o_proj: RowPara
     calls: list[Callable[[], Any]] = []
     weight = norm.weight
     hidden, dev, dtype = weight.shape[0], weight.device, weight.dtype
+    attn_out = o_proj.weight.shape[1]
     for t in range(1, ops.prologue_norm_max_tokens + 1):
         def rows(width: int, t: int = t) -> torch.Tensor:
             return torch.zeros((t, width), dtype=dtype, device=dev)
 
-        attn_out = o_proj.weight.shape[1]
         if tp_size == 1:
             calls += [lambda r=rows: ops.norm_linear(r(hidden), None, weight, norm.eps, qkv_proj.weight),
                       lambda r=rows: ops.norm_linear(r(hidden), r(hidden), weight, norm.eps, qkv_proj.weight),
@@ -208,3 +203,14 @@ def config_projection_warm_up_calls(cfg: ModelConfig, ctx: ParallelContext, ops:
     mlp = Qwen3MLP(cfg.hidden_size, cfg.intermediate_size, ctx, cfg.dtype, ops, device) if dense else None
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops, device)
     return decode_projection_warm_up_calls(qkv, o_proj, mlp, norm, ctx.tp_size, ops)
+
+
+def run_projection_warm_up(calls: list[Callable[[], Any]], device: torch.device) -> int:
+    """Run projection warm-up calls (`decode_projection_warm_up_calls`) side by side on threads, after creating the
+    GEMM kernels' per-device cache entries on this thread; returns the number of launches."""
+    if calls:
+        from modeling.ops import triton_gemm, triton_gemv
+
+        prime_kernel_caches([triton_gemv, triton_gemm], device)
+        run_side_by_side(calls)
+    return len(calls)

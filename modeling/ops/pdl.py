@@ -53,17 +53,23 @@ def _device_has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch with PDL at all, whatever `GRAPHLINE_PDL` says: CUDA of compute
+    capability 9.0 or later, a Triton with the `launch_pdl` option, the CPU interpreter off (checked before any
+    device query)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not _triton_has_pdl():
+        return False
+    return _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def pdl_mode(device: torch.device) -> int:
     """The PDL mode of kernels launched on `device` (0 off, 1, 2: see the module doc): `GRAPHLINE_PDL` (default early)
-    where the device is CUDA of compute capability 9.0 or later, Triton has the `launch_pdl` option and the CPU
-    interpreter is off; 0 elsewhere."""
+    where `pdl_supported(device)`; 0 elsewhere."""
     raw = os.environ.get(PDL_ENV, "early")
     if raw not in PDL_MODES:
         raise ValueError(f"{PDL_ENV}={raw!r}: use 0 (off), 1 (trigger after the wait) or early (the default)")
     mode = PDL_MODES[raw]
-    if mode == 0 or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not _triton_has_pdl():
-        return 0
-    return mode if _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device()) else 0
+    return mode if mode and pdl_supported(device) else 0
 
 
 def pdl_enabled(device: torch.device) -> bool:

@@ -19,6 +19,7 @@ def test_cpu_and_interpreter_never_launch_with_pdl(monkeypatch, raw):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # decided before any device query: no CUDA needed here
     assert pdl.pdl_mode(torch.device("cuda", 0)) == 0
     assert not pdl.pdl_enabled(torch.device("cuda", 0))
+    assert not pdl.pdl_supported(torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("raw", ["on", "2", "", "Early"])
@@ -35,6 +36,9 @@ def test_modes_where_the_gpu_and_triton_support_it(monkeypatch):
     gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
     assert pdl.pdl_mode(gpu0) == 2 and pdl.pdl_mode(gpu1) == 0  # early by default where the GPU has it
+    assert pdl.pdl_supported(gpu0) and not pdl.pdl_supported(gpu1)
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert pdl.pdl_supported(gpu0)  # whatever the switch says
     for raw, mode in (("0", 0), ("1", 1), ("early", 2)):
         monkeypatch.setenv(pdl.PDL_ENV, raw)
         assert pdl.pdl_mode(gpu0) == mode and pdl.pdl_mode(gpu1) == 0
