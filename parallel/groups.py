@@ -38,8 +38,7 @@ from parallel import comm
 from parallel.context import ParallelContext
 from parallel.dispatch import make_dispatcher
 from parallel.symm_allreduce import IMPL_NAME as SYMM_IMPL_NAME
-from parallel.symm_allreduce import SymmMemAllReduce, try_create_for_group
-from parallel.symm_fused import default_kind as fused_kind
+from parallel.symm_allreduce import SymmMemAllReduce, default_fused_kind as fused_kind, try_create_for_group
 from parallel.topology import RankCoords, Topology
 
 log = logging.getLogger(__name__)

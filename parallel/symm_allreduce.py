@@ -47,6 +47,18 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+FUSED_KINDS = ("push", "pull")  # the fused all-reduce + add + RMSNorm kernels of `parallel.symm_fused`
+
+
+def default_fused_kind() -> str:
+    """`GRAPHLINE_TP_FUSED_KIND` (push | pull), default push; every rank of a deployment shares the environment."""
+    import os
+
+    kind = os.environ.get("GRAPHLINE_TP_FUSED_KIND", "push")
+    if kind not in FUSED_KINDS:
+        raise ValueError(f"GRAPHLINE_TP_FUSED_KIND={kind!r}: expected one of {', '.join(FUSED_KINDS)}")
+    return kind
+
 log = logging.getLogger(__name__)
 
 IMPL_NAME = "symm_mem_one_shot"
@@ -363,9 +375,7 @@ def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFA
     backend, and the all-gathered device ordinals) return without a further collective;
     everything else is agreed over the group.
     """
-    from parallel.symm_fused import default_kind
-
-    fused_kind = fused_kind or default_kind()  # a bad GRAPHLINE_TP_FUSED_KIND raises before anything is allocated
+    fused_kind = fused_kind or default_fused_kind()  # a bad GRAPHLINE_TP_FUSED_KIND raises before anything is allocated
     if group is None:
         return None, "no process group"
     if device.type != "cuda":

@@ -103,7 +103,7 @@ def _ar_add_rms_norm_kernel(X, R, W, OUT, SUM, PEERS, EPOCHS, M, eps, half_elems
 
 
 EMPTY_BITS = -32768  # int16 bit pattern of -0.0 in bf16 and fp16: the push kind's "not arrived" mark
-KINDS = ("push", "pull")
+from parallel.symm_allreduce import FUSED_KINDS as KINDS, default_fused_kind  # noqa: E402 (triton-free)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -142,16 +142,6 @@ def _ar_push_add_rms_norm_kernel(X, R, W, OUT, SUM, PEERS, EPOCHS, M, eps, half_
     tl.store(EPOCHS + b, epoch)
 
 
-def default_kind() -> str:
-    """`GRAPHLINE_TP_FUSED_KIND` (push | pull), default push; every rank of a deployment shares the environment."""
-    import os
-
-    kind = os.environ.get("GRAPHLINE_TP_FUSED_KIND", "push")
-    if kind not in KINDS:
-        raise ValueError(f"GRAPHLINE_TP_FUSED_KIND={kind!r}: expected one of {', '.join(KINDS)}")
-    return kind
-
-
 def _kernel_call(kind: str, x: Any, residual: Any, weight: Any, out: Any, s: Any, peers: Any, epochs: Any, m: int,
                  eps: float, h: int, elem_size: int, half_bytes: int, rank: int, world: int
                  ) -> tuple[Any, tuple, dict[str, Any]]:
@@ -179,7 +169,7 @@ def warm_up_compile(hidden: int, dtype: torch.dtype, rank: int, world: int, max_
     """Compile (without launching, with no buffers and no peers) the fused kernel `FusedSymmBuffers` of this
     `kind`, `max_bytes`, group rank and size will launch for `[M, hidden]` inputs of `dtype`, into Triton's caches;
     on the current CUDA device. Lets a rank compile it before its process groups exist."""
-    kind = kind if kind is not None else default_kind()
+    kind = kind if kind is not None else default_fused_kind()
     elem = torch.empty((), dtype=dtype).element_size()
     kernel, args, meta = _kernel_call(kind, dtype, dtype, dtype, dtype, dtype, torch.int64, torch.int64, 1, eps,
                                       hidden, elem, _half_bytes(max_bytes), rank, world)
@@ -191,7 +181,7 @@ class FusedSymmBuffers:
 
     Built by every rank of the group together (rendezvous), outside any CUDA graph capture; lives as long as
     the group's `SymmMemAllReduce`. `max_bytes`: the largest `[M, H]` input, in bytes. `kind`: "push" (bf16 /
-    fp16 only) or "pull" (bf16 / fp16 / fp32); None: `default_kind()`. `dtypes`: what this kind reduces.
+    fp16 only) or "pull" (bf16 / fp16 / fp32); None: `default_fused_kind()`. `dtypes`: what this kind reduces.
     """
 
     def __init__(self, group_name: str, device: torch.device, world: int, rank: int, max_bytes: int,
@@ -200,7 +190,7 @@ class FusedSymmBuffers:
 
         from parallel.symm_allreduce import symm_empty_bytes
 
-        self.kind = kind if kind is not None else default_kind()
+        self.kind = kind if kind is not None else default_fused_kind()
         if self.kind not in KINDS:
             raise ValueError(f"fused all-reduce kind {self.kind!r}: expected one of {', '.join(KINDS)}")
         self.world, self.rank, self.device = world, rank, device

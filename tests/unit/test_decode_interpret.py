@@ -15,7 +15,7 @@ import torch
 
 from tests.unit._interpret import run_interpreted
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs triton (the Triton CPU interpreter runs its kernels)")
 
 DTYPES = ("float32", "float16")
 # name -> (Hq, Hkv, D, block size, table width, kv lengths, [(BLOCK_N, splits) or None = decode_config])

@@ -13,7 +13,7 @@ import pytest
 
 from tests.unit._interpret import run_interpreted
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs triton (the Triton CPU interpreter runs its kernels)")
 
 SPLITS = (1, 2, 4, 8)
 CASES = [(3, 64, 256, 32), (1, 50, 200, 32), (16, 64, 256, 64)]  # (M, N, K, BLOCK_K); K=200 is uneven

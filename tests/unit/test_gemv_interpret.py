@@ -10,7 +10,7 @@ import pytest
 
 from tests.unit._interpret import run_interpreted
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs triton (the Triton CPU interpreter runs its kernels)")
 
 CASES = [(64, 256, 8, 256), (50, 200, 4, 256), (64, 256, 8, 128), (50, 200, 16, 64), (32, 384, 4, 256)]  # N, K, BN, BK
 ROWS = (1, 2, 3, 4)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.unit._interpret import run_interpreted
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs triton (the Triton CPU interpreter runs its kernels)")
 
 _CHILD = r"""
 import json, sys, time
