@@ -20,9 +20,11 @@ reset():  drain (in-flight steps finish; their tickets keep the tokens), then ev
 Step paths (`DeploymentConfig.step_path`, or `GRAPHLINE_STEP_PATH` which overrides it):
 - pipe: packed frames through per-rank named pipes to a resident loop in every rank
   (`actors.pipes`); the default when every rank runs on the driver's host;
-- compiled: a Ray compiled graph; the default on multi-host GPU clusters;
-- plain: one actor call per rank per step; the default on multi-host CPU clusters
-  (compiled-graph actors poll their input channel, which costs a core per rank).
+- compiled: a Ray compiled graph; the default on multi-host GPU clusters without tensor parallelism;
+- plain: one actor call per rank per step; the default on multi-host CPU clusters (compiled-graph
+  actors poll their input channel, which costs a core per rank) and for TP > 1 on GPUs across hosts
+  (TP ranks see every GPU of their node for the symmetric-memory all-reduce, and Ray's compiled graphs
+  need per-actor CUDA_VISIBLE_DEVICES).
 """
 from __future__ import annotations
 
@@ -195,8 +197,8 @@ class Coordinator:
         if path not in STEP_PATHS:
             raise ValueError(f"GRAPHLINE_STEP_PATH must be one of {STEP_PATHS}, got {path!r}")
         local = all_local(self._ranks.places)
-        if path == "auto":
-            path = "pipe" if local else ("compiled" if self._use_gpu else "plain")
+        if path == "auto":  # compiled graphs need per-actor CUDA_VISIBLE_DEVICES, which TP ranks on GPUs give up
+            path = "pipe" if local else ("compiled" if self._use_gpu and not self._ranks_see_all_gpus else "plain")
         if path == "pipe" and not local:
             raise ValueError("the pipe step path needs every rank on the driver's host")
         if path == "compiled" and self._ranks_see_all_gpus:

@@ -17,35 +17,18 @@ from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: no armed graphs
-    triton = None
-
-if triton is not None:
-
-    @triton.jit(do_not_specialize=["max_polls"])
-    def _host_gate_kernel(ctl_ptr, ack_ptr, expected_ptr, max_polls):
-        want = tl.load(expected_ptr)
-        word = tl.load(ctl_ptr, volatile=True)
-        polls = max_polls * 0
-        while ((word >> 1) < want) & (polls < max_polls):
-            word = tl.load(ctl_ptr, volatile=True)
-            polls += 1
-        go = ((word >> 1) == want) & ((word & 1) == 1)
-        tl.store(ack_ptr, want * 2 + go.to(tl.int64))
-        tl.store(expected_ptr, want + 1)
-
 
 class HostGate:
     """One rank's gate state (see the module docstring). `open` and `ran` are host-only and cheap (a store / a
     load of pinned memory)."""
 
     def __init__(self, device: torch.device, max_polls: int):
-        if triton is None:
-            raise RuntimeError("armed decode graphs need Triton")
-        pin = device.type == "cuda"
+        if device.type != "cuda":
+            raise RuntimeError("armed decode graphs need a CUDA device")
+        from modeling.ops.triton_gate import host_gate_kernel  # a GPU-only kernel module: imported on CUDA only
+
+        self._kernel = host_gate_kernel
+        pin = True
         self.control = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
         self.ack = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
         self._control, self._ack = self.control.numpy(), self.ack.numpy()
@@ -55,7 +38,7 @@ class HostGate:
 
     def enqueue(self) -> None:
         """Enqueue the gate kernel on the current stream (capturable); the stream's later work waits for it."""
-        _host_gate_kernel[(1,)](self.control, self.ack, self.expected, self.max_polls, num_warps=1)
+        self._kernel[(1,)](self.control, self.ack, self.expected, self.max_polls, num_warps=1)
 
     def warm_up(self) -> None:
         """Compile the kernel (at start-up, not at the first arm): one execution opened beforehand."""

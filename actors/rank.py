@@ -97,10 +97,24 @@ class RuntimeConfig:
         return cfg
 
 
+class DeviceError(ValueError):
+    """The requested device does not exist in this process."""
+
+
 def resolve_device(spec: str, local_gpu: int = 0) -> torch.device:
+    """The rank's device for `spec` ("auto", "cpu", "cuda" or "cuda:N"): "auto" and "cuda" take CUDA device
+    `local_gpu` (the rank's own GPU: 0 under Ray's per-actor isolation), so process groups and kernels always see
+    an indexed device. Raises DeviceError for CUDA when torch sees no CUDA device."""
     if spec == "auto":
         return torch.device("cuda", local_gpu) if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(spec)
+    dev = torch.device(spec)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {spec!r}: torch sees no CUDA device (a CPU build of torch, no driver, or "
+                              "CUDA_VISIBLE_DEVICES hides them); use --device cpu or auto")
+        if dev.index is None:
+            dev = torch.device("cuda", local_gpu)
+    return dev
 
 
 class HeadGraphs(NamedTuple):

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import ray
 
 from actors.errors import StartupCaptureError
-from actors.placement import ActorPlace, bundle_strategy, cluster_has_gpus, create_placement_group, describe_places, \
+from actors.placement import ActorPlace, PlacementError, bundle_strategy, cluster_has_gpus, create_placement_group, describe_places, \
     order_ranks
 from actors.rankset import RankCallError, RankSet
 from actors.worker import RankWorker
@@ -32,11 +32,11 @@ class Launched:
 
 
 def ensure_ray(address: Optional[str], num_cpus: Optional[int]) -> bool:
-    """Connect to `address` or start a local Ray; returns True when this call started it."""
+    """Connect to `address` or start a local Ray; returns True when this call started it. Ray's token
+    authentication stays as Ray sets it (on for a local cluster since Ray 2.59; `launch/cluster.sh` turns it on
+    for the clusters it starts): nothing here weakens it."""
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if address is not None:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
     else:
@@ -66,7 +66,10 @@ def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Laun
     t0 = time.perf_counter()
     owns = ensure_ray(cfg.address, cfg.num_cpus)
     ray_init_s = time.perf_counter() - t0
-    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else cluster_has_gpus()
+    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else (cfg.runtime.device != "cpu" and cluster_has_gpus())
+    if use_gpu is False and cfg.runtime.device.startswith("cuda"):
+        raise PlacementError(f"--device {cfg.runtime.device} needs GPUs, but the Ray cluster has none "
+                             "(ray status shows its resources); use --device cpu or auto")
     timeout = cfg.collective_timeout_s + 120.0
     pg = create_placement_group(topo.world, use_gpu, timeout_s=timeout)
     t_pg, wall_pg = time.perf_counter(), time.time()

@@ -17,13 +17,17 @@ def add_model_args(p: argparse.ArgumentParser, executor_default: str = "ray") ->
                    "or a random-weight preset: qwen3-tiny, qwen3-moe-tiny, qwen3-0.6b, qwen3-moe-small")
     g.add_argument("--seed", type=int, default=0, help="weight seed of a preset")
     g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
-    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda (each rank its own GPU), "
+                   "or cuda:N (--executor local only)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP group")
     g.add_argument("--dp", type=int, default=1, help="data-parallel groups (one scheduler each)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE; = world size when enabled)")
     g.add_argument("--ep-backend", choices=("allgather", "deepep"), default="allgather")
     g.add_argument("--address", default=None, help="an existing Ray cluster (e.g. HEAD_IP:6379); default: start one")
     g.add_argument("--num-cpus", type=int, default=None, help="CPUs of a Ray cluster started here")
+    g.add_argument("--ray-listen", choices=("loopback", "node"), default="loopback",
+                   help="where a Ray cluster started here (no --address) listens: loopback (default: no other "
+                        "machine can reach it) or the node's address")
     g.add_argument("--executor", choices=EXECUTORS, default=executor_default,
                    help="ray: the Ray coordinator (one actor per rank); local: one rank in this process, no Ray; "
                         "auto: local for one rank without --address, else ray")
@@ -97,6 +101,26 @@ def runtime_config(args: argparse.Namespace):
                          armed_decode_wait_ms=args.armed_decode_wait_ms)
 
 
+def prepare_process(args: argparse.Namespace) -> None:
+    """Process-wide settings a command needs before anything imports Ray: no usage reporting, and a Ray cluster
+    this process starts itself binds to loopback unless `--ray-listen node` (Ray reads the variable at import)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if getattr(args, "address", None) is None and getattr(args, "ray_listen", "node") == "loopback":
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's switch: every server on 127.0.0.1
+
+
+def check_device(args: argparse.Namespace, kind: str) -> None:
+    """`--device` is auto, cpu, cuda or cuda:N (one rank in this process only)."""
+    dev = args.device
+    if dev in ("auto", "cpu", "cuda"):
+        return
+    if dev.startswith("cuda:") and dev[5:].isdigit():
+        if kind != "local":
+            raise LaunchError(f"--device {dev}: each Ray rank uses its own GPU; use --device cuda (or auto)")
+        return
+    raise LaunchError(f"--device {dev!r}: use auto, cpu, cuda or cuda:N")
+
+
 def executor_kind(args: argparse.Namespace) -> str:
     if args.executor != "auto":
         return args.executor
@@ -114,6 +138,7 @@ def build_executor(args: argparse.Namespace) -> tuple[Any, str]:
     except (ValueError, KeyError) as exc:  # config validation names the bad option
         raise LaunchError(f"bad deployment options: {exc}") from exc
     kind = executor_kind(args)
+    check_device(args, kind)
     if kind == "local":
         if args.tp * args.dp * args.ep != 1 or args.address:
             raise LaunchError("--executor local runs one rank in this process: drop --tp/--dp/--ep/--address "
@@ -125,7 +150,6 @@ def build_executor(args: argparse.Namespace) -> tuple[Any, str]:
         from actors.coordinator import Coordinator, DeploymentConfig
     except ImportError as exc:  # pragma: no cover - only while the coordinator is missing
         raise LaunchError(f"the Ray coordinator is unavailable ({exc}); use --executor local") from exc
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
         dep = DeploymentConfig(runtime=rt, tp=args.tp, dp=args.dp, ep=args.ep, ep_backend=args.ep_backend,
                                address=args.address, num_cpus=args.num_cpus,

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def pytest_collection_modifyitems(config, items):

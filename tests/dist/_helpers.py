@@ -13,7 +13,6 @@ from actors.rank import RuntimeConfig
 from graphrunner.config import GraphRunnerConfig
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 GRAPH = GraphRunnerConfig(max_decode_batch=4, pcg_max_tokens=64, pcg_token_stride=32)
 BLOCK, BLOCKS_PER_SEQ = 16, 4

@@ -56,7 +56,7 @@ class Server:
 
 
 def start_server(cmd: list[str], timeout: float = 240.0, env: Optional[dict] = None) -> Server:
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1", **(env or {})}
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

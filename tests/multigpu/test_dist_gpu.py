@@ -112,7 +112,6 @@ def ranks_paths(coord) -> list[dict]:
 @pytest.fixture(scope="module")
 def ray_mod():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     if not ray.is_initialized():

@@ -1,4 +1,4 @@
-"""The armed-decode gate kernel (`actors.host_gate`) under the Triton CPU interpreter.
+"""The armed-decode gate kernel (`modeling.ops.triton_gate`, state in `actors.host_gate`) under the Triton CPU interpreter.
 
 One execution per case, in order, on one gate state (the device counter carries over between executions):
 opened with go before the kernel runs, opened with cancel, never opened (gives up after its poll budget),
@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="needs triton (the Triton CPU interpreter r
 _CHILD = r"""
 import json
 import torch
-from actors import host_gate
+from modeling.ops.triton_gate import host_gate_kernel
 
 ctl = torch.zeros(1, dtype=torch.int64)
 ack = torch.zeros(1, dtype=torch.int64)
@@ -23,7 +23,7 @@ expected = torch.ones(1, dtype=torch.int64)
 def run(word, polls=50):
     if word is not None:
         ctl[0] = word
-    host_gate._host_gate_kernel[(1,)](ctl, ack, expected, polls)
+    host_gate_kernel[(1,)](ctl, ack, expected, polls)
     return {"ack": int(ack[0]), "expected": int(expected[0])}
 
 out = [
