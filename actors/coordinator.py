@@ -32,7 +32,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -41,7 +41,8 @@ from actors.errors import CoordinatorStateError, RankFailureError, StartupCaptur
 from actors.pipes import DRIVER_POLL_S, PipeStepper, all_local
 from actors.protocol import plan_step, with_arm_next
 from actors.rank import RuntimeConfig
-from actors.rankset import CompiledStepper, PlainStepper, RankCallError, RankSet
+from actors.rankset import CompiledStepper, PlainStepper, RankCallError, RankFault, RankSet
+from actors.watch import RankWatcher
 from actors.startup import capture_all, launch_ranks, summarize_status
 from parallel.dispatch import KINDS
 from parallel.topology import Topology
@@ -127,6 +128,12 @@ class Coordinator:
         self._dp_leaders = tuple(self.topo.dp_leaders())
         self._last_collect = 0.0  # perf_counter at the end of the last collect
         self._test_faults: dict[int, dict] = {}  # tests only: rank -> fault options, applied at start()
+        self._watcher: Optional[RankWatcher] = None  # heartbeats of the serving group (`actors.watch`)
+        self._watch_fault: Optional[RankFault] = None  # what the watcher found (a dead or hung rank), until rebuild
+        self._generation = 0  # counts rank groups started: a fault names the group it was found in
+        # called (from the watcher's thread) with a one-line reason when a rank of a serving group dies or hangs,
+        # so an idle owner can rebuild before any request arrives
+        self.fault_listeners: list[Callable[[str, int], None]] = []
 
     # ------------------------------------------------------------------ properties
     @property
@@ -177,8 +184,52 @@ class Coordinator:
         self._stepper = self._make_stepper()
         timings["step_path"] = self._stepper.name
         self._startup = timings
+        self._generation += 1
+        self._watch_fault = None
         self._state = "serving"
+        self._start_watcher()
         return timings
+
+    # ------------------------------------------------------------------ failure detection
+    def _start_watcher(self) -> None:
+        # A rank's heartbeat thread answers within milliseconds whatever its step does, so a quarter of the step
+        # timeout of silence (1.5 to 5 s) means a stopped or wedged process: it is declared hung, and the group
+        # torn down and rebuilt within the step timeout. A stuck step whose rank still answers (a collective
+        # waiting on a peer) is caught by the step deadline.
+        hang = min(5.0, max(1.5, self.cfg.step_timeout_s / 4))
+        gen = self._generation
+        self._watcher = RankWatcher(self._ranks, lambda fault: self._on_watch_fault(fault, gen),
+                                    interval_s=0.25, unresponsive_after_s=min(0.5, hang), hang_after_s=hang)
+        self._ranks.watcher = self._watcher
+        self._watcher.start()
+
+    def _on_watch_fault(self, fault: RankFault, generation: int) -> None:
+        """The watcher's thread: a rank of group `generation` died or hung. Kill every rank process at once (a
+        step waiting on them ends with an error); the group is torn down and rebuilt by the owner's thread."""
+        ranks = self._ranks
+        if generation != self._generation or ranks is None or self._state != "serving":
+            return
+        self._watch_fault = fault
+        ranks.kill_processes()
+        reason = f"{fault}"
+        for listener in list(self.fault_listeners):
+            try:
+                listener(reason, generation)
+            except Exception:  # noqa: BLE001 - a listener never stops failure handling
+                pass
+
+    def health(self) -> dict[str, Any]:
+        """Whether every rank can serve, from any thread: {"ok", "state", "reason", "ranks", "generation"}."""
+        state, watcher, fault = self._state, self._watcher, self._watch_fault
+        snap = watcher.snapshot() if watcher is not None and state == "serving" else {"ok": False, "reason": None,
+                                                                                       "ranks": []}
+        ok = state == "serving" and fault is None and snap["ok"]
+        reason = None if ok else (str(fault) if fault is not None else snap["reason"] or f"coordinator {state}")
+        return {"ok": ok, "state": state, "reason": reason, "ranks": snap["ranks"], "generation": self._generation}
+
+    @property
+    def generation(self) -> int:
+        return self._generation
 
     def _capture(self, progress: bool) -> dict[str, float]:
         try:
@@ -241,6 +292,8 @@ class Coordinator:
         tensor-parallel ranks may arm the next decode step behind it (`StepPlan.arm_next`)."""
         if self._state != "serving":
             self._require("serving")
+        if self._watch_fault is not None:
+            raise self._fail(RankCallError("step", [self._watch_fault], {})) from None
         if len(batches) != self.topo.dp:
             raise ValueError(f"step needs one batch (or None) per DP rank: got {len(batches)}, dp = {self.topo.dp}")
         if len(self._in_flight) >= MAX_IN_FLIGHT:
@@ -314,6 +367,12 @@ class Coordinator:
         while self._in_flight:
             self._receive_oldest()
 
+    def check_batch(self, dp_rank: int, batch: StepBatch) -> None:
+        """Raise BatchError when `batch` (host token ids only) could not run on DP rank `dp_rank`; sends nothing."""
+        self._require("serving")
+        rt = self.cfg.runtime
+        batch.check_runnable(self._model_config.vocab_size, rt.block_size, rt.max_blocks_per_seq, self._num_kv_blocks)
+
     def _validate(self, dp_rank: int, b: StepBatch, num_steps: int = 1) -> None:
         rt = self.cfg.runtime
         try:
@@ -325,12 +384,14 @@ class Coordinator:
             raise BatchError(f"DP rank {dp_rank}: {e}") from None
 
     def _fail(self, e: RankCallError, during: str = "step") -> RankFailureError:
-        """Tear every rank down (communicators are not repairable) and build the caller's error."""
+        """Tear every rank down (communicators are not repairable) and build the caller's error. A fault the
+        watcher found first (it killed the group, so the step saw pipes close) is the one reported."""
         self._c.failures += 1
-        msg = f"{during} failed: " + "; ".join(str(f) for f in e.faults)
-        if sum(f.kind == "hung" for f in e.faults) > 1:
+        faults = [self._watch_fault] if self._watch_fault is not None else e.faults
+        msg = f"{during} failed: " + "; ".join(str(f) for f in faults)
+        if sum(f.kind == "hung" for f in faults) > 1:
             msg += " (a rank waiting in a collective for a stuck peer shows as hung too)"
-        msg += "; every rank was torn down, call rebuild() to serve again"
+        msg += "; every rank was torn down"
         self._c.last_failure = msg
         self._teardown()
         self._state = "failed"
@@ -404,6 +465,11 @@ class Coordinator:
     def shutdown(self) -> None:
         if self._state == "shutdown":
             return
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+            if self._ranks is not None:
+                self._ranks.watcher = None
         if self._ranks is not None and not self._ranks.killed and self._state == "serving":
             try:
                 self._drain()
@@ -426,6 +492,9 @@ class Coordinator:
             self._owns_ray = False
 
     def _teardown(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
         self._in_flight.clear()
         self._prev_rows = [0] * self.topo.dp
         if self._ranks is not None:

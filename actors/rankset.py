@@ -73,6 +73,7 @@ class RankSet:
         self.places = list(places)
         self.pg = pg
         self.killed = False
+        self.watcher: Any = None  # `actors.watch.RankWatcher` of a serving group: its heartbeats explain silence
         self._rank_of_actor = {w._actor_id.hex(): r for r, w in enumerate(self.workers)}
         self._rank_of_pid = {p.pid: r for r, p in enumerate(self.places)}
 
@@ -119,7 +120,22 @@ class RankSet:
         return [results[refs_r] for refs_r in sorted(results)]
 
     def diagnose_hung(self, ranks: Sequence[int], waited_s: float) -> list[RankFault]:
-        """Probe the health thread of ranks that did not answer: alive-but-stuck, or dead."""
+        """Why ranks did not answer: alive-but-stuck, or dead. From the watcher's latest heartbeats when one runs
+        (no further wait), else by probing each rank's health thread (up to 3 s)."""
+        if self.watcher is not None:
+            beats = {b["rank"]: b for b in self.watcher.snapshot()["ranks"]}
+            out = []
+            for r in ranks:
+                b = beats[r]
+                if b["state"] == "dead":
+                    out.append(RankFault(r, "died", "its process is gone (seen by the heartbeat watcher)"))
+                elif b["state"] == "unresponsive":
+                    out.append(RankFault(r, "hung", f"no answer after {waited_s:.1f}s and no heartbeat for "
+                                                    f"{b['silent_s']:.1f}s"))
+                else:
+                    out.append(RankFault(r, "hung", f"no answer after {waited_s:.1f}s; alive, in '{b['phase']}' "
+                                                    f"for {b['phase_s']:.1f}s"))
+            return out
         probes = {self.workers[r].health.remote(): r for r in ranks}
         ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=3.0)
         out = []
@@ -163,12 +179,31 @@ class RankSet:
         if self.killed:
             return
         self.killed = True
+        self.kill_processes()
+        remove_group(self.pg)
+
+    def kill_processes(self) -> None:
+        """Kill every rank's process, from any thread, leaving the placement group: ranks on the driver's node get
+        SIGKILL directly (a stopped process, SIGSTOP, cannot act on Ray's request to exit), every actor
+        `ray.kill`. Best effort: a process already gone is skipped."""
+        import os
+        import signal
+
+        try:
+            here = ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001 - Ray already shut down
+            here = None
+        for p in self.places:
+            if here is not None and p.node_id == here and p.pid and p.pid != os.getpid():
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except OSError:
+                    pass
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
-        remove_group(self.pg)
 
 
 class PlainStepper:

@@ -194,7 +194,7 @@ def _jsonable(x: Any) -> Any:
 def summarize_status(coord: Any, infos: Sequence[Optional[dict]]) -> dict:
     """The coordinator's JSON status: global counters plus one entry per rank."""
     c, topo = coord._c, coord.topo
-    ranks = coord._ranks
+    ranks = coord._ranks  # read once: another thread may tear the group down meanwhile
     places = describe_places(ranks.places, range(len(ranks.places))) if ranks is not None else []
     per_rank = []
     for r in range(topo.world):
@@ -220,6 +220,8 @@ def summarize_status(coord: Any, infos: Sequence[Optional[dict]]) -> dict:
         "topology": {"world": topo.world, "tp": topo.tp, "dp": topo.dp, "ep": topo.ep,
                      "ep_backend": coord.cfg.ep_backend},
         "step_path": coord.step_path,
+        "ray_address": ray.get_runtime_context().gcs_address if ray.is_initialized() else None,
+        "health": coord.health(),
         "last_phase": c.last_phase,
         "phases": dict(c.phases),
         "steps": c.steps,

@@ -47,7 +47,7 @@ class _Launched:
         self.pending, self.t0, self.trace = pending, t0, None
 
 
-@ray.remote(concurrency_groups={"health": 2})
+@ray.remote(concurrency_groups={"health": 2, "heartbeat": 1})
 class RankWorker:
     def __init__(self, bundle: int, test_faults: Optional[dict] = None):
         constructing = time.time()
@@ -530,6 +530,12 @@ class RankWorker:
         self._store = None
 
     # ------------------------------------------------------------------ health (answers during steps)
+    @ray.method(concurrency_group="heartbeat")
+    def heartbeat(self) -> dict[str, Any]:
+        """The driver's watcher asks this every fraction of a second (`actors.watch`): answered on a thread of
+        its own, whatever the rank is doing; no answer means the process is stopped or gone."""
+        return {"phase": self.phase, "phase_s": time.time() - self.phase_since, "steps": self._steps}
+
     @ray.method(concurrency_group="health")
     def health(self) -> dict[str, Any]:
         return {"rank": self.rank, "phase": self.phase, "phase_s": time.time() - self.phase_since,

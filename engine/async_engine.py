@@ -2,14 +2,25 @@
 
 One thread owns the `LLMEngine` and the executor (executor calls are blocking and the
 coordinator is not re-entrant): it applies queued submissions, aborts and commands
-(`call`: reset, status ...) between steps, runs steps while work exists and sleeps on a
+(`call`: reset ...) between steps, runs steps while work exists and sleeps on a
 condition otherwise. Outputs go back to the event loop once per step
 (`loop.call_soon_threadsafe`) into one `RequestStream` per request.
 
 Requests are validated in the caller's thread (`submit` raises `RequestError`) before
-anything reaches the engine thread. An executor failure fails every in-flight request
-(their streams raise `EngineFailedError`), then the executor is rebuilt when it can be;
-if that fails too the engine is dead and refuses new requests.
+anything reaches the engine thread.
+
+Failures:
+- an executor failure (a rank died or hung) requeues every in-flight request, rebuilds the
+  executor and carries on: the requests are recomputed like a preemption and their streams
+  continue with no token lost or repeated. A request fails only when it was already requeued
+  once, or when the rebuild fails (the engine is then dead and refuses new requests);
+- the executor's watcher (`Coordinator.fault_listeners`) reports a dead or hung rank from its
+  own thread, so an idle engine rebuilds before any request arrives;
+- a round the executor refuses before any rank runs it fails the requests at fault alone;
+- every failure, rebuild and reset is one structured log line (`engine.events`).
+State for `/health`, `/status` and `/metrics` is kept outside the engine thread: `health()` reads
+the executor's watcher, `stats()` a snapshot the engine thread publishes, and `executor_status()`
+a snapshot a status thread refreshes, so none of them waits for a step.
 """
 from __future__ import annotations
 
@@ -20,7 +31,8 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
-from engine.llm_engine import EngineStepError, LLMEngine, StepInfo
+from engine.events import log_event
+from engine.llm_engine import EngineStepError, LLMEngine, RoundRejectedError, StepInfo
 from engine.request import FinishReason, Request, RequestError, RequestOutput
 from modeling.sampling import SamplingParams
 
@@ -107,24 +119,45 @@ class AsyncLLMEngine:
         self._thread: Optional[threading.Thread] = None
         self._stop = False
         self.dead: Optional[str] = None
+        self.recovering: Optional[str] = None  # why the executor is being rebuilt, while it is
         self.last_step_time: Optional[float] = None
         self.started_time = time.time()
-        self._status_cache: tuple[float, dict] = (0.0, {})
+        self.status_interval_s = 1.0
+        self._status: tuple[float, dict] = (0.0, {})  # (monotonic time, executor status) from the status thread
+        self._status_thread: Optional[threading.Thread] = None
+        self._status_stop = threading.Event()
+        self._status_wake = threading.Event()  # read the status now (after a rebuild or a reset)
+        self._stats: dict = {}  # `LLMEngine.stats()`, published by the engine thread
+        self._stats_at = 0.0
         self.reset_log: collections.deque[dict] = collections.deque(maxlen=50)  # {time, figures...}
         self.failure_log: collections.deque[dict] = collections.deque(maxlen=50)  # {time, message, rebuilt}
+        listeners = getattr(engine.executor, "fault_listeners", None)
+        if listeners is not None:
+            listeners.append(self._on_executor_fault)
+        self._publish_stats()
 
     # ---- life cycle
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
+        try:  # the first status document, before any step can run
+            self._status = (time.monotonic(), self.engine.executor.status())
+        except Exception as exc:  # noqa: BLE001
+            self._status = (time.monotonic(), {"error": f"{type(exc).__name__}: {exc}"})
         self._thread = threading.Thread(target=self._run, name="graphline-engine", daemon=True)
         self._thread.start()
+        self._status_thread = threading.Thread(target=self._refresh_status, name="graphline-status", daemon=True)
+        self._status_thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._cv:
             self._stop = True
             self._cv.notify()
+        self._status_stop.set()
+        self._status_wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._status_thread is not None:
+            self._status_thread.join(timeout)
 
     @property
     def running(self) -> bool:
@@ -180,35 +213,73 @@ class AsyncLLMEngine:
         def run() -> dict:
             try:
                 return self.engine.reset(recapture, num_kv_blocks, reload_weights)
-            except Exception as exc:  # a rank failed during the reset: fail in-flight requests, rebuild
-                self._on_failure(f"reset failed: {type(exc).__name__}: {exc}")
-                raise EngineFailedError(f"reset failed: {exc}") from exc
+            except Exception as exc:  # a rank failed during the reset: requeue in-flight requests, rebuild
+                self._recover(f"reset failed: {type(exc).__name__}: {exc}")
+                raise EngineFailedError("the reset failed; the executor was rebuilt") from exc
 
         result = await self.call(run)
         result = {**result, "wall_s": time.perf_counter() - t0}
-        self.reset_log.append({"time": time.time(), **{k: v for k, v in result.items()
-                                                       if isinstance(v, (int, float, str, bool))}})
+        flat = {k: v for k, v in result.items() if isinstance(v, (int, float, str, bool))}
+        self.reset_log.append({"time": time.time(), **flat})
+        log_event("reset", **flat)
+        self._status_wake.set()
         self.observer.on_reset(result)
-        self._status_cache = (0.0, {})
         return result
 
-    async def executor_status(self, max_age_s: float = 0.5) -> dict:
-        """The executor's status (fetched in the engine thread, cached for `max_age_s`)."""
-        at, cached = self._status_cache
-        if cached and time.monotonic() - at < max_age_s:
-            return cached
+    async def executor_status(self, max_age_s: float = 0.1, max_wait_s: float = 0.05) -> dict:
+        """The executor's status as the status thread read it. When that is older than `max_age_s`, the thread
+        is asked for a new read and this waits up to `max_wait_s` for it; it never waits for a step (a hung rank
+        only leaves the document older)."""
+        at, status = self._status
+        if time.monotonic() - at > max_age_s and self._status_thread is not None and self._status_thread.is_alive():
+            self._status_wake.set()
+            deadline = time.monotonic() + max_wait_s
+            while self._status[0] == at and time.monotonic() < deadline:
+                await asyncio.sleep(0.002)
+            at, status = self._status
         if self.dead is not None:
-            return {**cached, "error": self.dead}
-        status = await self.call(self.engine.executor.status)
-        self._status_cache = (time.monotonic(), status)
+            return {**status, "error": self.dead}
         return status
 
+    def _refresh_status(self) -> None:
+        """The status thread: read the executor's status every `status_interval_s` (its own calls to the ranks
+        have deadlines; the engine thread is never involved)."""
+        while self._thread is not None and self._thread.is_alive():
+            try:
+                status = self.engine.executor.status()
+            except Exception as exc:  # noqa: BLE001 - a broken executor still gets a status document
+                status = {"error": f"{type(exc).__name__}: {exc}"}
+            self._status = (time.monotonic(), status)
+            self._status_wake.wait(self.status_interval_s)
+            self._status_wake.clear()
+            if self._status_stop.is_set():
+                return
+
+    def health(self) -> dict:
+        """{"ok", "reason", "ranks"}: ok only when the engine thread runs and every rank can serve (the
+        executor's `health()`, read without waiting for a step)."""
+        if self.dead is not None or not self.running:
+            return {"ok": False, "reason": self.dead or "the engine thread stopped", "ranks": []}
+        if self.recovering is not None:
+            return {"ok": False, "reason": f"rebuilding after a failure: {self.recovering}", "ranks": []}
+        probe = getattr(self.engine.executor, "health", None)
+        if probe is None:
+            return {"ok": True, "reason": None, "ranks": []}
+        h = probe()
+        return {"ok": bool(h.get("ok")), "reason": h.get("reason"), "ranks": h.get("ranks", [])}
+
     def stats(self) -> dict:
-        s = self.engine.stats()
+        """The engine's counters and queues as the engine thread last published them (no lock on the engine)."""
+        s = dict(self._stats)
         s["in_flight"] = len(self._streams)
         s["dead"] = self.dead
+        s["recovering"] = self.recovering
         s["last_step_age_s"] = None if self.last_step_time is None else time.monotonic() - self.last_step_time
         return s
+
+    def _publish_stats(self) -> None:
+        self._stats = self.engine.stats()
+        self._stats_at = time.monotonic()
 
     # ---- engine thread
     def _post(self, item: tuple) -> None:
@@ -220,23 +291,34 @@ class AsyncLLMEngine:
         eng = self.engine
         while True:
             with self._cv:
+                if not self._inbox and not (eng.has_unfinished() and self.dead is None):
+                    self._publish_stats()  # going idle: the last figures of the busy spell
                 while not self._inbox and not (eng.has_unfinished() and self.dead is None) and not self._stop:
                     self._cv.wait()
                 if self._stop:
                     break
                 inbox, self._inbox = self._inbox, []
             self._apply(inbox)
+            if self.dead is not None or not eng.has_unfinished() or inbox:
+                self._publish_stats()
             if self.dead is not None or not eng.has_unfinished():
                 continue
             try:
                 outs = eng.step()
             except EngineStepError as exc:
-                self._on_failure(str(exc))
+                self._recover(str(exc))
                 continue
-            except Exception as exc:  # a scheduler/engine bug: fail everything, keep the process alive
-                self._on_failure(f"engine error: {type(exc).__name__}: {exc}")
+            except RoundRejectedError as exc:
+                outs = eng.fail_rejected(exc)
+                log_event("request_rejected", reason=str(exc), requests_failed=len(outs))
+                self._deliver(outs)
+                continue
+            except Exception as exc:  # an engine bug: the requests in flight fail, the ranks are not touched
+                self._on_engine_error(exc)
                 continue
             self.last_step_time = time.monotonic()
+            if self.last_step_time - self._stats_at > 0.05 or any(o.finished for o in outs):
+                self._publish_stats()  # before the outputs: a caller that saw its request finish sees its figures
             if outs:
                 self._deliver(outs)
         self._fail_streams("the engine stopped")
@@ -252,6 +334,10 @@ class AsyncLLMEngine:
                     errors.append((item[1].request_id, exc))
             elif kind == "abort":
                 self.engine.abort(item[1])
+            elif kind == "fault":  # the executor's watcher: a rank of group `generation` died or hung
+                reason, generation = item[1], item[2]
+                if self.dead is None and getattr(self.engine.executor, "generation", generation) == generation:
+                    self._recover(reason)
             elif kind == "call":
                 fn, fut = item[1], item[2]
                 if fut.set_running_or_notify_cancel():
@@ -292,17 +378,49 @@ class AsyncLLMEngine:
             if stream is not None:
                 stream._put(exc)
 
-    def _on_failure(self, message: str) -> None:
+    def _on_executor_fault(self, reason: str, generation: int) -> None:
+        """Called from the executor's watcher thread: wake the engine thread to rebuild (idle or not)."""
+        self._post(("fault", reason, generation))
+
+    def _recover(self, message: str) -> None:
+        """An executor failure: requeue the in-flight requests, rebuild the executor, carry on. Requests fail only
+        when they were already requeued once, or when the rebuild fails (then the engine is dead)."""
+        eng = self.engine
+        self.recovering = message
         self.observer.on_failure(message)
-        outs = self.engine.fail_all(message)
-        try:  # rebuild before telling the clients, so a retry meets the rebuilt (or dead) engine
-            self.engine.rebuild()
+        in_flight = sum(len(s.running) for s in eng.schedulers)
+        outs = eng.requeue_after_failure()
+        log_event("rank_failure", reason=message, requeued=in_flight - len(outs), failed=len(outs))
+        t0 = time.perf_counter()
+        try:
+            eng.rebuild()
+            log_event("rebuild", ok=True, seconds=round(time.perf_counter() - t0, 3))
         except Exception as exc:  # noqa: BLE001
-            self.dead = f"{message}; rebuild failed: {type(exc).__name__}: {exc}"
+            self.dead = "the model executor failed and could not be restarted"
+            log_event("rebuild", ok=False, seconds=round(time.perf_counter() - t0, 3),
+                      error=f"{type(exc).__name__}: {exc}")
+            outs += eng.fail_all(self.dead)
+        self.recovering = None
+        self._status_wake.set()
+        self._publish_stats()
         self._deliver(outs)
-        self.failure_log.append({"time": time.time(), "message": message, "rebuilt": self.dead is None})
+        self.failure_log.append({"time": time.time(), "message": message, "rebuilt": self.dead is None,
+                                 "requeued": in_flight - len(outs)})
         if self.dead is not None:
             self._fail_streams(self.dead)
+
+    def _on_engine_error(self, exc: BaseException) -> None:
+        """A bug in the engine's own code: the requests in flight fail with a generic message (the details go to
+        the log), the executor is left as it is."""
+        import traceback
+
+        log_event("engine_error", error=f"{type(exc).__name__}: {exc}",
+                  traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:])
+        outs = self.engine.fail_all("internal error in the engine; the request was not completed")
+        self.failure_log.append({"time": time.time(), "message": f"engine error: {type(exc).__name__}",
+                                 "rebuilt": False})
+        self._publish_stats()
+        self._deliver(outs)
 
     def _fail_streams(self, message: str) -> None:
         if self._loop is None or self._loop.is_closed():

@@ -116,6 +116,16 @@ class LocalEngineExecutor:
     def collect(self, ticket: Any) -> list[Optional[np.ndarray]]:
         return [None if ticket is None else ticket.result()]
 
+    def check_batch(self, dp_rank: int, batch: StepBatch) -> None:
+        """Raise BatchError when `batch` could not run on this rank; runs nothing."""
+        self.local.runtime.check_batch(batch)
+
+    def health(self) -> dict:
+        """The one in-process rank serves once started (a failure there raises in `step`)."""
+        ok = self.started_at is not None
+        return {"ok": ok, "state": "serving" if ok else "starting", "reason": None if ok else "starting",
+                "ranks": [], "generation": 1}
+
     def reset(self, recapture: bool = True, num_kv_blocks: Optional[int] = None, reload_weights: bool = False) -> dict:
         rt = self.local.runtime
         t0 = time.perf_counter()

@@ -20,6 +20,7 @@ import numpy as np
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from actors.batch import BatchError
 from engine.executor import executor_max_model_len
 from engine.request import FinishReason, ModelLimits, Request, RequestError, RequestOutput, validate_request
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -81,7 +82,7 @@ class LLMEngine:
         self.on_step: Optional[Callable[[StepInfo], None]] = None
         self.counters = {"requests_added": 0, "requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
                          "generated_tokens": 0, "prompt_tokens": 0, "steps": 0, "resets": 0, "executor_failures": 0,
-                         "rounds_ahead": 0}
+                         "rounds_ahead": 0, "requests_requeued": 0}
 
     # ---- requests
     @property
@@ -177,10 +178,68 @@ class LLMEngine:
             raise self._executor_failed(scheduled, exc) from exc
 
     def _executor_failed(self, scheduled: list[Optional[ScheduledBatch]], exc: Exception) -> "EngineStepError":
-        """Forget the failed round (and any round scheduled ahead) and build the caller's error."""
+        """Forget the failed round (and any round scheduled ahead) and build the caller's error: a
+        `RoundRejectedError` when the executor refused the round before any rank ran (a batch check failed: the
+        executor still serves), else an `EngineStepError` (a rank failed; the executor must be rebuilt)."""
         self._cancel(scheduled)
+        if isinstance(exc, BatchError):
+            return RoundRejectedError(scheduled, f"{type(exc).__name__}: {exc}")
         self.counters["executor_failures"] += 1
         return EngineStepError(f"executor step failed: {type(exc).__name__}: {exc}")
+
+    def fail_rejected(self, err: "RoundRejectedError") -> list[RequestOutput]:
+        """After a `RoundRejectedError`: find the sequences whose own rows the executor rejects (each checked alone)
+        and finish them with an error; every other sequence of the round is scheduled again by the next step.
+        When no single row is at fault, every sequence of the rejected DP batch fails (no rank is rebuilt)."""
+        culprits = []
+        for d, b in enumerate(err.scheduled):
+            if b is None:
+                continue
+            bad = [seq for seq in b.seqs if not seq.is_finished and not self._row_runs(d, seq)]
+            culprits.extend(bad or [seq for seq in b.seqs if not seq.is_finished])
+        outs = []
+        for seq in culprits:
+            sched = self.schedulers[seq.dp_rank]
+            if seq in sched.running:
+                sched.running.remove(seq)
+            seq.error = "the request could not be run by the model executor"
+            sched._finish(seq, FinishReason.ERROR)
+            if self._seqs.pop(seq.request_id, None) is not None:
+                self.counters["requests_failed"] += 1
+                outs.append(seq.take_output())
+        return outs
+
+    def _row_runs(self, dp_rank: int, seq: Seq) -> bool:
+        """Whether the executor accepts a batch of `seq` alone, as the scheduler would build it now."""
+        check = getattr(self.executor, "check_batch", None)
+        batch = self.schedulers[dp_rank].build_alone(seq)
+        try:
+            if check is not None:
+                check(dp_rank, batch)
+            else:
+                batch.validate(self.limits.vocab_size, self.limits.block_size)
+        except (BatchError, ValueError):
+            return False
+        return True
+
+    def requeue_after_failure(self) -> list[RequestOutput]:
+        """The executor failed mid-round: every running sequence goes back to its scheduler's waiting queue to be
+        recomputed after `rebuild()` (its stream continues with no token lost or repeated). A sequence that was
+        already requeued once after a failure fails instead; their outputs are returned."""
+        self._ahead = None
+        outs = []
+        for s in self.schedulers:
+            for seq in s.requeue_after_failure():
+                seq.num_failures += 1
+                if seq.num_failures > 1:
+                    s.waiting.remove(seq)
+                    seq.error = "the request failed: the model executor failed twice while it ran"
+                    s._finish(seq, FinishReason.ERROR)
+                    if self._seqs.pop(seq.request_id, None) is not None:
+                        self.counters["requests_failed"] += 1
+                        outs.append(seq.take_output())
+        self.counters["requests_requeued"] += sum(len(s.waiting) for s in self.schedulers)
+        return outs
 
     def _submit_ahead(self, scheduled: list[Optional[ScheduledBatch]]) -> None:
         """Schedule and submit the decode round after `scheduled` (every active DP rank, or none)."""
@@ -314,7 +373,17 @@ class LLMEngine:
 
 
 class EngineStepError(RuntimeError):
-    """The executor failed during a step (a rank died or timed out); in-flight requests must be failed."""
+    """The executor failed during a step (a rank died or timed out): requeue the in-flight requests
+    (`LLMEngine.requeue_after_failure`), then `rebuild()`."""
+
+
+class RoundRejectedError(RuntimeError):
+    """The executor refused a round before any rank ran it (a batch check failed); it still serves.
+    `LLMEngine.fail_rejected` fails the requests at fault alone."""
+
+    def __init__(self, scheduled: list, message: str):
+        super().__init__(message)
+        self.scheduled = scheduled
 
 
 def _needs(seq: Seq, limits: ModelLimits) -> bool:

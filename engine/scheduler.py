@@ -111,6 +111,16 @@ class Scheduler:
             self._preempt(self.running.pop())
         return n
 
+    def requeue_after_failure(self) -> list[Sequence]:
+        """The executor failed (its ranks are rebuilt): forget the rounds in flight and return every running
+        sequence to the front of the waiting queue, in order, to be recomputed like a preemption (prompt plus the
+        tokens generated so far). Returns the requeued sequences. Blocks are rebuilt with `reset_blocks`."""
+        self._in_flight = self._ahead = None
+        seqs, self.running = self.running, []
+        for seq in reversed(seqs):
+            self._preempt(seq)
+        return seqs
+
     def reset_blocks(self, num_kv_blocks: int) -> None:
         """Rebuild the allocator (after a KV cache resize); only when no sequence holds blocks."""
         if self.running or any(s.block_table for s in self.waiting):
@@ -280,6 +290,10 @@ class Scheduler:
             top_p=np.ones(n, np.float32) if greedy else np.array([r[2] for r in rows], dtype=np.float32),
             seeds=np.full(n, -1, np.int64) if greedy else np.array([r[3] for r in rows], dtype=np.int64),
         )
+
+    def build_alone(self, seq: Sequence) -> StepBatch:
+        """The step batch of `seq` alone, from its host tokens (to check one sequence's rows by themselves)."""
+        return self._build([seq])
 
     def update(self, sched: ScheduledBatch, next_tokens: np.ndarray, now: Optional[float] = None) -> list[Sequence]:
         """Apply one round's sampled tokens (int64 `[B]`, or `[B, num_steps]` for multi-step decode, applied in

@@ -22,7 +22,7 @@ class SeqStatus(str, enum.Enum):
 class Sequence:
     __slots__ = ("request", "token_ids", "prompt_len", "block_table", "num_computed", "status", "finish_reason",
                  "num_preemptions", "first_token_time", "last_token_time", "_emitted", "dp_rank", "error",
-                 "sampling_row")
+                 "sampling_row", "num_failures")
 
     def __init__(self, request: Request, dp_rank: int = 0):
         self.request = request
@@ -38,6 +38,7 @@ class Sequence:
         self._emitted = 0  # generated tokens already reported in a RequestOutput
         self.dp_rank = dp_rank
         self.error: Optional[str] = None
+        self.num_failures = 0  # executor failures (a rank died or hung) this sequence was in flight for
         sp = request.sampling
         # (temperature, top_k, top_p, seed or -1): this sequence's row of a step's sampling arrays
         self.sampling_row = (sp.temperature, sp.top_k, sp.top_p, -1 if sp.seed is None else sp.seed)

@@ -35,6 +35,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from launch.server import ServerState
 
     t0 = time.perf_counter()
+    _log_events_to_stderr()
     # The engine thread and the HTTP event loop share the GIL: a 0.5 ms switch interval (CPython's default is
     # 5 ms) bounds how long a finished step waits for a busy event loop to let the engine thread run.
     sys.setswitchinterval(5e-4)
@@ -55,6 +56,20 @@ def run_serve(args: argparse.Namespace) -> int:
         if shutdown is not None:
             shutdown()
     return 0
+
+
+def _log_events_to_stderr() -> None:
+    """Operator events (`engine.events`: rank failures, rebuilds, resets, engine errors): one line each on stderr."""
+    import logging
+
+    from engine.events import EVENTS
+
+    if not EVENTS.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s graphline %(levelname)s %(message)s"))
+        EVENTS.addHandler(handler)
+        EVENTS.setLevel(logging.INFO)
+        EVENTS.propagate = False
 
 
 async def _serve(state, args: argparse.Namespace, t0: float) -> None:

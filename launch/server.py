@@ -210,25 +210,37 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Readiness: 200 only while the engine runs and every rank can serve; 503 with the reason while a rank is
+    dead, hung or being rebuilt (read from the executor's watcher, never waiting for a step)."""
     state: ServerState = request.app[STATE]
-    eng = state.engine
-    if not eng.running:
-        return web.json_response({"status": "unhealthy", "reason": eng.dead or "engine thread stopped"}, status=503)
+    h = state.engine.health()
+    if not h["ok"]:
+        return web.json_response({"status": "unhealthy", "reason": h["reason"], "ranks": h["ranks"]}, status=503)
     return web.json_response({"status": "ok", "model": state.model_name, "uptime_s": time.time() - state.started_at})
+
+
+async def live(request: web.Request) -> web.Response:
+    """Liveness: 200 while this process serves HTTP, whatever the ranks do."""
+    return web.json_response({"status": "alive", "uptime_s": time.time() - request.app[STATE].started_at})
 
 
 async def current_status(state: ServerState) -> dict:
     try:
-        raw = await state.engine.executor_status(max_age_s=0.5)
+        raw = await state.engine.executor_status()
     except Exception as exc:  # noqa: BLE001 - status must answer while the engine is broken
         raw = {"error": f"{type(exc).__name__}: {exc}"}
     doc = build_status(raw, state.engine.stats(), {
-        "model": state.model_name, "health": "ok" if state.engine.running else (state.engine.dead or "stopped"),
+        "model": state.model_name, "health": _health_word(state),
         "deployment": state.deployment, "startup": state.startup, "started_at": state.started_at,
         "uptime_s": time.time() - state.started_at, "tokenizer": state.tokenizer is not None,
     }, list(state.engine.reset_log), list(state.engine.failure_log))
     state.metrics.update_status(doc)
     return doc
+
+
+def _health_word(state: ServerState) -> str:
+    h = state.engine.health()
+    return "ok" if h["ok"] else (h["reason"] or "unhealthy")
 
 
 async def status(request: web.Request) -> web.Response:
@@ -276,6 +288,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/health/live", live)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/admin/reset", admin_reset)

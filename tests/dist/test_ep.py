@@ -1,8 +1,8 @@
 """Expert parallelism on Ray + gloo (CPU, 2 ranks, qwen3-moe-tiny) and placement with fake GPUs.
 
-The Ray session advertises 2 fake GPUs, so a coordinator with `use_gpu=None` places its ranks
-on `{"GPU": 1, "CPU": 1}` bundles (ordered by GPU id) and uses the GPU-cluster default step
-path, a Ray compiled graph; the models still run on CPU (`device="cpu"`).
+The Ray session advertises 2 fake GPUs, and a coordinator with `use_gpu=True` places its ranks on
+`{"GPU": 1, "CPU": 1}` bundles (ordered by GPU id) and steps through a Ray compiled graph; the models still
+run on CPU (`device="cpu"`; with `use_gpu=None` a `device="cpu"` deployment claims no GPU).
 """
 import time
 
@@ -75,7 +75,7 @@ def test_dense_model_with_ep_is_rejected(cache):
 
 @pytest.fixture
 def dp2ep2(cache):
-    cfg = DeploymentConfig(runtime=runtime_cfg("qwen3-moe-tiny"), dp=2, ep=2, collective_timeout_s=20,
+    cfg = DeploymentConfig(runtime=runtime_cfg("qwen3-moe-tiny"), dp=2, ep=2, use_gpu=True, collective_timeout_s=20,
                            step_timeout_s=8, step_path="compiled")
     return cache.get("dp2ep2", cfg)
 

@@ -315,9 +315,9 @@ def test_generate_command_rejects_bad_requests():
     assert out.returncode == 2 and "outside the vocabulary" in out.stdout
 
 
-def test_rank_failure_fails_in_flight_requests_then_serving_resumes(server, offline):
-    """Kill one rank's process (dp2, runs last): in-flight requests fail with 503, the coordinator rebuilds
-    every rank, the server answers again with the same tokens; failures show in /status and /metrics."""
+def test_rank_failure_is_survived_then_serving_goes_on(server, offline):
+    """Kill one rank's process (dp2, runs last): the watcher sees it, the coordinator rebuilds every rank, and a
+    request sent right after the kill completes with the same tokens; the failure shows in /status and /metrics."""
     if server.kind != "dp2":
         pytest.skip("the local executor runs the rank in the server process")
 
@@ -326,22 +326,21 @@ def test_rank_failure_fails_in_flight_requests_then_serving_resumes(server, offl
             async with s.get(server.url + "/status") as r:
                 ranks = (await r.json())["ranks"]
             pid = next(rk["pid"] for rk in ranks if rk["rank"] == 1)
-            os.kill(pid, 9)  # a rank actor of this test's own server; the next step meets the dead rank
-            failed = await post(s, server.url, {"prompt": PROMPTS[3], "max_tokens": 100, "temperature": 0})
-            for _ in range(300):
-                async with s.get(server.url + "/health") as r:
-                    if r.status == 200:
-                        break
-                await asyncio.sleep(0.5)
+            os.kill(pid, 9)  # a rank actor of this test's own server
+            survived = await post(s, server.url, {"prompt": PROMPTS[3], "max_tokens": MAX_TOKENS, "temperature": 0})
             again = await post(s, server.url, {"prompt": PROMPTS[:2], "max_tokens": MAX_TOKENS, "temperature": 0})
-            async with s.get(server.url + "/status") as r:
-                st = await r.json()
+            for _ in range(100):
+                async with s.get(server.url + "/status") as r:
+                    st = await r.json()
+                if st["num_failures"] >= 1 and st["health"] == "ok":
+                    break
+                await asyncio.sleep(0.2)
             async with s.get(server.url + "/metrics") as r:
                 fams = _families(await r.text())
-        return failed, again, st, fams
+        return survived, again, st, fams
 
-    failed, again, st, fams = run(main())
-    assert failed[0] == 503 and "failed" in failed[1]["error"]["message"], failed
+    survived, again, st, fams = run(main())
+    assert survived[0] == 200 and survived[1]["choices"][0]["token_ids"] == offline["greedy"][3], survived
     assert again[0] == 200 and [c["token_ids"] for c in again[1]["choices"]] == offline["greedy"][:2]
     assert st["num_failures"] >= 1 and st["health"] == "ok" and len(st["ranks"]) == 2
     assert [s.value for s in fams["graphline_rank_failures"].samples
