@@ -80,7 +80,7 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
         dev = torch.device(device)
         self.kernels = ops or get_kernel_ops(dev)
         self.attn_impl = AttentionImpl(self.kernels)
-        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dev)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dev, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.ctx, cfg.dtype, dev)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(cfg, i, self.ctx, self.attn_impl, rope, self.kernels, dev) for i in range(cfg.num_layers)
