@@ -107,8 +107,8 @@ TensorLike = Union[torch.Tensor, CheckpointTensor]
 
 
 def lazy_view(full: TensorLike, key: _Index | tuple[_Index, ...]) -> TensorLike:
-    """`full[key]` without reading: a torch view for a tensor, a `CheckpointTensor.view` for a lazy one."""
-    return full.view(key) if isinstance(full, CheckpointTensor) else full[key]
+    """`full[key]` without reading: a torch view for a tensor, the lazy tensor's `view` otherwise."""
+    return full[key] if isinstance(full, torch.Tensor) else full.view(key)
 
 
 def _read_index(directory: Path) -> dict[str, str]:

@@ -89,7 +89,7 @@ def _yarn_mscale(scale: float, mscale: float) -> float:
 
 def _number(params: Mapping[str, Any], key: str, field: str, kind: type = float) -> Any:
     v = params[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
+    if (isinstance(v, bool) and kind is not bool) or not isinstance(v, (int, float) if kind is float else kind):
         raise ConfigError(f"config.json field '{field}.{key}' must be {kind.__name__}, got {v!r}")
     return float(v) if kind is float else v
 
