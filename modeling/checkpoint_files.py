@@ -146,32 +146,39 @@ def checkpoint_files(directory: str | Path) -> list[tuple[Path, frozenset[str] |
 
 
 def iter_checkpoint(directory: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
-    """(HF name, lazy tensor) for every tensor of the checkpoint, file by file. A tensor yielded is valid until the
-    generator moves to the next file. Raises CheckpointError on index/file mismatches and on a tensor name that
-    appears in two files."""
+    """(HF name, lazy tensor) for every tensor of the checkpoint, file by file. Each file's mapping is released
+    once the consumer drops that file's tensors (`load_tensors` drops each after loading it), before the next file
+    is opened. Raises CheckpointError on index/file mismatches and on a tensor name that appears in two files."""
     seen: dict[str, Path] = {}
     for path, listed in checkpoint_files(directory):
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error type for corrupt headers
-            raise CheckpointError(f"{path.name}: not a readable safetensors file: {e}") from e
-        with handle as fh:
-            keys = list(fh.keys())
-            if listed is not None:
-                lacking = sorted(listed - set(keys))
-                if lacking:
-                    raise CheckpointError(f"{INDEX_FILE} lists tensor {lacking[0]} in {path.name}, which does not "
-                                          f"hold it ({len(lacking)} such tensor(s))")
-                extra = sorted(set(keys) - listed)
-                if extra:
-                    raise CheckpointError(f"{path.name} holds tensor {extra[0]}, which {INDEX_FILE} does not list "
-                                          f"for it ({len(extra)} such tensor(s))")
-            for key in keys:
-                if key in seen:
-                    raise CheckpointError(f"tensor {key} appears in both {seen[key].name} and {path.name}")
-                seen[key] = path
-                sl = fh.get_slice(key)
-                dtype = _DTYPES.get(sl.get_dtype())
-                if dtype is None:
-                    raise CheckpointError(f"{key} in {path.name}: dtype {sl.get_dtype()} is not supported")
-                yield key, CheckpointTensor(sl, key, tuple(sl.get_shape()), dtype)
+        yield from _iter_file(path, listed, seen)  # a generator per file: its frame (and handle) dies with the file
+
+
+def _iter_file(path: Path, listed: frozenset[str] | None, seen: dict[str, Path]) -> Iterator[tuple[str, CheckpointTensor]]:
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error type for corrupt headers
+        raise CheckpointError(f"{path.name}: not a readable safetensors file: {e}") from e
+    with handle as fh:
+        keys = list(fh.keys())
+        if listed is not None:
+            lacking = sorted(listed - set(keys))
+            if lacking:
+                raise CheckpointError(f"{INDEX_FILE} lists tensor {lacking[0]} in {path.name}, which does not hold "
+                                      f"it ({len(lacking)} such tensor(s))")
+            extra = sorted(set(keys) - listed)
+            if extra:
+                raise CheckpointError(f"{path.name} holds tensor {extra[0]}, which {INDEX_FILE} does not list for "
+                                      f"it ({len(extra)} such tensor(s))")
+        for key in keys:
+            if key in seen:
+                raise CheckpointError(f"tensor {key} appears in both {seen[key].name} and {path.name}")
+            seen[key] = path
+            sl = fh.get_slice(key)
+            dtype = _DTYPES.get(sl.get_dtype())
+            if dtype is None:
+                raise CheckpointError(f"{key} in {path.name}: dtype {sl.get_dtype()} is not supported")
+            item = key, CheckpointTensor(sl, key, tuple(sl.get_shape()), dtype)
+            del sl
+            yield item
+            del item

@@ -91,13 +91,13 @@ def _load_layer_tensor(model, i: int, rest: str, full: TensorLike, name: str) ->
         if m:
             prefix = f"model.layers.{i}.mlp.experts."
             if m.group(1) == "gate_up_proj":
-                if full.dim() != 3 or full.shape[0] != mlp.num_experts or full.shape[1] != 2 * mlp.i_full:
+                if len(full.shape) != 3 or full.shape[0] != mlp.num_experts or full.shape[1] != 2 * mlp.i_full:
                     raise CheckpointError(f"{name}: shape {tuple(full.shape)} is not [E, 2*I, H]")
                 for e in range(mlp.num_experts):
                     mlp.load_expert(e, "gate", lazy_view(full, (e, slice(0, mlp.i_full))))
                     mlp.load_expert(e, "up", lazy_view(full, (e, slice(mlp.i_full, None))))
                 return [prefix + f"{e}.{w}_proj.weight" for e in range(mlp.num_experts) for w in ("gate", "up")]
-            if full.dim() != 3 or full.shape[0] != mlp.num_experts:
+            if len(full.shape) != 3 or full.shape[0] != mlp.num_experts:
                 raise CheckpointError(f"{name}: shape {tuple(full.shape)} is not [E, H, I]")
             for e in range(mlp.num_experts):
                 mlp.load_expert(e, "down", lazy_view(full, e))
