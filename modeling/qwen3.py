@@ -70,7 +70,7 @@ class Qwen3DecoderLayer(nn.Module):
 
 class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
     """Qwen3 dense or MoE (by `cfg.num_experts`). Parameters are created on `device` uninitialised;
-    fill them with `modeling.loader` (checkpoint) or `modeling.weights.init_random`."""
+    fill them with `modeling.loader` (`load_checkpoint` or `init_random`)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext | None = None, device: torch.device | str = "cpu",
                  ops: KernelOps | None = None):
