@@ -67,6 +67,10 @@ class ModelConfig:
                 raise ConfigError("moe_intermediate_size must be positive for a MoE model")
             if self.decoder_sparse_step <= 0:
                 raise ConfigError("decoder_sparse_step must be positive")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        if not isinstance(self.eos_token_ids, tuple) or not isinstance(self.mlp_only_layers, tuple):
+            raise ConfigError("eos_token_ids and mlp_only_layers must be tuples (ModelConfig is hashable)")
         bad = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ConfigError(f"eos_token_id {bad[0]} is outside the vocabulary [0, vocab_size={self.vocab_size})")
