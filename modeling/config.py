@@ -13,9 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
-
-class ConfigError(ValueError):
-    """A model config is missing a field, has a wrong type, or is inconsistent."""
+from modeling.errors import ConfigError
+from modeling.rope import RopeScaling, parse_rope
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -23,7 +22,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and numerics of one model. `num_experts == 0` means dense."""
+    """Shapes and numerics of one model. `num_experts == 0` means dense; `rope_scaling` None means plain RoPE;
+    `eos_token_ids` is config.json's `eos_token_id` (a checkpoint's generation_config.json may override it:
+    `modeling.generation_config.stop_token_ids`)."""
 
     architecture: str
     vocab_size: int
@@ -44,6 +45,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    rope_scaling: RopeScaling | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -64,6 +67,13 @@ class ModelConfig:
                 raise ConfigError("moe_intermediate_size must be positive for a MoE model")
             if self.decoder_sparse_step <= 0:
                 raise ConfigError("decoder_sparse_step must be positive")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        if not isinstance(self.eos_token_ids, tuple) or not isinstance(self.mlp_only_layers, tuple):
+            raise ConfigError("eos_token_ids and mlp_only_layers must be tuples (ModelConfig is hashable)")
+        bad = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ConfigError(f"eos_token_id {bad[0]} is outside the vocabulary [0, vocab_size={self.vocab_size})")
 
     @property
     def is_moe(self) -> bool:
@@ -99,6 +109,10 @@ class ModelConfig:
             "hidden_act": "silu",
             "attention_bias": False,
         }
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = self.rope_scaling.to_hf_dict()
+        if self.eos_token_ids:
+            d["eos_token_id"] = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
         if self.is_moe:
             d.update(
                 num_experts=self.num_experts,
@@ -112,6 +126,7 @@ class ModelConfig:
 
 
 _ARCHS = {"Qwen3ForCausalLM": False, "Qwen3MoeForCausalLM": True}
+_MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 def _field(raw: Mapping[str, Any], key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
@@ -127,33 +142,48 @@ def _field(raw: Mapping[str, Any], key: str, kind: type, default: Any = dataclas
     return value
 
 
-def _rope_theta(raw: Mapping[str, Any]) -> float:
-    """rope_theta from the flat field (transformers 4) or `rope_parameters` (transformers 5)."""
+def _rope(raw: Mapping[str, Any], max_position_embeddings: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from `rope_scaling` (transformers 4; it wins when set, as in HF) or `rope_parameters`
+    (transformers 5), the flat `rope_theta` being the default theta."""
+    theta = _field(raw, "rope_theta", float, 1_000_000.0)
     if raw.get("rope_scaling"):
-        raise ConfigError(f"rope_scaling {raw['rope_scaling']!r} is not supported")
-    params = raw.get("rope_parameters")
-    if params is not None:
-        if not isinstance(params, dict):
-            raise ConfigError(f"config.json field 'rope_parameters' must be an object, got {params!r}")
-        if params.get("rope_type", "default") != "default":
-            raise ConfigError(f"rope_type {params.get('rope_type')!r} is not supported")
-        if "rope_theta" in params:
-            return _field(params, "rope_theta", float)
-    return _field(raw, "rope_theta", float, 1_000_000.0)
+        return parse_rope(raw["rope_scaling"], "rope_scaling", max_position_embeddings, theta)
+    return parse_rope(raw.get("rope_parameters"), "rope_parameters", max_position_embeddings, theta)
+
+
+def _token_ids(raw: Mapping[str, Any], key: str, source: str = "config.json") -> tuple[int, ...]:
+    """An HF token-id field that may be null, an int or a list of ints -> a tuple (null -> empty)."""
+    value = raw.get(key)
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) else [value]
+    for v in items:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"{source} field '{key}' must be a non-negative int or a list of them, got {value!r}")
+    return tuple(dict.fromkeys(items))
 
 
 def config_from_dict(raw: Mapping[str, Any]) -> ModelConfig:
     """Build a `ModelConfig` from the parsed contents of an HF `config.json`."""
     archs = raw.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ConfigError(f"config.json field 'architectures' must be a list, got {archs!r}")
     arch = next((a for a in archs if a in _ARCHS), None)
     if arch is None:
-        raise ConfigError(f"unsupported architectures {archs!r}; supported: {sorted(_ARCHS)}")
+        raise ConfigError(f"config.json field 'architectures': unsupported architectures {archs!r}; "
+                          f"supported: {', '.join(sorted(_ARCHS))}")
     is_moe = _ARCHS[arch]
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type != _MODEL_TYPES[arch]:
+        raise ConfigError(f"config.json field 'model_type' = {model_type!r} does not match architecture {arch} "
+                          f"(expected {_MODEL_TYPES[arch]!r})")
     dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
     if dtype_name not in _DTYPES:
         raise ConfigError(f"config.json torch_dtype {dtype_name!r} is not one of {sorted(_DTYPES)}")
     hidden = _field(raw, "hidden_size", int)
     heads = _field(raw, "num_attention_heads", int)
+    max_pos = _field(raw, "max_position_embeddings", int, 40960)
+    rope_theta, rope_scaling = _rope(raw, max_pos)
     kwargs: dict[str, Any] = dict(
         architecture=arch,
         vocab_size=_field(raw, "vocab_size", int),
@@ -163,11 +193,13 @@ def config_from_dict(raw: Mapping[str, Any]) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=_field(raw, "num_key_value_heads", int, heads),
         head_dim=_field(raw, "head_dim", int, hidden // heads if heads else 0),
-        rope_theta=_rope_theta(raw),
+        rope_theta=rope_theta,
         rms_norm_eps=_field(raw, "rms_norm_eps", float, 1e-6),
         tie_word_embeddings=_field(raw, "tie_word_embeddings", bool, False),
         dtype=_DTYPES[dtype_name],
-        max_position_embeddings=_field(raw, "max_position_embeddings", int, 40960),
+        max_position_embeddings=max_pos,
+        rope_scaling=rope_scaling,
+        eos_token_ids=_token_ids(raw, "eos_token_id"),
     )
     if is_moe:
         kwargs.update(

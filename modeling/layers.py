@@ -15,6 +15,7 @@ from torch import nn
 from modeling.attention import AttentionImpl, QKPrologue
 from modeling.config import ModelConfig
 from modeling.ops import KernelOps
+from modeling.rope import RopeScaling, rope_tables
 from parallel import comm
 from parallel.context import ParallelContext
 from parallel.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -37,16 +38,14 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary tables: fp32 cos/sin `[max_pos, D]` (applied by `KernelOps.qk_norm_rope_store`)."""
+    """Neox-style (rotate-half) rotary tables: fp32 cos/sin `[max_pos, D]` (applied by `KernelOps.qk_norm_rope_store`),
+    with `scaling` (linear or YaRN, `modeling.rope`) folded in: YaRN's attention factor multiplies both tables."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, device=None):
+    def __init__(self, head_dim: int, max_position: int, theta: float, device=None, scaling: RopeScaling | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-        t = torch.arange(max_position, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = rope_tables(head_dim, max_position, theta, scaling, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
 
 class Qwen3Attention(nn.Module):

@@ -1,8 +1,11 @@
 """Load HF checkpoints (config.json + one or many safetensors files, HF tensor names) into the model.
 
 Every tensor goes through its parameter's `weight_loader`, which takes this rank's
-TP/EP slice, so the same path loads a full checkpoint into any shard. A missing,
-unexpected or mis-shaped tensor is a `CheckpointError` naming it; nothing is
+TP/EP slice, so the same path loads a full checkpoint into any shard. Checkpoint tensors
+arrive lazily (`modeling.checkpoint_files`): a loader's slice is all that is read, experts of
+other EP ranks are never read, and files are read one at a time, so a rank's memory while
+loading is its shard plus the open file's mapping plus at most one slice. A missing,
+unexpected, duplicated or mis-shaped tensor is a `CheckpointError` naming it; nothing is
 half-loaded silently (the caller discards the model on error).
 Random-weight presets use the same path with generated full tensors (`random_tensors`).
 """
@@ -15,16 +18,13 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from modeling.checkpoint_files import TensorLike, iter_checkpoint, lazy_view
 from modeling.config import ModelConfig, load_config
+from modeling.errors import CheckpointError
 from modeling.moe import SparseMoeBlock
 from parallel.layers import WeightShapeError
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing a tensor, has an unexpected one, or one of the wrong shape."""
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -49,13 +49,13 @@ def expected_tensor_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def _copy_plain(name: str, param: torch.nn.Parameter, full: torch.Tensor) -> None:
+def _copy_plain(name: str, param: torch.nn.Parameter, full: TensorLike) -> None:
     if tuple(full.shape) != tuple(param.shape):
         raise CheckpointError(f"{name}: checkpoint shape {tuple(full.shape)} != expected {tuple(param.shape)}")
-    param.data.copy_(full)
+    param.data.copy_(full[...])
 
 
-def _load_layer_tensor(model, i: int, rest: str, full: torch.Tensor, name: str) -> list[str]:
+def _load_layer_tensor(model, i: int, rest: str, full: TensorLike, name: str) -> list[str]:
     """Load one layer tensor; returns the HF names it satisfies."""
     layer = model.layers[i]
     attn = layer.self_attn
@@ -91,16 +91,16 @@ def _load_layer_tensor(model, i: int, rest: str, full: torch.Tensor, name: str) 
         if m:
             prefix = f"model.layers.{i}.mlp.experts."
             if m.group(1) == "gate_up_proj":
-                if full.dim() != 3 or full.shape[0] != mlp.num_experts or full.shape[1] != 2 * mlp.i_full:
+                if len(full.shape) != 3 or full.shape[0] != mlp.num_experts or full.shape[1] != 2 * mlp.i_full:
                     raise CheckpointError(f"{name}: shape {tuple(full.shape)} is not [E, 2*I, H]")
                 for e in range(mlp.num_experts):
-                    mlp.load_expert(e, "gate", full[e, : mlp.i_full])
-                    mlp.load_expert(e, "up", full[e, mlp.i_full :])
+                    mlp.load_expert(e, "gate", lazy_view(full, (e, slice(0, mlp.i_full))))
+                    mlp.load_expert(e, "up", lazy_view(full, (e, slice(mlp.i_full, None))))
                 return [prefix + f"{e}.{w}_proj.weight" for e in range(mlp.num_experts) for w in ("gate", "up")]
-            if full.dim() != 3 or full.shape[0] != mlp.num_experts:
+            if len(full.shape) != 3 or full.shape[0] != mlp.num_experts:
                 raise CheckpointError(f"{name}: shape {tuple(full.shape)} is not [E, H, I]")
             for e in range(mlp.num_experts):
-                mlp.load_expert(e, "down", full[e])
+                mlp.load_expert(e, "down", lazy_view(full, e))
             return [prefix + f"{e}.down_proj.weight" for e in range(mlp.num_experts)]
     else:
         m = re.match(r"^mlp\.(gate|up)_proj\.weight$", rest)
@@ -113,12 +113,18 @@ def _load_layer_tensor(model, i: int, rest: str, full: torch.Tensor, name: str) 
     raise CheckpointError(f"unexpected tensor {name} in checkpoint")
 
 
-def load_tensors(model, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load (HF name, full tensor) pairs into `model`; raises CheckpointError on any mismatch."""
+def load_tensors(model, tensors: Iterable[tuple[str, TensorLike]]) -> None:
+    """Load (HF name, full tensor) pairs into `model`; raises CheckpointError on any mismatch.
+
+    A full tensor is a torch tensor or a lazy `CheckpointTensor` (`[out, in]` for linears, `[E, ...]` for fused
+    experts, any dtype: the copy converts): each parameter's loader indexes out its rank's part, and only that
+    part is read. Each item is dropped before the next is taken, so a generator of tensors is never held whole."""
     cfg: ModelConfig = model.config
     expected = set(expected_tensor_names(cfg))
     seen: set[str] = set()
     for name, full in tensors:
+        if name in seen:
+            raise CheckpointError(f"tensor {name} appears twice in the checkpoint")
         try:
             if name == "model.embed_tokens.weight":
                 model.embed_tokens.weight_loader(model.embed_tokens.weight, full)
@@ -138,6 +144,7 @@ def load_tensors(model, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
                 got = _load_layer_tensor(model, int(m.group(1)), m.group(2), full, name)
         except WeightShapeError as e:
             raise CheckpointError(f"{name}: {e}") from e
+        del full
         seen.update(got)
     missing = sorted(expected - seen)
     if missing:
@@ -145,31 +152,15 @@ def load_tensors(model, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise CheckpointError(f"checkpoint is missing tensor(s) {', '.join(missing[:5])}{more}")
 
 
-def _iter_safetensors(directory: Path, device: str) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {directory}")
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        listed = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        absent = sorted(f for f in listed if not (directory / f).is_file())
-        if absent:
-            raise CheckpointError(f"index lists missing shard file(s): {', '.join(absent)}")
-    for f in files:
-        with safe_open(str(f), framework="pt", device=device) as fh:
-            for key in fh.keys():
-                yield key, fh.get_tensor(key)
-
-
 def load_checkpoint(model, directory: str | Path) -> None:
-    """Load every safetensors file of an HF checkpoint directory into `model` (whose config must match)."""
+    """Load an HF checkpoint directory (config.json + safetensors files, with or without
+    `model.safetensors.index.json`) into `model`, whose config must match; only this rank's slices are read."""
     d = Path(directory)
     cfg = load_config(d)
     if cfg.with_dtype(model.config.dtype) != model.config:
         raise CheckpointError(f"checkpoint config at {d} does not match the model's config")
-    dev = model.device
     with torch.no_grad():
-        load_tensors(model, _iter_safetensors(d, str(dev) if dev.type == "cuda" else "cpu"))
+        load_tensors(model, iter_checkpoint(d))
 
 
 def _tensor_seed(seed: int, name: str) -> int:

@@ -106,7 +106,8 @@ class SparseMoeBlock(nn.Module):
 
     # ---- weight loading: HF per-expert tensors (gate/up/down) or fused [E, ...] tensors
     def load_expert(self, expert: int, which: str, full: torch.Tensor) -> bool:
-        """Copy one HF expert tensor; returns False when the expert lives on another EP rank."""
+        """Copy one HF expert tensor `[I, H]` (gate/up) or `[H, I]` (down), possibly lazy; returns False, having read
+        nothing but its shape, when the expert lives on another EP rank."""
         want = (self.hidden, self.i_full) if which == "down" else (self.i_full, self.hidden)
         if tuple(full.shape) != want:
             raise WeightShapeError(f"expert {expert} {which}_proj: shape {tuple(full.shape)} != expected {want}")

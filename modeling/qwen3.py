@@ -70,7 +70,7 @@ class Qwen3DecoderLayer(nn.Module):
 
 class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
     """Qwen3 dense or MoE (by `cfg.num_experts`). Parameters are created on `device` uninitialised;
-    fill them with `modeling.loader` (checkpoint) or `modeling.weights.init_random`."""
+    fill them with `modeling.loader` (`load_checkpoint` or `init_random`)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext | None = None, device: torch.device | str = "cpu",
                  ops: KernelOps | None = None):
@@ -80,7 +80,7 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
         dev = torch.device(device)
         self.kernels = ops or get_kernel_ops(dev)
         self.attn_impl = AttentionImpl(self.kernels)
-        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dev)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dev, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.ctx, cfg.dtype, dev)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(cfg, i, self.ctx, self.attn_impl, rope, self.kernels, dev) for i in range(cfg.num_layers)

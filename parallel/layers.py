@@ -2,7 +2,9 @@
 
 Each parameter carries a `weight_loader(param, full_tensor, shard_id=None)` that
 copies this rank's slice of the full (unsharded) HF tensor into it, and raises
-`WeightShapeError` when the full tensor has the wrong shape. Collectives go through
+`WeightShapeError` when the full tensor has the wrong shape. `full_tensor` may be a lazy
+checkpoint tensor (`.shape` plus basic indexing, e.g. `modeling.checkpoint_files.CheckpointTensor`):
+the loaders only read `.shape` and index out their slice, so only that slice is read. Collectives go through
 `parallel.comm` (capturable on NCCL). Weights are `[out, in]` like `nn.Linear`.
 """
 from __future__ import annotations

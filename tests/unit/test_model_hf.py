@@ -4,11 +4,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from modeling.attn_metadata import SequenceSlice, build_step
 from modeling.config import get_preset, load_config
-from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.loader import load_checkpoint
 from modeling.qwen3 import Qwen3ForCausalLM
+from tests.fixtures.paged import prefill_logits
 
 
 def _hf_model(preset: str, tmp_path):
@@ -37,20 +36,7 @@ def test_logits_equal_hf(preset, tmp_path):
     ours = Qwen3ForCausalLM(cfg)
     load_checkpoint(ours, tmp_path)
     prompts = [[3, 17, 42, 5, 99, 7, 256, 1, 8], [11, 400, 2], [5]]
-    cache = PagedKVCache(KVCacheSpec.for_model(cfg, 16, block_size=4), "cpu")
-    slices, nxt = [], 1
-    for p in prompts:
-        n = -(-len(p) // 4)
-        slices.append(SequenceSlice(p, 0, list(range(nxt, nxt + n))))
-        nxt += n
-    ids, pos, meta = build_step(slices, 4, "cpu")
     with torch.no_grad():
-        hidden = ours(ids, pos, cache.layers, meta)
-        every = torch.arange(ids.shape[0])
-        ours_logits = ours.compute_logits(hidden, every)
-        start = 0
-        for p in prompts:
+        for p, got in zip(prompts, prefill_logits(ours, prompts, block_size=4)):
             ref = hf(torch.tensor([p])).logits[0].float()
-            got = ours_logits[start : start + len(p)]
             torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
-            start += len(p)
