@@ -183,7 +183,8 @@ def test_executor_status_is_read_by_the_status_thread_and_answers_during_a_slow_
 
     during, health, stats, answered_s, calls = _run(main())
     assert answered_s < 0.1 and during and health["ok"] and stats["waiting"] + stats["running"] == 1
-    assert set(calls) == {"graphline-status"} and len(calls) > 3
+    # the first read at start(), before any step; every later one on the status thread, never the engine thread
+    assert calls[0] == "MainThread" and set(calls[1:]) == {"graphline-status"} and len(calls) > 3
 
 
 def test_a_failed_reset_requeues_in_flight_requests_and_rebuilds():
