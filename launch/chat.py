@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from engine.errors import RequestError
 from engine.sampling_params import LOGPROBS_MAX, check_bool, check_int
-from launch.protocol import (ApiError, GenerationRequest, ParseContext, _single_choice, _unsupported, parse_common,
-                             parse_max_tokens, parse_model, require_object, usage)
+from launch.protocol import (ApiError, GenerationRequest, ParseContext, _single_choice, _unsupported, check_text,
+                             parse_common, parse_max_tokens, parse_model, require_object, usage)
 
 ROLES = ("system", "user", "assistant")
 # Arguments of apply_chat_template (and names a template reads from its own context): never from a request.
@@ -73,7 +73,7 @@ def parse_messages(v: Any, ctx: ParseContext) -> list[dict]:
         if role not in ROLES:
             raise RequestError(f"'messages[{i}].role' must be one of {', '.join(ROLES)}", "messages",
                                "invalid_value")
-        text = _content(msg, i)
+        text = check_text(_content(msg, i), "messages")
         chars += len(text)
         if chars > lim.max_prompt_chars:
             raise RequestError(f"the messages may have at most {lim.max_prompt_chars} characters in all",
@@ -95,7 +95,8 @@ def _template_kwargs(v: Any) -> dict:
             raise RequestError("'chat_template_kwargs' keys must be identifiers other than the template's own "
                                "arguments", "chat_template_kwargs", "invalid_value")
         ok = x is None or isinstance(x, (bool, int)) or (isinstance(x, float) and math.isfinite(x)) \
-            or (isinstance(x, str) and len(x) <= MAX_TEMPLATE_KWARG_CHARS)
+            or (isinstance(x, str) and len(x) <= MAX_TEMPLATE_KWARG_CHARS
+                and check_text(x, "chat_template_kwargs") is x)
         if not ok:
             raise RequestError("'chat_template_kwargs' values must be booleans, numbers, null or short strings",
                                "chat_template_kwargs", "invalid_type")

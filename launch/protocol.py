@@ -137,6 +137,16 @@ def _check_depth(doc: Any, max_depth: int) -> None:
 
 
 # ---- shared fields
+def check_text(s: str, param: str) -> str:
+    """`s` if it is encodable text: JSON's \\ud800-style escapes can produce unpaired surrogates, which no
+    tokenizer accepts."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"'{param}' contains an unpaired UTF-16 surrogate escape", param, "invalid_value") from None
+    return s
+
+
 def _kind(v: Any) -> str:
     return "null" if v is None else "a boolean" if isinstance(v, bool) else type(v).__name__
 
@@ -224,7 +234,7 @@ def parse_stop(body: dict, ctx: ParseContext) -> tuple[str, ...]:
     if ctx.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: 'stop' strings need one; use 'stop_token_ids'", "stop",
                        "no_tokenizer")
-    return tuple(dict.fromkeys(stops))
+    return tuple(dict.fromkeys(check_text(s, "stop") for s in stops))
 
 
 def parse_stop_token_ids(body: dict, ctx: ParseContext, ignore_eos: bool) -> list[int]:
@@ -309,7 +319,7 @@ def parse_prompts(prompt: Any, ctx: ParseContext) -> list[list[int]]:
         if any(len(t) > lim.max_prompt_chars for t in texts):
             raise RequestError(f"a text prompt may have at most {lim.max_prompt_chars} characters", "prompt",
                                "invalid_value")
-        return [list(ctx.tokenizer.encode(t)) for t in texts]
+        return [list(ctx.tokenizer.encode(check_text(t, "prompt"))) for t in texts]
     if _token_list(prompt):
         _context_check(len(prompt), ctx)
         return [prompt]

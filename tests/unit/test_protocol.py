@@ -172,6 +172,12 @@ FAILURES = [
     ("tool_choice", CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice", "unsupported"),
     ("response_format json", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
      "response_format", "unsupported"),
+    ("lone surrogate prompt", CMPL, {"prompt": "a\ud800b"}, 400, "prompt", "invalid_value"),
+    ("lone surrogate message", CHAT, {"messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages",
+     "invalid_value"),
+    ("lone surrogate stop", CMPL, {"prompt": [1], "stop": ["\ud83d"]}, 400, "stop", "invalid_value"),
+    ("lone surrogate kwarg", CHAT, {"messages": MSG, "chat_template_kwargs": {"x": "\ud800"}}, 400,
+     "chat_template_kwargs", "invalid_value"),
     ("chat prompt too long", CHAT, {"messages": [{"role": "user", "content": "one two " * 200}]}, 400, "messages",
      "context_length_exceeded"),
 ]
