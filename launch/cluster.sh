@@ -11,7 +11,8 @@
 # A multi-node deployment, e.g. TP=8 x DP=2 on two 8-GPU nodes:
 #   node A$ launch/cluster.sh head
 #   node B$ launch/cluster.sh worker NODE_A_IP:6379
-#   node A$ launch/cluster.sh serve NODE_A_IP:6379 --model /ckpt/Qwen3-8B --tp 8 --dp 2 --host 0.0.0.0 --port 8000
+#   node A$ launch/cluster.sh serve NODE_A_IP:6379 --model /ckpt/Qwen3-8B --tp 8 --dp 2 --host 0.0.0.0 --port 8000 \
+#             --admin-token-file /etc/graphline/token   # off loopback, serve requires an admin token
 #
 # Environment: GRAPHLINE_RAY_PORT (head port, 0 = any free port; default 6379), GRAPHLINE_RAY_NUM_CPUS /
 # GRAPHLINE_RAY_NUM_GPUS (resources of a head or worker, default: detected), GRAPHLINE_RAY_TEMP_DIR (Ray's temp dir;
