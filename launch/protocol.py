@@ -38,7 +38,7 @@ class ProtocolLimits:
     max_body_bytes: int = 16 * 1024 * 1024
     max_json_depth: int = 32  # nesting of arrays/objects (a list of token-id lists is depth 3)
     max_prompts: int = 256  # prompts in one completion request
-    max_prompt_chars: int = 1_000_000  # one text prompt, or all of a chat's message text
+    max_prompt_chars: int = 1_000_000  # all text prompts of a request, or all of a chat's message text
     max_stop_strings: int = 4
     max_stop_chars: int = 256
     max_stop_token_ids: int = 256
@@ -316,9 +316,9 @@ def parse_prompts(prompt: Any, ctx: ParseContext) -> list[list[int]]:
             raise ApiError(400, "this model has no tokenizer: send 'prompt' as token ids (a list of ints or a "
                                 "list of lists of ints)", "prompt", "no_tokenizer")
         texts = [prompt] if isinstance(prompt, str) else prompt
-        if any(len(t) > lim.max_prompt_chars for t in texts):
-            raise RequestError(f"a text prompt may have at most {lim.max_prompt_chars} characters", "prompt",
-                               "invalid_value")
+        if sum(len(t) for t in texts) > lim.max_prompt_chars:
+            raise RequestError(f"the text prompts may have at most {lim.max_prompt_chars} characters in all",
+                               "prompt", "invalid_value")
         return [list(ctx.tokenizer.encode(check_text(t, "prompt"))) for t in texts]
     if _token_list(prompt):
         _context_check(len(prompt), ctx)

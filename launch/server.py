@@ -5,6 +5,7 @@ Requests are parsed and bounded completely (`launch.protocol`, `launch.chat`) be
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import sys
 import time
@@ -50,9 +51,12 @@ class ServerState:
     generation_defaults: Optional[dict] = None
     limits: ProtocolLimits = field(default_factory=ProtocolLimits)
     defaults: GenerationDefaults = field(init=False)
+    tokenize_pool: Optional[concurrent.futures.ThreadPoolExecutor] = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.defaults = GenerationDefaults(self.generation_defaults)
+        if self.tokenizer is not None:  # large texts are tokenised off the event loop (tokenizers drop the GIL)
+            self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphline-tokenize")
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -118,15 +122,26 @@ async def _errors(request: web.Request, handler):
     return resp
 
 
-async def _json_body(request: web.Request, limits: ProtocolLimits) -> Any:
+PARSE_INLINE_BYTES = 32 * 1024  # larger bodies with a tokenizer are parsed (tokenised, templated) in a worker
+
+
+async def _parse(request: web.Request, state: ServerState, parser) -> GenerationRequest:
+    raw = await _raw_body(request, state.limits)
+    body = parse_json_body(raw, request.headers.get("Content-Type", ""), state.limits)
+    ctx = state.parse_context()
+    if state.tokenize_pool is None or len(raw) < PARSE_INLINE_BYTES:
+        return parser(body, ctx)
+    return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, parser, body, ctx)
+
+
+async def _raw_body(request: web.Request, limits: ProtocolLimits) -> bytes:
     if request.content_length is not None and request.content_length > limits.max_body_bytes:
         raise ApiError(413, f"the request body exceeds {limits.max_body_bytes} bytes", None, "body_too_large")
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the request body exceeds {limits.max_body_bytes} bytes", None,
                        "body_too_large") from None
-    return parse_json_body(raw, request.headers.get("Content-Type", ""), limits)
 
 
 # ---- completions and chat
@@ -156,13 +171,13 @@ COMPLETION, CHAT = _Shape(False), _Shape(True)
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
-    greq = parse_completion_request(await _json_body(request, state.limits), state.parse_context())
+    greq = await _parse(request, state, parse_completion_request)
     return await _generate(request, state, greq, new_request_id(), COMPLETION)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
-    greq = parse_chat_request(await _json_body(request, state.limits), state.parse_context())
+    greq = await _parse(request, state, parse_chat_request)
     return await _generate(request, state, greq, "chat" + new_request_id(), CHAT)
 
 

@@ -240,3 +240,30 @@ def test_body_limits_through_the_server(executor, tokenizer):
     out = run(main())
     assert [s for s, _ in out] == [413, 413, 400, 400, 400, 200], out
     assert "nested" in out[2][1]["message"] and out[4][1]["param"] == "top_k"
+
+
+def test_large_texts_are_tokenised_off_the_event_loop(executor, tokenizer):
+    """A ~1M-character prompt costs the tokenizer most of a second; a concurrent stream keeps flowing meanwhile."""
+    big = "The quick brown fox jumps over the lazy dog. " * 21_000
+
+    async def main():
+        async with serve(executor, tokenizer) as (c, _):
+            gaps, last = [], None
+            big_task = None
+            async with c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 100, "temperature": 0,
+                                                       "ignore_eos": True, "stream": True}) as r:
+                async for line in r.content:
+                    now = asyncio.get_running_loop().time()
+                    if last is not None and big_task is not None and not big_task.done():
+                        gaps.append(now - last)
+                    last = now
+                    if big_task is None:
+                        big_task = asyncio.create_task(c.post("/v1/completions", json={"prompt": big}))
+                        t0 = now
+            resp = await big_task
+            return gaps, resp.status, (await resp.json())["error"]["code"], asyncio.get_running_loop().time() - t0
+
+    gaps, status, code, took = run(main())
+    assert status == 400 and code == "context_length_exceeded"  # tokenised, then refused by length
+    assert len(gaps) >= 5, (gaps, took)  # the stream went on while the big prompt was tokenised
+    assert max(gaps) < 0.3, (max(gaps), took)
