@@ -7,10 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import sys
 import time
-import traceback
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -21,16 +18,15 @@ from engine.async_engine import AsyncLLMEngine, EngineFailedError
 from engine.errors import RequestError
 from engine.request import new_request_id
 from launch.admin import check_admin_request
-from launch.chat import chat_delta, chat_response, parse_chat_request
+from launch.chat import parse_chat_request
 from launch.defaults import GenerationDefaults
+from launch.generation import CHAT, COMPLETION, ENGINE_FAILED, generate, log_failure
 from launch.metrics import CONTENT_TYPE, ServerMetrics
-from launch.outputs import ChoiceState
-from launch.protocol import (ApiError, GenerationRequest, ParseContext, ProtocolLimits, choice, completion_response,
-                             now_s, parse_completion_request, parse_json_body, stream_chunk, usage)
+from launch.protocol import (ApiError, GenerationRequest, ParseContext, ProtocolLimits, parse_completion_request,
+                             parse_json_body)
 from launch.status import build_status
 
 STATIC_DIR = Path(__file__).parent / "static"
-ENGINE_FAILED = "the engine failed while serving this request; retry it"
 
 
 @dataclass
@@ -86,15 +82,6 @@ def _error(status: int, message: str, param: Optional[str] = None, code: Optiona
     return web.json_response(ApiError(status, message, param, code, type_).body(), status=status)
 
 
-def _log_failure(what: str, exc: BaseException) -> str:
-    """Log an engine/handler failure on the server side; the client gets a reference, never the details."""
-    ref = uuid.uuid4().hex[:12]
-    print(f"graphline: {what} [{ref}]: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    if what == "handler error":
-        traceback.print_exception(exc, file=sys.stderr)
-    return ref
-
-
 @web.middleware
 async def _errors(request: web.Request, handler):
     state: ServerState = request.app[STATE]
@@ -106,7 +93,7 @@ async def _errors(request: web.Request, handler):
     except RequestError as exc:
         resp = _error(400, str(exc), exc.param, exc.code)
     except EngineFailedError as exc:
-        _log_failure("request failed", exc)
+        log_failure("request failed", exc)
         resp = _error(503, ENGINE_FAILED, None, "engine_failed", "server_error")
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -116,7 +103,7 @@ async def _errors(request: web.Request, handler):
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as exc:  # noqa: BLE001 - one request's bug never stops the server
-        ref = _log_failure("handler error", exc)
+        ref = log_failure("handler error", exc)
         resp = _error(500, f"internal server error (reference {ref})", None, "internal_error", "server_error")
     state.metrics.http_request(endpoint, resp.status)
     return resp
@@ -145,162 +132,16 @@ async def _raw_body(request: web.Request, limits: ProtocolLimits) -> bytes:
 
 
 # ---- completions and chat
-class _Shape:
-    """How choices look on the wire for one endpoint."""
-
-    def __init__(self, chat: bool):
-        self.chat = chat
-        self.object = "chat.completion.chunk" if chat else "text_completion"
-
-    def opening(self, c: ChoiceState) -> Optional[dict]:
-        return chat_delta(c.index, "", None, first=True) if self.chat else None
-
-    def delta(self, c: ChoiceState, text: str, tokens: list[int]) -> Optional[dict]:
-        reason = c.finish_reason if c.done else None
-        if self.chat:
-            return chat_delta(c.index, text, reason) if text or reason else None
-        return choice(c.index, text, tokens, reason) if text or tokens or reason else None
-
-    def response(self, rid: str, model: str, created: int, choices: list[ChoiceState]) -> dict:
-        return chat_response(rid, model, created, choices[0]) if self.chat else \
-            completion_response(rid, model, created, choices)
-
-
-COMPLETION, CHAT = _Shape(False), _Shape(True)
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     greq = await _parse(request, state, parse_completion_request)
-    return await _generate(request, state, greq, new_request_id(), COMPLETION)
+    return await generate(request, state.engine, state.tokenizer, greq, new_request_id(), COMPLETION)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     greq = await _parse(request, state, parse_chat_request)
-    return await _generate(request, state, greq, "chat" + new_request_id(), CHAT)
-
-
-def _feed(c: ChoiceState, outs: list) -> tuple[str, list[int]]:
-    new = outs[0].new_token_ids if len(outs) == 1 else [t for o in outs for t in o.new_token_ids]
-    last = outs[-1]
-    return c.feed(new, last.finished, last.finish_reason.value if last.finished and last.finish_reason else None)
-
-
-async def _generate(request: web.Request, state: ServerState, greq: GenerationRequest, rid: str,
-                    shape: _Shape) -> web.StreamResponse:
-    eng = state.engine
-    reqs = [eng.make_request(p, greq.sampling, mt, greq.stop_token_ids) for p, mt in zip(greq.prompts, greq.max_tokens)]
-    choices = [ChoiceState(i, len(p), state.tokenizer, greq.stop) for i, p in enumerate(greq.prompts)]
-    created = now_s()
-    if greq.stream:
-        return await _stream(request, state, greq, reqs, choices, rid, created, shape)
-    streams = []
-    try:
-        for r in reqs:
-            streams.append(eng.submit(r))
-        await asyncio.gather(*[_consume(s, c) for s, c in zip(streams, choices)])
-    finally:
-        for s in streams:
-            if not s.finished:
-                eng.abort(s.request_id)  # a stop string matched (or the client left): free its blocks
-    return web.json_response(shape.response(rid, greq.model, created, choices))
-
-
-async def _consume(stream, c: ChoiceState) -> None:
-    async for first in stream:
-        _feed(c, [first, *stream.drain_nowait()])
-        if c.done:
-            return
-
-
-class _ChunkWriter:
-    """Server-sent chunks of one response: the envelope (id, object, created, model) is serialised once;
-    each event serialises only its choices."""
-
-    def __init__(self, resp: web.StreamResponse, rid: str, model: str, created: int, object_: str):
-        self.resp = resp
-        head = json.dumps(stream_chunk(rid, model, created, [], object_=object_))
-        self._head = "data: " + head[: head.rindex('"choices": []')] + '"choices": ['
-
-    async def choices(self, choices: list[dict], usage_: Optional[dict] = None) -> None:
-        tail = "]" if usage_ is None else '], "usage": ' + json.dumps(usage_)
-        await self.resp.write((self._head + ", ".join(json.dumps(c) for c in choices) + tail + "}\n\n").encode())
-
-    async def error(self, exc: BaseException) -> None:
-        _log_failure("stream failed", exc)
-        err = ApiError(503, ENGINE_FAILED, None, "engine_failed", "server_error").body()
-        await self.resp.write(f"data: {json.dumps(err)}\n\n".encode())
-
-
-async def _stream(request: web.Request, state: ServerState, greq: GenerationRequest, reqs, choices: list[ChoiceState],
-                  rid: str, created: int, shape: _Shape) -> web.StreamResponse:
-    eng = state.engine
-    streams = [eng.submit(r) for r in reqs]  # validated already: submit only fails if the engine is dead
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    try:
-        await resp.prepare(request)
-        out = _ChunkWriter(resp, rid, greq.model, created, shape.object)
-        opening = [o for o in (shape.opening(c) for c in choices) if o is not None]
-        if opening:
-            await out.choices(opening)
-        if len(streams) == 1:  # the common case: read the request's stream directly, one task, no fan-in queue
-            c, stream = choices[0], streams[0]
-            try:
-                async for first in stream:
-                    ch = shape.delta(c, *_feed(c, [first, *stream.drain_nowait()]))
-                    if ch is not None:
-                        await out.choices([ch])
-                    if c.done:
-                        break
-            except Exception as exc:  # noqa: BLE001 - reported in-band
-                await out.error(exc)
-        else:
-            await _stream_many(streams, choices, shape, out)
-        if greq.include_usage:
-            done = [c for c in choices if c.done]
-            await out.choices([], usage(sum(c.num_prompt_tokens for c in done), sum(len(c.token_ids) for c in done)))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-    finally:
-        for s in streams:
-            if not s.finished:
-                eng.abort(s.request_id)
-    return resp
-
-
-async def _stream_many(streams, choices: list[ChoiceState], shape: _Shape, out: _ChunkWriter) -> None:
-    """Several prompts in one request: their streams fan in to one queue, chunks go out as they come."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream) -> None:
-        try:
-            async for first in stream:
-                queue.put_nowait((index, first, stream.drain_nowait()))
-        except Exception as exc:  # noqa: BLE001 - reported in-band
-            queue.put_nowait((index, exc, []))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            index, first, more = await queue.get()
-            c = choices[index]
-            if c.done:
-                continue  # ended by a stop string; its request is aborted below
-            if isinstance(first, Exception):
-                await out.error(first)
-                remaining -= 1
-                continue
-            ch = shape.delta(c, *_feed(c, [first, *more]))
-            if ch is not None:
-                await out.choices([ch])
-            if c.done:
-                remaining -= 1
-    finally:
-        for t in tasks:
-            t.cancel()
+    return await generate(request, state.engine, state.tokenizer, greq, "chat" + new_request_id(), CHAT)
 
 
 # ---- models, health, status, metrics
