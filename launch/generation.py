@@ -72,7 +72,7 @@ async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, gr
     try:
         for r in reqs:
             streams.append(eng.submit(r))
-        await asyncio.gather(*[_consume(s, c) for s, c in zip(streams, choices)])
+        await asyncio.gather(*[_consume(eng, s, c) for s, c in zip(streams, choices)])
     finally:
         for s in streams:
             if not s.finished:
@@ -80,10 +80,12 @@ async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, gr
     return web.json_response(shape.response(rid, greq.model, created, choices))
 
 
-async def _consume(stream, c: ChoiceState) -> None:
+async def _consume(eng: AsyncLLMEngine, stream, c: ChoiceState) -> None:
     async for first in stream:
         _feed(c, [first, *stream.drain_nowait()])
         if c.done:
+            if not stream.finished:
+                eng.abort(stream.request_id)  # a stop string matched: free its blocks now
             return
 
 
@@ -129,7 +131,7 @@ async def _stream(request: web.Request, eng: AsyncLLMEngine, greq: GenerationReq
             except Exception as exc:  # noqa: BLE001 - reported in-band
                 await out.error(exc)
         else:
-            await _stream_many(streams, choices, shape, out)
+            await _stream_many(eng, streams, choices, shape, out)
         if greq.include_usage:
             done = [c for c in choices if c.done]
             await out.choices([], usage(sum(c.num_prompt_tokens for c in done), sum(len(c.token_ids) for c in done)))
@@ -142,7 +144,8 @@ async def _stream(request: web.Request, eng: AsyncLLMEngine, greq: GenerationReq
     return resp
 
 
-async def _stream_many(streams, choices: list[ChoiceState], shape: Shape, out: _ChunkWriter) -> None:
+async def _stream_many(eng: AsyncLLMEngine, streams, choices: list[ChoiceState], shape: Shape,
+                       out: _ChunkWriter) -> None:
     """Several prompts in one request: their streams fan in to one queue, chunks go out as they come."""
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -160,7 +163,7 @@ async def _stream_many(streams, choices: list[ChoiceState], shape: Shape, out: _
             index, first, more = await queue.get()
             c = choices[index]
             if c.done:
-                continue  # ended by a stop string; its request is aborted below
+                continue  # ended by a stop string (its request is aborted)
             if isinstance(first, Exception):
                 await out.error(first)
                 remaining -= 1
@@ -170,6 +173,8 @@ async def _stream_many(streams, choices: list[ChoiceState], shape: Shape, out: _
                 await out.choices([ch])
             if c.done:
                 remaining -= 1
+                if not streams[index].finished:
+                    eng.abort(streams[index].request_id)  # a stop string matched: free its blocks now
     finally:
         for t in tasks:
             t.cancel()

@@ -267,3 +267,52 @@ def test_large_texts_are_tokenised_off_the_event_loop(executor, tokenizer):
     assert status == 400 and code == "context_length_exceeded"  # tokenised, then refused by length
     assert len(gaps) >= 5, (gaps, took)  # the stream went on while the big prompt was tokenised
     assert max(gaps) < 0.3, (max(gaps), took)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_string_aborts_its_prompt_while_the_others_go_on(executor, tokenizer, stream):
+    """Two prompts in one request: the one a stop string ends leaves the engine at once, not when the response
+    ends (the other keeps generating meanwhile)."""
+    other = [5, 6, 7, 8]
+
+    async def main():
+        async with serve(executor, tokenizer) as (c, _):
+            ref, _ = await tokens(c, {"temperature": 0, "max_tokens": 8, "ignore_eos": True})
+            r = await c.post("/v1/completions", json={"prompt": other, "temperature": 0, "max_tokens": 100,
+                                                      "ignore_eos": True})
+            other_text = (await r.json())["choices"][0]["text"]
+            stop = next(t for t in (tokenizer.decode(ref[:k])[-2:] for k in range(3, 8)) if t not in other_text)
+            body = {"prompt": [PROMPT, other], "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stop": stop,
+                    "stream": stream}
+            before = (await (await c.get("/status")).json())["engine"]["generated_tokens"]
+            running_after_stop = None
+            async with c.post("/v1/completions", json=body) as r:
+                if stream:
+                    async for line in r.content:
+                        line = line.decode().strip()
+                        if running_after_stop is None and '"finish_reason": "stop"' in line:
+                            for _ in range(40):
+                                running_after_stop = (await (await c.get("/status")).json())["engine"]["running"]
+                                if running_after_stop <= 1:
+                                    break
+                                await asyncio.sleep(0.05)
+                            still_streaming = True
+                    final = None
+                else:
+                    still_streaming = False
+                    final = await r.json()
+            for _ in range(40):
+                st = await (await c.get("/status")).json()
+                if st["engine"]["running"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return running_after_stop, still_streaming, final, st, before
+
+    running_after_stop, still_streaming, final, st, before = run(main())
+    if stream:
+        assert running_after_stop == 1 and still_streaming  # the other prompt still runs; the stopped one is gone
+    else:
+        assert [ch["finish_reason"] for ch in final["choices"]] == ["stop", "length"]
+        assert len(final["choices"][1]["token_ids"]) == 100 and len(final["choices"][0]["token_ids"]) <= 4
+    assert st["engine"]["requests_aborted"] >= 1
+    assert st["engine"]["generated_tokens"] - before < 100 + 20  # the stopped prompt did not run on to max_tokens
