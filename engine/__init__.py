@@ -3,10 +3,11 @@
 from engine.async_engine import AsyncLLMEngine, EngineFailedError, EngineObserver, RequestStream
 from engine.executor import Executor, LocalEngineExecutor
 from engine.llm_engine import EngineConfig, EngineStepError, LLMEngine, StepInfo
-from engine.request import FinishReason, ModelLimits, Request, RequestError, RequestOutput, validate_request
+from engine.errors import RequestError
+from engine.request import FinishReason, ModelLimits, Request, RequestOutput, validate_request
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerError
 from engine.sequence import Sequence, SeqStatus
-from modeling.sampling import SamplingParams
 
 __all__ = [
     "AsyncLLMEngine", "EngineFailedError", "EngineObserver", "RequestStream", "Executor", "LocalEngineExecutor",

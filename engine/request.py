@@ -16,20 +16,15 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from modeling.sampling import SamplingParams
+from engine.errors import RequestError
+from engine.sampling_params import INT32_MAX, SamplingParams
 
 _ids = itertools.count()
 
+MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request (the HTTP layer may allow fewer)
 
-class RequestError(ValueError):
-    """A request is malformed or can never be served (raised before it is scheduled).
-
-    `param` names the offending field (OpenAI-style), `code` is a short machine-readable tag."""
-
-    def __init__(self, message: str, param: Optional[str] = None, code: str = "invalid_request"):
-        super().__init__(message)
-        self.param = param
-        self.code = code
+__all__ = ["RequestError", "FinishReason", "Request", "ModelLimits", "validate_request", "RequestOutput",
+           "new_request_id", "MAX_STOP_TOKEN_IDS"]
 
 
 class FinishReason(str, enum.Enum):
@@ -45,8 +40,9 @@ def new_request_id() -> str:
 
 @dataclass(frozen=True)
 class Request:
-    """prompt_token_ids: the prompt; max_tokens None = generate until max_model_len.
-    stop_token_ids: generation ends when one is sampled (the stop token is not returned)."""
+    """prompt_token_ids: the prompt; max_tokens None = generate until max_model_len (else 1 .. 2**31-1).
+    stop_token_ids: generation ends when one is sampled (the stop token is not returned; at most
+    `MAX_STOP_TOKEN_IDS`). sampling: `engine.sampling_params.SamplingParams`."""
 
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
@@ -59,30 +55,43 @@ class Request:
     def make(prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,
              max_tokens: Optional[int] = 16, stop_token_ids: Sequence[int] = (),
              request_id: Optional[str] = None) -> "Request":
-        """Build a request from loose inputs; type errors become `RequestError` (nothing is validated
-        against the model here: see `validate_request`)."""
+        """Build a request from loose inputs; type and range errors become `RequestError` (nothing is validated
+        against the model here: see `validate_request`). `sampling` may be a legacy
+        `modeling.sampling.SamplingParams` (converted field by field)."""
         if isinstance(prompt_token_ids, np.ndarray):
             prompt_token_ids = prompt_token_ids.tolist() if prompt_token_ids.ndim == 1 else None
         if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
             raise RequestError("prompt token ids must be a list of ints", "prompt", "invalid_type")
         for t in prompt_token_ids:
             if not _is_int(t):
-                raise RequestError(f"prompt token ids must be ints, got {t!r}", "prompt", "invalid_type")
+                raise RequestError(f"prompt token ids must be ints, got {type(t).__name__}", "prompt",
+                                   "invalid_type")
         if max_tokens is not None and not _is_int(max_tokens):
-            raise RequestError(f"max_tokens must be an int, got {max_tokens!r}", "max_tokens", "invalid_type")
+            raise RequestError(f"max_tokens must be an int, got {type(max_tokens).__name__}", "max_tokens",
+                               "invalid_type")
+        if max_tokens is not None and int(max_tokens) > INT32_MAX:
+            raise RequestError(f"max_tokens must be <= {INT32_MAX}", "max_tokens", "invalid_value")
         if isinstance(stop_token_ids, np.ndarray):
             stop_token_ids = stop_token_ids.tolist()
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, set, frozenset)):
             raise RequestError("stop_token_ids must be a list of ints", "stop_token_ids", "invalid_type")
+        if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", "stop_token_ids",
+                               "invalid_value")
         for t in stop_token_ids:
             if not _is_int(t):
-                raise RequestError(f"stop_token_ids must be ints, got {t!r}", "stop_token_ids", "invalid_type")
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise RequestError("sampling must be a SamplingParams", "sampling", "invalid_type")
+                raise RequestError(f"stop_token_ids must be ints, got {type(t).__name__}", "stop_token_ids",
+                                   "invalid_type")
+        sampling = SamplingParams() if sampling is None else SamplingParams.coerce(sampling)
         kw = {} if request_id is None else {"request_id": str(request_id)}
-        return Request(tuple(int(t) for t in prompt_token_ids), sampling or SamplingParams(),
+        return Request(tuple(int(t) for t in prompt_token_ids), sampling,
                        None if max_tokens is None else int(max_tokens),
                        frozenset(int(t) for t in stop_token_ids), **kw)
+
+
+def _tid(t: int) -> str:
+    """A token id for an error message (an absurdly large one is not spelt out)."""
+    return str(t) if abs(t) < 2**64 else f"of {t.bit_length()} bits"
 
 
 def _is_int(x: object) -> bool:
@@ -111,14 +120,21 @@ def validate_request(req: Request, limits: ModelLimits) -> None:
     lo, hi = min(req.prompt_token_ids), max(req.prompt_token_ids)
     if lo < 0 or hi >= limits.vocab_size:
         bad = lo if lo < 0 else hi
-        raise RequestError(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", "prompt",
+        raise RequestError(f"token id {_tid(bad)} is outside the vocabulary [0, {limits.vocab_size})", "prompt",
                            "invalid_token_id")
     if req.max_tokens is not None and req.max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1, got {req.max_tokens}", "max_tokens", "invalid_value")
     for t in req.stop_token_ids:
         if not 0 <= t < limits.vocab_size:
-            raise RequestError(f"stop token id {t} is outside the vocabulary [0, {limits.vocab_size})",
+            raise RequestError(f"stop token id {_tid(t)} is outside the vocabulary [0, {limits.vocab_size})",
                                "stop_token_ids", "invalid_token_id")
+    for t, _ in req.sampling.logit_bias:
+        if t >= limits.vocab_size:
+            raise RequestError(f"logit_bias token id {t} is outside the vocabulary [0, {limits.vocab_size})",
+                               "logit_bias", "invalid_token_id")
+    if req.max_tokens is not None and req.sampling.min_tokens > req.max_tokens:
+        raise RequestError(f"min_tokens ({req.sampling.min_tokens}) exceeds max_tokens ({req.max_tokens})",
+                           "min_tokens", "invalid_value")
     if n >= limits.max_model_len:
         raise RequestError(f"the prompt has {n} tokens; this model's maximum context length is "
                            f"{limits.max_model_len} tokens (prompt + at least one new token)", "prompt",

@@ -13,7 +13,7 @@
 #   (copy node A's token file, ~/.ray/auth_token, to node B: same path, mode 600)
 #   node B$ launch/cluster.sh worker NODE_A_IP:6379
 #   node A$ launch/cluster.sh serve NODE_A_IP:6379 --model /ckpt/Qwen3-8B --tp 8 --dp 2 --host 0.0.0.0 --port 8000 \
-#             --admin-token-file /etc/graphline/admin_token
+#             --admin-token-file /etc/graphline/admin_token   # off loopback, serve requires an admin token
 #
 # Security: every cluster this script starts or joins uses Ray token authentication (RAY_AUTH_MODE=token): a
 # process without the token cannot submit work. The token is read from $RAY_AUTH_TOKEN, else $RAY_AUTH_TOKEN_PATH,

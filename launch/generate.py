@@ -39,7 +39,7 @@ def _ids(s: str) -> list[int]:
 def run_generate(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
     from engine.request import RequestError
-    from modeling.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
 
     executor, kind = build_executor(args)
     try:
@@ -58,9 +58,9 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts += [rng.integers(1, engine.vocab_size, args.prompt_len).tolist() for _ in range(args.random)]
         if not prompts:
             prompts = [rng.integers(1, engine.vocab_size, args.prompt_len).tolist()]
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.sampling_seed)
         t1 = time.perf_counter()
         try:
+            sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.sampling_seed)
             outs = engine.generate(prompts, sampling, args.max_tokens, _ids(args.stop_token_ids))
         except RequestError as exc:
             print(f"graphline generate: bad request: {exc}")

@@ -1,13 +1,22 @@
-"""OpenAI-compatible completions: request parsing (every problem is an `ApiError` with an HTTP
-status), response and stream-chunk building. No I/O here."""
+"""OpenAI-compatible request parsing shared by completions and chat, and the completion shapes.
+
+Every field is bounded and checked here, before a request reaches the engine thread: a problem is
+an `ApiError` (HTTP status + OpenAI error body) or a `RequestError` (400, `param` names the field).
+The JSON body itself is read by `parse_json_body` (size, depth, content type, UTF-8). Unknown fields
+are ignored, as OpenAI does. Error messages describe the caller's own request only and name no
+internals. No I/O here.
+"""
 from __future__ import annotations
 
+import json
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine.request import RequestOutput
-from modeling.sampling import SamplingParams, SamplingParamsError
+from engine.errors import RequestError
+from engine.sampling_params import INT32_MAX, LOGPROBS_MAX, SamplingParams, check_bool, check_int
+from launch.defaults import GenerationDefaults
 
 
 class ApiError(Exception):
@@ -22,158 +31,346 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+@dataclass(frozen=True)
+class ProtocolLimits:
+    """Bounds on what one HTTP request may carry (beyond the model's own limits)."""
+
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_json_depth: int = 32  # nesting of arrays/objects (a list of token-id lists is depth 3)
+    max_prompts: int = 256  # prompts in one completion request
+    max_prompt_chars: int = 1_000_000  # all text prompts of a request, or all of a chat's message text
+    max_stop_strings: int = 4
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 256
+    max_messages: int = 1024
+    max_model_name_chars: int = 256
+
+
+@dataclass(frozen=True)
+class ParseContext:
+    """What parsing needs from the server: served names, tokenizer, model limits, defaults, EOS ids."""
+
+    served_names: tuple[str, ...]
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    max_sequence_tokens: int = 0  # tokens one sequence can hold (KV capacity of a DP rank); 0 = max_model_len
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    eos_token_ids: tuple[int, ...] = ()
+    limits: ProtocolLimits = field(default_factory=ProtocolLimits)
+
+
 @dataclass
-class CompletionRequest:
+class GenerationRequest:
+    """A parsed completion or chat request: one prompt (token ids) per choice."""
+
+    model: str
     prompts: list[list[int]]
     sampling: SamplingParams
-    max_tokens: Optional[int]
+    max_tokens: list[int]  # per prompt
     stop_token_ids: list[int]
+    stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    model: str
 
 
-def _int(body: dict, key: str, default: Any, lo: Optional[int] = None) -> Any:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ApiError(400, f"'{key}' must be an integer, got {type(v).__name__}", key, "invalid_type")
-    if lo is not None and v < lo:
-        raise ApiError(400, f"'{key}' must be >= {lo}, got {v}", key, "invalid_value")
-    return v
+# ---- the body
+_JSON_TYPES = ("application/json",)
 
 
-def _num(body: dict, key: str, default: float) -> float:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        raise ApiError(400, f"'{key}' must be a number, got {type(v).__name__}", key, "invalid_type")
-    return float(v)
+def parse_json_body(raw: bytes, content_type: str, limits: ProtocolLimits) -> Any:
+    """The request's JSON document. Empty, oversized, non-UTF-8, malformed, too deeply nested, non-JSON
+    numbers (NaN, Infinity) -> 400; a body that is JSON but not declared as such -> 415."""
+    if not raw:
+        raise ApiError(400, "the request body is empty; send a JSON object", None, "invalid_json")
+    if len(raw) > limits.max_body_bytes:
+        raise ApiError(413, f"the request body exceeds {limits.max_body_bytes} bytes", None, "body_too_large")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not valid UTF-8", None, "invalid_json") from None
+    try:
+        doc = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ApiError(400, f"the JSON document is nested deeper than {limits.max_json_depth} levels", None,
+                       "invalid_json") from None
+    except ValueError as exc:
+        raise ApiError(400, f"malformed JSON: {_json_error(exc)}", None, "invalid_json") from None
+    _check_depth(doc, limits.max_json_depth)
+    mime = content_type.split(";", 1)[0].strip().lower()
+    if mime not in _JSON_TYPES and not mime.endswith("+json"):
+        raise ApiError(415, "send the request body with 'Content-Type: application/json'", None,
+                       "unsupported_media_type")
+    return doc
 
 
-def _bool(body: dict, key: str, default: bool) -> bool:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise ApiError(400, f"'{key}' must be a boolean, got {type(v).__name__}", key, "invalid_type")
-    return v
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(s: str) -> float:
+    f = float(s)
+    if math.isinf(f):  # 1e400: Python's json would read it as infinity
+        raise ValueError("a number is too large for a double")
+    return f
+
+
+def _json_error(exc: ValueError) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+    return str(exc).split("\n", 1)[0][:200]  # e.g. an integer of more than 4300 digits
+
+
+def _check_depth(doc: Any, max_depth: int) -> None:
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > max_depth:
+            raise ApiError(400, f"the JSON document is nested deeper than {max_depth} levels", None, "invalid_json")
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+
+
+# ---- shared fields
+def check_text(s: str, param: str) -> str:
+    """`s` if it is encodable text: JSON's \\ud800-style escapes can produce unpaired surrogates, which no
+    tokenizer accepts."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"'{param}' contains an unpaired UTF-16 surrogate escape", param, "invalid_value") from None
+    return s
+
+
+def _kind(v: Any) -> str:
+    return "null" if v is None else "a boolean" if isinstance(v, bool) else type(v).__name__
+
+
+def parse_model(body: dict, ctx: ParseContext) -> str:
+    model = body.get("model")
+    if model is None:
+        return ctx.served_names[0]
+    if not isinstance(model, str):
+        raise ApiError(400, f"'model' must be a string, got {_kind(model)}", "model", "invalid_type")
+    if model not in ctx.served_names:
+        shown = model if len(model) <= ctx.limits.max_model_name_chars else model[:40] + "..."
+        raise ApiError(404, f"the model '{shown}' does not exist; this server serves '{ctx.served_names[0]}'",
+                       "model", "model_not_found")
+    return model
+
+
+def _single_choice(body: dict) -> None:
+    for key in ("n", "best_of"):
+        v = body.get(key)
+        if v is None:
+            continue
+        n = check_int(key, v, 1, INT32_MAX)
+        if n > 1:
+            raise ApiError(400, f"'{key}' > 1 is not supported yet; send one request per choice", key,
+                           "unsupported")
+
+
+def _unsupported(body: dict, key: str, allowed: tuple, what: str) -> None:
+    v = body.get(key)
+    if v is not None and not any(v == a and type(v) is type(a) for a in allowed):
+        raise ApiError(400, f"'{key}' {what} is not supported", key, "unsupported")
+
+
+HTTP_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's defaults where they differ
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos")
+
+
+def parse_sampling(body: dict, ctx: ParseContext, logprobs: Optional[int]) -> SamplingParams:
+    """SamplingParams from the body; omitted (or null) fields take the server's generation defaults, then
+    OpenAI's. A field the engine cannot apply yet is refused when sent with a non-default value."""
+    kw: dict[str, Any] = {}
+    for key in _SAMPLING_KEYS:
+        v = body.get(key)
+        if v is None:
+            v = ctx.defaults.sampling.get(key, HTTP_SAMPLING_DEFAULTS.get(key))
+        if v is not None:
+            kw[key] = v
+    sp = SamplingParams(**kw, logprobs=logprobs)
+    for name in sp.unapplied():
+        if body.get(name) is not None:
+            raise ApiError(400, f"'{name}' is accepted by the API but not applied by this engine yet; omit it or "
+                                "send its neutral value", name, "unsupported")
+    return sp
+
+
+def parse_max_tokens(body: dict, keys: tuple[str, ...], default: Optional[int], prompts: list[list[int]],
+                     ctx: ParseContext) -> list[int]:
+    """The token budget per prompt: the first of `keys` that is set (validated, and checked against the
+    context by the engine), else `default` (None = no limit) capped by what the context and one DP rank's
+    KV cache leave after the prompt."""
+    for key in keys:
+        v = body.get(key)
+        if v is not None:
+            n = check_int(key, v, 1, INT32_MAX)
+            return [n] * len(prompts)
+    room = min(ctx.max_model_len, ctx.max_sequence_tokens or ctx.max_model_len)
+    return [max(1, min(default if default is not None else room, room - len(p))) for p in prompts]
+
+
+def parse_stop(body: dict, ctx: ParseContext) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None or v == []:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    lim = ctx.limits
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if len(stops) > lim.max_stop_strings:
+        raise RequestError(f"'stop' may hold at most {lim.max_stop_strings} strings", "stop", "invalid_value")
+    if any(not s or len(s) > lim.max_stop_chars for s in stops):
+        raise RequestError(f"each 'stop' string must have 1 to {lim.max_stop_chars} characters", "stop",
+                           "invalid_value")
+    if ctx.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer: 'stop' strings need one; use 'stop_token_ids'", "stop",
+                       "no_tokenizer")
+    return tuple(dict.fromkeys(check_text(s, "stop") for s in stops))
+
+
+def parse_stop_token_ids(body: dict, ctx: ParseContext, ignore_eos: bool) -> list[int]:
+    v = body.get("stop_token_ids")
+    ids: list[int] = []
+    if v is not None:
+        if not isinstance(v, list):
+            raise RequestError(f"'stop_token_ids' must be a list of token ids, got {_kind(v)}", "stop_token_ids",
+                               "invalid_type")
+        if len(v) > ctx.limits.max_stop_token_ids:
+            raise RequestError(f"'stop_token_ids' may hold at most {ctx.limits.max_stop_token_ids} ids",
+                               "stop_token_ids", "invalid_value")
+        ids = [check_int("stop_token_ids", t, 0, ctx.vocab_size - 1) for t in v]
+    if not ignore_eos:
+        ids += [t for t in ctx.eos_token_ids if t not in ids]
+    return ids
+
+
+def parse_stream(body: dict) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage)."""
+    v = body.get("stream")
+    stream = False if v is None else check_bool("stream", v)
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not isinstance(opts, dict):
+        raise RequestError(f"'stream_options' must be an object, got {_kind(opts)}", "stream_options",
+                           "invalid_type")
+    if not stream:
+        raise RequestError("'stream_options' is only allowed with 'stream': true", "stream_options",
+                           "invalid_value")
+    usage = opts.get("include_usage")
+    return stream, False if usage is None else check_bool("stream_options.include_usage", usage)
+
+
+def parse_common(body: Any, ctx: ParseContext, prompts: list[list[int]], logprobs: Optional[int],
+                 max_tokens: list[int]) -> GenerationRequest:
+    """The fields completions and chat share, after the endpoint parsed its prompt and token budget."""
+    sampling = parse_sampling(body, ctx, logprobs)
+    stream, include_usage = parse_stream(body)
+    return GenerationRequest(parse_model(body, ctx), prompts, sampling, max_tokens,
+                             parse_stop_token_ids(body, ctx, sampling.ignore_eos), parse_stop(body, ctx),
+                             stream, include_usage)
+
+
+def require_object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+# ---- completions
 def _token_list(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    return isinstance(x, list) and all(type(t) is int for t in x)
 
 
-def parse_prompts(prompt: Any, tokenizer: Any) -> list[list[int]]:
+def _context_check(n: int, ctx: ParseContext) -> None:
+    if n >= ctx.max_model_len:
+        raise RequestError(f"the prompt has {n} tokens; this model's maximum context length is "
+                           f"{ctx.max_model_len} tokens (prompt + at least one new token)", "prompt",
+                           "context_length_exceeded")
+
+
+def parse_prompts(prompt: Any, ctx: ParseContext) -> list[list[int]]:
     """prompt: token ids, a list of token-id lists, a string or a list of strings (with a tokenizer)."""
+    lim = ctx.limits
     if prompt is None:
         raise ApiError(400, "'prompt' is required", "prompt", "missing")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
-        if tokenizer is None:
+    if isinstance(prompt, list):
+        if not prompt:
+            raise ApiError(400, "'prompt' is empty", "prompt", "empty_prompt")
+        if type(prompt[0]) is int:
+            _context_check(len(prompt), ctx)  # before looking at every element of a huge list
+        elif len(prompt) > lim.max_prompts:
+            raise RequestError(f"'prompt' holds {len(prompt)} prompts; at most {lim.max_prompts} are allowed per "
+                               "request", "prompt", "invalid_value")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(p, str) for p in prompt)):
+        if ctx.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send 'prompt' as token ids (a list of ints or a "
                                 "list of lists of ints)", "prompt", "no_tokenizer")
         texts = [prompt] if isinstance(prompt, str) else prompt
-        return [list(tokenizer.encode(t)) for t in texts]
-    if isinstance(prompt, list) and prompt and _token_list(prompt):
+        if sum(len(t) for t in texts) > lim.max_prompt_chars:
+            raise RequestError(f"the text prompts may have at most {lim.max_prompt_chars} characters in all",
+                               "prompt", "invalid_value")
+        return [list(ctx.tokenizer.encode(check_text(t, "prompt"))) for t in texts]
+    if _token_list(prompt):
+        _context_check(len(prompt), ctx)
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(_token_list(p) for p in prompt):
+    if isinstance(prompt, list) and all(isinstance(p, list) and p and _token_list(p) for p in prompt):
+        for p in prompt:
+            _context_check(len(p), ctx)
         return [list(p) for p in prompt]
-    if isinstance(prompt, list) and not prompt:
-        raise ApiError(400, "'prompt' is empty", "prompt", "empty_prompt")
-    raise ApiError(400, "'prompt' must be a list of token ids, a list of token-id lists"
-                        + (", a string or a list of strings" if tokenizer is not None else ""), "prompt",
+    raise ApiError(400, "'prompt' must be a list of token ids, a list of non-empty token-id lists"
+                        + (", a string or a list of strings" if ctx.tokenizer is not None else ""), "prompt",
                    "invalid_type")
 
 
-_UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,),
-                "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-                "logit_bias": (None, {})}
-
-
-def parse_completion_request(body: Any, served_names: tuple[str, ...], tokenizer: Any) -> CompletionRequest:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
-    model = body.get("model", served_names[0])
-    if not isinstance(model, str):
-        raise ApiError(400, "'model' must be a string", "model", "invalid_type")
-    if model not in served_names:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served_names[0]}'", "model",
-                       "model_not_found")
-    for key, allowed in _UNSUPPORTED.items():
-        if key in body and body[key] not in allowed:
-            raise ApiError(400, f"'{key}'={body[key]!r} is not supported", key, "unsupported")
-    stop = body.get("stop")
-    if stop not in (None, [], ""):
-        raise ApiError(400, "'stop' strings are not supported; use 'stop_token_ids'", "stop", "unsupported")
-    prompts = parse_prompts(body.get("prompt"), tokenizer)
-    max_tokens = body.get("max_tokens", 16)
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
-        raise ApiError(400, f"'max_tokens' must be an integer, got {type(max_tokens).__name__}", "max_tokens",
-                       "invalid_type")
-    top_k = _int(body, "top_k", 0)
-    if top_k == -1:
-        top_k = 0  # vLLM's "off"
-    try:
-        sampling = SamplingParams(temperature=_num(body, "temperature", 1.0), top_k=top_k,
-                                  top_p=_num(body, "top_p", 1.0), seed=_int(body, "seed", None))
-    except SamplingParamsError as exc:
-        raise ApiError(400, str(exc), None, "invalid_value") from exc
-    stop_ids = body.get("stop_token_ids") or []
-    if not _token_list(stop_ids):
-        raise ApiError(400, "'stop_token_ids' must be a list of ints", "stop_token_ids", "invalid_type")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise ApiError(400, "'stream_options' must be an object", "stream_options", "invalid_type")
-    return CompletionRequest(prompts, sampling, max_tokens, stop_ids, _bool(body, "stream", False),
-                             _bool(opts, "include_usage", False), model)
+def parse_completion_request(body: Any, ctx: ParseContext) -> GenerationRequest:
+    body = require_object(body)
+    parse_model(body, ctx)  # an unknown model is a 404 whatever else is wrong
+    _single_choice(body)
+    _unsupported(body, "echo", (False,), "= true")
+    _unsupported(body, "suffix", ("",), "(insertion)")
+    lp = body.get("logprobs")
+    logprobs = None if lp is None else check_int("logprobs", lp, 0, LOGPROBS_MAX)
+    prompts = parse_prompts(body.get("prompt"), ctx)
+    max_tokens = parse_max_tokens(body, ("max_tokens",), ctx.defaults.max_tokens or 16, prompts, ctx)
+    return parse_common(body, ctx, prompts, logprobs, max_tokens)
 
 
 def choice(index: int, text: str, token_ids: list[int], finish_reason: Optional[str]) -> dict:
+    """One completion choice (non-streamed) or one streamed choice delta. `logprobs` stays null until the
+    sampler returns log-probabilities."""
     return {"index": index, "text": text, "token_ids": token_ids, "logprobs": None, "finish_reason": finish_reason}
 
 
-def completion_response(rid: str, model: str, created: int, outs: list[RequestOutput], texts: list[str]) -> dict:
-    prompt_tokens = sum(o.num_prompt_tokens for o in outs)
-    completion_tokens = sum(len(o.token_ids) for o in outs)
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(rid: str, model: str, created: int, choices: list) -> dict:
+    """choices: `launch.outputs.ChoiceState`s, finished."""
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [choice(i, t, o.token_ids, o.finish_reason.value if o.finish_reason else None)
-                    for i, (o, t) in enumerate(zip(outs, texts))],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "choices": [choice(c.index, c.text, c.token_ids, c.finish_reason) for c in choices],
+        "usage": usage(sum(c.num_prompt_tokens for c in choices), sum(len(c.token_ids) for c in choices)),
     }
 
 
-def stream_chunk(rid: str, model: str, created: int, choices: list[dict], usage: Optional[dict] = None) -> dict:
-    out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-    if usage is not None:
-        out["usage"] = usage
+def stream_chunk(rid: str, model: str, created: int, choices: list[dict], usage_: Optional[dict] = None,
+                 object_: str = "text_completion") -> dict:
+    out = {"id": rid, "object": object_, "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
     return out
-
-
-class IncrementalDetokenizer:
-    """Text deltas of a growing token list (holds back an incomplete UTF-8 tail)."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.sent = 0
-
-    def push(self, new_ids: list[int], final: bool = False) -> str:
-        if self.tokenizer is None:
-            return ""
-        self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not final:
-            return ""
-        delta, self.sent = text[self.sent:], len(text)
-        return delta
-
-
-def decode_text(tokenizer: Any, ids: list[int]) -> str:
-    return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def now_s() -> int:

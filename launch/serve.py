@@ -22,7 +22,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 = any free port (printed on start)")
     s.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: preset or dir name)")
-    s.add_argument("--admin-token", default=None, help="require 'Authorization: Bearer TOKEN' on /admin/*")
+    s.add_argument("--admin-token-file", default=None, metavar="PATH",
+                   help="require 'Authorization: Bearer TOKEN' on /admin/*, TOKEN read from PATH (also: the "
+                        "GRAPHLINE_ADMIN_TOKEN environment variable); needed when --host is not a loopback address")
+    s.add_argument("--admin-token", default=None,
+                   help="the admin token itself (visible to every user of the machine in `ps`: prefer "
+                        "--admin-token-file)")
     s.add_argument("--metrics-interval-s", type=float, default=5.0,
                    help="refresh of status-derived Ray metrics (ray.util.metrics) when Ray is up")
     p.set_defaults(func=run_serve)
@@ -34,6 +39,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from launch.metrics import ServerMetrics
     from launch.server import ServerState
 
+    from launch.admin import AdminTokenError, require_token_off_loopback, resolve_admin_token
+    from launch.options import LaunchError
+
+    try:  # before anything starts: a bad security configuration fails in milliseconds
+        admin_token = resolve_admin_token(args.admin_token, args.admin_token_file)
+        require_token_off_loopback(args.host, admin_token)
+    except AdminTokenError as exc:
+        raise LaunchError(str(exc)) from None
     t0 = time.perf_counter()
     _log_events_to_stderr()
     # The engine thread and the HTTP event loop share the GIL: a 0.5 ms switch interval (CPython's default is
@@ -48,7 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
             engine=AsyncLLMEngine(engine, metrics), metrics=metrics, model_name=served_model_name(args),
             model_aliases=(args.model,) if args.model != served_model_name(args) else (),
             tokenizer=load_tokenizer(args.model), deployment=deployment_summary(args, kind),
-            startup={"executor": timings, "engine_ready_s": time.perf_counter() - t0}, admin_token=args.admin_token,
+            startup={"executor": timings, "engine_ready_s": time.perf_counter() - t0}, admin_token=admin_token,
         )
         asyncio.run(_serve(state, args, t0))
     finally:

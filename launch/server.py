@@ -1,9 +1,11 @@
-"""The HTTP server (aiohttp): OpenAI-compatible completions, health, status, metrics, the operator
-dashboard and the admin reset. One `AsyncLLMEngine` behind it; every handler is async and never
-touches the executor directly (executor calls run in the engine thread)."""
+"""The HTTP server (aiohttp): OpenAI-compatible completions and chat completions, models, health,
+status, metrics, the operator dashboard and the admin reset. One `AsyncLLMEngine` behind it; every
+handler is async and never touches the executor directly (executor calls run in the engine thread).
+Requests are parsed and bounded completely (`launch.protocol`, `launch.chat`) before submission."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 from dataclasses import dataclass, field
@@ -13,10 +15,15 @@ from typing import Any, Optional
 from aiohttp import web
 
 from engine.async_engine import AsyncLLMEngine, EngineFailedError
-from engine.request import RequestError, RequestOutput, new_request_id
+from engine.errors import RequestError
+from engine.request import new_request_id
+from launch.admin import check_admin_request
+from launch.chat import parse_chat_request
+from launch.defaults import GenerationDefaults
+from launch.generation import CHAT, COMPLETION, ENGINE_FAILED, generate, log_failure
 from launch.metrics import CONTENT_TYPE, ServerMetrics
-from launch.protocol import (ApiError, IncrementalDetokenizer, choice, completion_response, decode_text, now_s,
-                             parse_completion_request, stream_chunk)
+from launch.protocol import (ApiError, GenerationRequest, ParseContext, ProtocolLimits, parse_completion_request,
+                             parse_json_body)
 from launch.status import build_status
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -24,6 +31,9 @@ STATIC_DIR = Path(__file__).parent / "static"
 
 @dataclass
 class ServerState:
+    """Everything the handlers share. `generation_defaults`: values for fields a request omits (e.g. the
+    checkpoint's generation_config.json; see `launch.defaults`), validated here (`GenerationDefaultsError`)."""
+
     engine: AsyncLLMEngine
     metrics: ServerMetrics
     model_name: str
@@ -34,10 +44,34 @@ class ServerState:
     admin_token: Optional[str] = None
     started_at: float = field(default_factory=time.time)
     ready_at: Optional[float] = None
+    generation_defaults: Optional[dict] = None
+    limits: ProtocolLimits = field(default_factory=ProtocolLimits)
+    defaults: GenerationDefaults = field(init=False)
+    tokenize_pool: Optional[concurrent.futures.ThreadPoolExecutor] = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.defaults = GenerationDefaults(self.generation_defaults)
+        if self.tokenizer is not None:  # large texts are tokenised off the event loop (tokenizers drop the GIL)
+            self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphline-tokenize")
 
     @property
     def served_names(self) -> tuple[str, ...]:
         return (self.model_name, *self.model_aliases)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Generation stops at these unless a request sets ignore_eos: the defaults' eos_token_id, else the
+        tokenizer's EOS."""
+        if self.defaults.eos_token_ids:
+            return self.defaults.eos_token_ids
+        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        return (eos,) if isinstance(eos, int) else ()
+
+    def parse_context(self) -> ParseContext:
+        lim = self.engine.engine.limits  # current: a reset may resize the KV cache
+        return ParseContext(self.served_names, self.tokenizer, lim.vocab_size, lim.max_model_len,
+                            lim.max_blocks_per_request * lim.block_size, self.defaults,
+                            tuple(t for t in self.eos_token_ids if 0 <= t < lim.vocab_size), self.limits)
 
 
 STATE = web.AppKey("graphline_state", ServerState)
@@ -59,7 +93,8 @@ async def _errors(request: web.Request, handler):
     except RequestError as exc:
         resp = _error(400, str(exc), exc.param, exc.code)
     except EngineFailedError as exc:
-        resp = _error(503, str(exc), None, "engine_failed", "server_error")
+        log_failure("request failed", exc)
+        resp = _error(503, ENGINE_FAILED, None, "engine_failed", "server_error")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -68,145 +103,67 @@ async def _errors(request: web.Request, handler):
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as exc:  # noqa: BLE001 - one request's bug never stops the server
-        resp = _error(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error", "server_error")
+        ref = log_failure("handler error", exc)
+        resp = _error(500, f"internal server error (reference {ref})", None, "internal_error", "server_error")
     state.metrics.http_request(endpoint, resp.status)
     return resp
 
 
-async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw:
-        raise ApiError(400, "the request body is empty; send a JSON object", None, "invalid_json")
+PARSE_INLINE_BYTES = 32 * 1024  # larger bodies with a tokenizer are parsed (tokenised, templated) in a worker
+
+
+async def _parse(request: web.Request, state: ServerState, parser) -> GenerationRequest:
+    raw = await _raw_body(request, state.limits)
+    body = parse_json_body(raw, request.headers.get("Content-Type", ""), state.limits)
+    ctx = state.parse_context()
+    if state.tokenize_pool is None or len(raw) < PARSE_INLINE_BYTES:
+        return parser(body, ctx)
+    return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, parser, body, ctx)
+
+
+async def _raw_body(request: web.Request, limits: ProtocolLimits) -> bytes:
+    if request.content_length is not None and request.content_length > limits.max_body_bytes:
+        raise ApiError(413, f"the request body exceeds {limits.max_body_bytes} bytes", None, "body_too_large")
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"malformed JSON: {exc}", None, "invalid_json") from exc
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"the request body exceeds {limits.max_body_bytes} bytes", None,
+                       "body_too_large") from None
 
 
-# ---- completions
+# ---- completions and chat
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
-    creq = parse_completion_request(await _json_body(request), state.served_names, state.tokenizer)
-    eng = state.engine
-    reqs = [eng.make_request(p, creq.sampling, creq.max_tokens, creq.stop_token_ids) for p in creq.prompts]
-    rid, created = new_request_id(), now_s()
-    if creq.stream:
-        return await _stream(request, state, creq, reqs, rid, created)
-    streams = []
-    try:
-        for r in reqs:
-            streams.append(eng.submit(r))
-        outs = await asyncio.gather(*[_last(s) for s in streams])
-    finally:
-        for s in streams:
-            if not s.finished:
-                eng.abort(s.request_id)
-    texts = [decode_text(state.tokenizer, o.token_ids) for o in outs]
-    return web.json_response(completion_response(rid, creq.model, created, outs, texts))
+    greq = await _parse(request, state, parse_completion_request)
+    return await generate(request, state.engine, state.tokenizer, greq, new_request_id(), COMPLETION)
 
 
-async def _last(stream) -> RequestOutput:
-    last = None
-    async for out in stream:
-        last = out
-    return last
-
-
-class _ChunkWriter:
-    """Server-sent completion chunks of one response: the envelope (id, object, created, model) is serialised
-    once; each event serialises only its choices."""
-
-    def __init__(self, resp: web.StreamResponse, rid: str, model: str, created: int):
-        self.resp = resp
-        head = json.dumps(stream_chunk(rid, model, created, []))
-        self._head = "data: " + head[: head.rindex('"choices": []')] + '"choices": ['
-
-    async def choices(self, choices: list[dict], usage: Optional[dict] = None) -> None:
-        tail = "]" if usage is None else '], "usage": ' + json.dumps(usage)
-        await self.resp.write((self._head + ", ".join(json.dumps(c) for c in choices) + tail + "}\n\n").encode())
-
-    async def error(self, exc: BaseException) -> None:
-        err = ApiError(503, str(exc), None, "engine_failed", "server_error").body()
-        await self.resp.write(f"data: {json.dumps(err)}\n\n".encode())
-
-
-def _delta(outs: list[RequestOutput], detok: "IncrementalDetokenizer", index: int) -> tuple[dict, RequestOutput]:
-    new = outs[0].new_token_ids if len(outs) == 1 else [t for o in outs for t in o.new_token_ids]
-    last = outs[-1]
-    reason = last.finish_reason.value if last.finished and last.finish_reason else None
-    return choice(index, detok.push(new, final=last.finished), new, reason), last
-
-
-async def _stream(request: web.Request, state: ServerState, creq, reqs, rid: str, created: int) -> web.StreamResponse:
-    eng = state.engine
-    streams = [eng.submit(r) for r in reqs]  # validated already: submit only fails if the engine is dead
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
-    out = _ChunkWriter(resp, rid, creq.model, created)
-    detok = [IncrementalDetokenizer(state.tokenizer) for _ in reqs]
-    finals: list[Optional[RequestOutput]] = [None] * len(reqs)
-    try:
-        if len(streams) == 1:  # the common case: read the request's stream directly, one task, no fan-in queue
-            try:
-                async for first in streams[0]:
-                    ch, last = _delta([first, *streams[0].drain_nowait()], detok[0], 0)
-                    await out.choices([ch])
-                    if last.finished:
-                        finals[0] = last
-            except Exception as exc:  # noqa: BLE001 - reported in-band
-                await out.error(exc)
-        else:
-            await _stream_many(streams, detok, finals, out)
-        if creq.include_usage:
-            done = [o for o in finals if o is not None]
-            p, c = sum(o.num_prompt_tokens for o in done), sum(len(o.token_ids) for o in done)
-            await out.choices([], {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-    finally:
-        for s in streams:
-            if not s.finished:
-                eng.abort(s.request_id)
-    return resp
-
-
-async def _stream_many(streams, detok, finals, out: _ChunkWriter) -> None:
-    """Several prompts in one request: their streams fan in to one queue, chunks go out as they come."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream) -> None:
-        try:
-            async for first in stream:
-                queue.put_nowait((index, first, stream.drain_nowait()))
-        except Exception as exc:  # noqa: BLE001 - reported in-band
-            queue.put_nowait((index, exc, []))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            index, first, more = await queue.get()
-            if isinstance(first, Exception):
-                await out.error(first)
-                remaining -= 1
-                continue
-            ch, last = _delta([first, *more], detok[index], index)
-            await out.choices([ch])
-            if last.finished:
-                finals[index] = last
-                remaining -= 1
-    finally:
-        for t in tasks:
-            t.cancel()
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app[STATE]
+    greq = await _parse(request, state, parse_chat_request)
+    return await generate(request, state.engine, state.tokenizer, greq, "chat" + new_request_id(), CHAT)
 
 
 # ---- models, health, status, metrics
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "graphline",
+            "root": state.model_name, "max_model_len": state.engine.engine.limits.max_model_len,
+            "generation_defaults": state.defaults.in_force()}
+
+
 async def models(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
-    data = [{"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "graphline",
-             "max_model_len": state.engine.engine.limits.max_model_len}]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": [_model_card(state, state.model_name)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE]
+    name = request.match_info["model_id"]
+    if name not in state.served_names:
+        shown = name if len(name) <= 256 else name[:40] + "..."
+        raise ApiError(404, f"the model '{shown}' does not exist; this server serves '{state.model_name}'", "model",
+                       "model_not_found")
+    return web.json_response(_model_card(state, name))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -233,6 +190,7 @@ async def current_status(state: ServerState) -> dict:
         "model": state.model_name, "health": _health_word(state),
         "deployment": state.deployment, "startup": state.startup, "started_at": state.started_at,
         "uptime_s": time.time() - state.started_at, "tokenizer": state.tokenizer is not None,
+        "admin_auth": state.admin_token is not None,
     }, list(state.engine.reset_log), list(state.engine.failure_log))
     state.metrics.update_status(doc)
     return doc
@@ -256,9 +214,9 @@ async def metrics(request: web.Request) -> web.Response:
 # ---- admin
 async def admin_reset(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
-    if state.admin_token and request.headers.get("Authorization", "") != f"Bearer {state.admin_token}":
-        raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin token>'", None, "unauthorized")
-    body = await _json_body(request) if request.can_read_body else {}
+    check_admin_request(request.method, request.headers, request.scheme, state.admin_token)
+    raw = await request.read() if request.can_read_body else b""
+    body = parse_json_body(raw, request.headers.get("Content-Type", ""), state.limits) if raw.strip() else {}
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
     recapture = body.get("recapture", True)
@@ -266,9 +224,9 @@ async def admin_reset(request: web.Request) -> web.Response:
     num_kv_blocks = body.get("num_kv_blocks")
     if not isinstance(recapture, bool) or not isinstance(reload_weights, bool):
         raise ApiError(400, "'recapture' and 'reload_weights' must be booleans", None, "invalid_type")
-    if num_kv_blocks is not None and (not isinstance(num_kv_blocks, int) or isinstance(num_kv_blocks, bool)
-                                      or num_kv_blocks < 2):
-        raise ApiError(400, "'num_kv_blocks' must be an integer >= 2", "num_kv_blocks", "invalid_value")
+    if num_kv_blocks is not None and (type(num_kv_blocks) is not int or not 2 <= num_kv_blocks <= 2**31 - 1):
+        raise ApiError(400, "'num_kv_blocks' must be an integer in [2, 2147483647]", "num_kv_blocks",
+                       "invalid_value")
     result = await state.engine.reset(recapture=recapture, num_kv_blocks=num_kv_blocks, reload_weights=reload_weights)
     return web.json_response({"status": "ok", "result": result}, dumps=lambda o: json.dumps(o, default=str))
 
@@ -283,10 +241,12 @@ async def index(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=16 * 1024 * 1024)
+    app = web.Application(middlewares=[_errors], client_max_size=state.limits.max_body_bytes)
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/health/live", live)
     app.router.add_get("/status", status)

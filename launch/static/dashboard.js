@@ -169,6 +169,7 @@ function render(st) {
   logList("failure-list", st.failures, (f) => typeof f === "object" ? `${when(f.time)} ${f.message || JSON.stringify(f)}` : String(f));
   $("last-update").textContent = "updated " + new Date().toLocaleTimeString();
   $("error").textContent = "";
+  adminAuth = !!st.admin_auth;
   document.body.dataset.ranks = String(ranks.length);
   document.body.dataset.loaded = "1";
 }
@@ -185,16 +186,57 @@ async function poll() {
   }
 }
 
+// ---- admin reset. With an admin token configured (`/status` says admin_auth), the page asks for it once
+// (window.prompt), keeps it in this tab's sessionStorage and sends it as `Authorization: Bearer ...`;
+// a 401 forgets it and asks again once.
+const TOKEN_KEY = "graphline.adminToken";
+let adminAuth = false;
+
+function resetMessage(text, kind) {
+  const m = $("reset-msg");
+  m.textContent = text;
+  m.className = "reset-msg " + (kind || "");
+}
+
+function askToken(why) {
+  const t = window.prompt(why + " Enter the admin token (kept for this tab only):", "");
+  if (t === null || !t.trim()) return null;
+  sessionStorage.setItem(TOKEN_KEY, t.trim());
+  return t.trim();
+}
+
+function postReset(token) {
+  const headers = { "Content-Type": "application/json" };
+  if (token) headers["Authorization"] = "Bearer " + token;
+  return fetch("/admin/reset", { method: "POST", headers, body: "{}", cache: "no-store" });
+}
+
 async function resetAll() {
   if (!confirm("Drain, reset and re-capture every rank? In-flight requests pause and resume.")) return;
   const b = $("reset-btn");
   b.disabled = true;
+  resetMessage("resetting ...", "");
   try {
-    const r = await fetch("/admin/reset", { method: "POST", headers: { "Content-Type": "application/json" }, body: "{}" });
-    const j = await r.json();
+    let token = sessionStorage.getItem(TOKEN_KEY);
+    if (!token && adminAuth) token = askToken("This server protects /admin/* with a token.");
+    if (adminAuth && !token) { resetMessage("reset cancelled: it needs the admin token", "bad"); return; }
+    let r = await postReset(token);
+    if (r.status === 401) {
+      sessionStorage.removeItem(TOKEN_KEY);
+      token = askToken(token ? "The admin token was rejected (401)." : "This server needs an admin token (401).");
+      if (token) r = await postReset(token);
+    }
+    if (r.status === 401) {
+      sessionStorage.removeItem(TOKEN_KEY);
+      resetMessage("reset refused (401 Unauthorized): the admin token is missing or wrong", "bad");
+      return;
+    }
+    const j = await r.json().catch(() => ({}));
     if (!r.ok) throw new Error((j.error || {}).message || ("HTTP " + r.status));
+    const wall = (j.result || {}).wall_s;
+    resetMessage("reset done" + (wall != null ? " in " + Number(wall).toFixed(2) + " s" : ""), "ok");
   } catch (e) {
-    $("error").textContent = "reset failed: " + e.message;
+    resetMessage("reset failed: " + e.message, "bad");
   } finally {
     b.disabled = false;
     poll();

@@ -50,7 +50,7 @@ def run(coro):
 
 
 async def post(s: aiohttp.ClientSession, url: str, body, raw: bool = False):
-    kw = {"data": body} if raw else {"json": body}
+    kw = {"data": body, "headers": {"Content-Type": "application/json"}} if raw else {"json": body}
     async with s.post(url + "/v1/completions", **kw) as r:
         return r.status, await r.json()
 

@@ -50,12 +50,12 @@ def test_generate_validates_every_prompt_before_any_is_scheduled(engine):
 
 
 def test_bad_sampling_parameters_are_refused():
-    from modeling.sampling import SamplingParamsError
-
-    with pytest.raises(SamplingParamsError):
+    with pytest.raises(RequestError) as err:
         SamplingParams(temperature=-1)
-    with pytest.raises(SamplingParamsError):
+    assert err.value.param == "temperature"
+    with pytest.raises(RequestError) as err:
         SamplingParams(top_p=0)
+    assert err.value.param == "top_p"
 
 
 def test_duplicate_request_id_refused(engine):

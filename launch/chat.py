@@ -1,0 +1,185 @@
+"""`/v1/chat/completions`: messages through the checkpoint's chat template, and the chat shapes.
+
+`messages`: a list of `{"role": "system" | "user" | "assistant", "content": str | [{"type": "text",
+"text": str}, ...]}` (text parts are joined with newlines; an assistant message may have null
+content). The prompt is `tokenizer.apply_chat_template(messages, add_generation_prompt=...,
+continue_final_message=..., tokenize=True, **chat_template_kwargs)` (transformers; e.g. Qwen3's
+`{"enable_thinking": false}`). `max_completion_tokens` (or `max_tokens`) defaults to what the
+context leaves. `logprobs` (bool) / `top_logprobs` (0-20) are accepted; their values are null until
+the sampler returns them.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Optional
+
+from engine.errors import RequestError
+from engine.sampling_params import LOGPROBS_MAX, check_bool, check_int
+from launch.protocol import (ApiError, GenerationRequest, ParseContext, _single_choice, _unsupported, check_text,
+                             parse_common, parse_max_tokens, parse_model, require_object, usage)
+
+ROLES = ("system", "user", "assistant")
+# Arguments of apply_chat_template (and names a template reads from its own context): never from a request.
+_RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "bos_token", "eos_token",
+    "pad_token", "unk_token", "raise_exception", "strftime_now",
+})
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_KWARG_CHARS = 1024
+
+
+def _content(msg: dict, i: int) -> str:
+    c = msg.get("content")
+    where = f"messages[{i}].content"
+    if c is None:
+        if msg.get("role") == "assistant":
+            return ""
+        raise RequestError(f"'{where}' is required", "messages", "missing")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        texts = []
+        for part in c:
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise RequestError(f"'{where}' parts must be objects with a 'type'", "messages", "invalid_type")
+            if part["type"] != "text":
+                raise ApiError(400, f"'{where}' parts of type other than 'text' are not supported", "messages",
+                               "unsupported")
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"'{where}' text parts need a string 'text'", "messages", "invalid_type")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise RequestError(f"'{where}' must be a string or a list of text parts", "messages", "invalid_type")
+
+
+def parse_messages(v: Any, ctx: ParseContext) -> list[dict]:
+    """Validated messages as `{"role", "content": str}` (only what the template needs)."""
+    lim = ctx.limits
+    if v is None:
+        raise ApiError(400, "'messages' is required", "messages", "missing")
+    if not isinstance(v, list) or not v:
+        raise RequestError("'messages' must be a non-empty list of messages", "messages", "invalid_type")
+    if len(v) > lim.max_messages:
+        raise RequestError(f"'messages' may hold at most {lim.max_messages} messages", "messages", "invalid_value")
+    out, chars = [], 0
+    for i, msg in enumerate(v):
+        if not isinstance(msg, dict):
+            raise RequestError(f"'messages[{i}]' must be an object", "messages", "invalid_type")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise RequestError(f"'messages[{i}].role' must be one of {', '.join(ROLES)}", "messages",
+                               "invalid_value")
+        text = check_text(_content(msg, i), "messages")
+        chars += len(text)
+        if chars > lim.max_prompt_chars:
+            raise RequestError(f"the messages may have at most {lim.max_prompt_chars} characters in all",
+                               "messages", "invalid_value")
+        out.append({"role": role, "content": text})
+    return out
+
+
+def _template_kwargs(v: Any) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs", "invalid_type")
+    if len(v) > MAX_TEMPLATE_KWARGS:
+        raise RequestError(f"'chat_template_kwargs' may hold at most {MAX_TEMPLATE_KWARGS} entries",
+                           "chat_template_kwargs", "invalid_value")
+    for k, x in v.items():
+        if not _IDENT.fullmatch(k) or k in _RESERVED_KWARGS:
+            raise RequestError("'chat_template_kwargs' keys must be identifiers other than the template's own "
+                               "arguments", "chat_template_kwargs", "invalid_value")
+        ok = x is None or isinstance(x, (bool, int)) or (isinstance(x, float) and math.isfinite(x)) \
+            or (isinstance(x, str) and len(x) <= MAX_TEMPLATE_KWARG_CHARS
+                and check_text(x, "chat_template_kwargs") is x)
+        if not ok:
+            raise RequestError("'chat_template_kwargs' values must be booleans, numbers, null or short strings",
+                               "chat_template_kwargs", "invalid_type")
+    return dict(v)
+
+
+def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, continue_final: bool,
+                kwargs: dict) -> list[int]:
+    """Token ids of the conversation through the tokenizer's chat template."""
+    import jinja2
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final, tokenize=True,
+                                            return_dict=False, **kwargs)
+    except jinja2.TemplateError as exc:  # includes the template's own raise_exception(...)
+        raise ApiError(400, f"the chat template rejected the messages: {str(exc)[:300]}", "messages",
+                       "template_error") from None
+    except ValueError as exc:  # e.g. continue_final_message on a template that cannot
+        raise ApiError(400, f"the chat template could not render the messages: {str(exc)[:300]}", "messages",
+                       "template_error") from None
+    if hasattr(ids, "keys"):  # a BatchEncoding (transformers >= 5 when return_dict is ignored)
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
+    body = require_object(body)
+    parse_model(body, ctx)
+    _single_choice(body)
+    for key in ("tools", "functions"):
+        _unsupported(body, key, ([],), "(tool calling)")
+    _unsupported(body, "tool_choice", ("none",), "(tool calling)")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported", "response_format",
+                       "unsupported")
+    lp = body.get("logprobs")
+    want = False if lp is None else check_bool("logprobs", lp)
+    top = body.get("top_logprobs")
+    top_n = None if top is None else check_int("top_logprobs", top, 0, LOGPROBS_MAX)
+    if top_n is not None and not want:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+    messages = parse_messages(body.get("messages"), ctx)
+    add_gen = body.get("add_generation_prompt")
+    add_gen = True if add_gen is None else check_bool("add_generation_prompt", add_gen)
+    cont = body.get("continue_final_message")
+    cont = False if cont is None else check_bool("continue_final_message", cont)
+    if add_gen and cont:
+        raise RequestError("'continue_final_message' needs 'add_generation_prompt': false", "continue_final_message",
+                           "invalid_value")
+    kwargs = _template_kwargs(body.get("chat_template_kwargs"))
+    tok = ctx.tokenizer
+    if tok is None:
+        raise ApiError(400, "this model has no tokenizer: chat completions need one (use /v1/completions with "
+                            "token ids)", "messages", "no_tokenizer")
+    if not getattr(tok, "chat_template", None):
+        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages",
+                       "no_chat_template")
+    prompt = render_chat(tok, messages, add_gen, cont, kwargs)
+    if len(prompt) >= ctx.max_model_len:
+        raise RequestError(f"the messages have {len(prompt)} tokens; this model's maximum context length is "
+                           f"{ctx.max_model_len} tokens (prompt + at least one new token)", "messages",
+                           "context_length_exceeded")
+    max_tokens = parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), ctx.defaults.max_tokens, [prompt],
+                                  ctx)
+    return parse_common(body, ctx, [prompt], (top_n or 0) if want else None, max_tokens)
+
+
+# ---- shapes
+def chat_response(rid: str, model: str, created: int, c) -> dict:
+    """c: the finished `launch.outputs.ChoiceState`."""
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                     "finish_reason": c.finish_reason}],
+        "usage": usage(c.num_prompt_tokens, len(c.token_ids)),
+    }
+
+
+def chat_delta(index: int, content: Optional[str], finish_reason: Optional[str], first: bool = False) -> dict:
+    """One streamed chat choice: the first carries the role; the last the finish reason (and an empty delta
+    when it brings no text)."""
+    delta: dict[str, Any] = {"role": "assistant", "content": content or ""} if first else \
+        ({} if not content else {"content": content})
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

@@ -1,0 +1,180 @@
+"""Generation over HTTP: one engine request per prompt, their outputs turned into OpenAI choices as tokens
+arrive (`launch.outputs.ChoiceState`: text, stop strings, counts), answered whole or streamed as server-sent
+events. A choice ended by a stop string aborts its engine request; so does a client that goes away."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import traceback
+import uuid
+from typing import Any, Optional
+
+from aiohttp import web
+
+from engine.async_engine import AsyncLLMEngine
+from launch.chat import chat_delta, chat_response
+from launch.outputs import ChoiceState
+from launch.protocol import ApiError, GenerationRequest, choice, completion_response, now_s, stream_chunk, usage
+
+ENGINE_FAILED = "the engine failed while serving this request; retry it"
+
+
+def log_failure(what: str, exc: BaseException) -> str:
+    """Log an engine/handler failure on the server side; the client gets a reference, never the details."""
+    ref = uuid.uuid4().hex[:12]
+    print(f"graphline: {what} [{ref}]: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    if what == "handler error":
+        traceback.print_exception(exc, file=sys.stderr)
+    return ref
+
+
+class Shape:
+    """How choices look on the wire for one endpoint."""
+
+    def __init__(self, chat: bool):
+        self.chat = chat
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    def opening(self, c: ChoiceState) -> Optional[dict]:
+        return chat_delta(c.index, "", None, first=True) if self.chat else None
+
+    def delta(self, c: ChoiceState, text: str, tokens: list[int]) -> Optional[dict]:
+        reason = c.finish_reason if c.done else None
+        if self.chat:
+            return chat_delta(c.index, text, reason) if text or reason else None
+        return choice(c.index, text, tokens, reason) if text or tokens or reason else None
+
+    def response(self, rid: str, model: str, created: int, choices: list[ChoiceState]) -> dict:
+        return chat_response(rid, model, created, choices[0]) if self.chat else \
+            completion_response(rid, model, created, choices)
+
+
+COMPLETION, CHAT = Shape(False), Shape(True)
+
+
+def _feed(c: ChoiceState, outs: list) -> tuple[str, list[int]]:
+    new = outs[0].new_token_ids if len(outs) == 1 else [t for o in outs for t in o.new_token_ids]
+    last = outs[-1]
+    return c.feed(new, last.finished, last.finish_reason.value if last.finished and last.finish_reason else None)
+
+
+async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, greq: GenerationRequest, rid: str,
+                   shape: Shape) -> web.StreamResponse:
+    """Submit one request per prompt and answer with the finished choices, or stream them (SSE)."""
+    reqs = [eng.make_request(p, greq.sampling, mt, greq.stop_token_ids)
+            for p, mt in zip(greq.prompts, greq.max_tokens)]
+    choices = [ChoiceState(i, len(p), tokenizer, greq.stop) for i, p in enumerate(greq.prompts)]
+    created = now_s()
+    if greq.stream:
+        return await _stream(request, eng, greq, reqs, choices, rid, created, shape)
+    streams = []
+    try:
+        for r in reqs:
+            streams.append(eng.submit(r))
+        await asyncio.gather(*[_consume(eng, s, c) for s, c in zip(streams, choices)])
+    finally:
+        for s in streams:
+            if not s.finished:
+                eng.abort(s.request_id)  # a stop string matched (or the client left): free its blocks
+    return web.json_response(shape.response(rid, greq.model, created, choices))
+
+
+async def _consume(eng: AsyncLLMEngine, stream, c: ChoiceState) -> None:
+    async for first in stream:
+        _feed(c, [first, *stream.drain_nowait()])
+        if c.done:
+            if not stream.finished:
+                eng.abort(stream.request_id)  # a stop string matched: free its blocks now
+            return
+
+
+class _ChunkWriter:
+    """Server-sent chunks of one response: the envelope (id, object, created, model) is serialised once;
+    each event serialises only its choices."""
+
+    def __init__(self, resp: web.StreamResponse, rid: str, model: str, created: int, object_: str):
+        self.resp = resp
+        head = json.dumps(stream_chunk(rid, model, created, [], object_=object_))
+        self._head = "data: " + head[: head.rindex('"choices": []')] + '"choices": ['
+
+    async def choices(self, choices: list[dict], usage_: Optional[dict] = None) -> None:
+        tail = "]" if usage_ is None else '], "usage": ' + json.dumps(usage_)
+        await self.resp.write((self._head + ", ".join(json.dumps(c) for c in choices) + tail + "}\n\n").encode())
+
+    async def error(self, exc: BaseException) -> None:
+        log_failure("stream failed", exc)
+        err = ApiError(503, ENGINE_FAILED, None, "engine_failed", "server_error").body()
+        await self.resp.write(f"data: {json.dumps(err)}\n\n".encode())
+
+
+async def _stream(request: web.Request, eng: AsyncLLMEngine, greq: GenerationRequest, reqs,
+                  choices: list[ChoiceState], rid: str, created: int, shape: Shape) -> web.StreamResponse:
+    streams = [eng.submit(r) for r in reqs]  # validated already: submit only fails if the engine is dead
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    try:
+        await resp.prepare(request)
+        out = _ChunkWriter(resp, rid, greq.model, created, shape.object)
+        opening = [o for o in (shape.opening(c) for c in choices) if o is not None]
+        if opening:
+            await out.choices(opening)
+        if len(streams) == 1:  # the common case: read the request's stream directly, one task, no fan-in queue
+            c, stream = choices[0], streams[0]
+            try:
+                async for first in stream:
+                    ch = shape.delta(c, *_feed(c, [first, *stream.drain_nowait()]))
+                    if ch is not None:
+                        await out.choices([ch])
+                    if c.done:
+                        break
+            except Exception as exc:  # noqa: BLE001 - reported in-band
+                await out.error(exc)
+        else:
+            await _stream_many(eng, streams, choices, shape, out)
+        if greq.include_usage:
+            done = [c for c in choices if c.done]
+            await out.choices([], usage(sum(c.num_prompt_tokens for c in done), sum(len(c.token_ids) for c in done)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    finally:
+        for s in streams:
+            if not s.finished:
+                eng.abort(s.request_id)
+    return resp
+
+
+async def _stream_many(eng: AsyncLLMEngine, streams, choices: list[ChoiceState], shape: Shape,
+                       out: _ChunkWriter) -> None:
+    """Several prompts in one request: their streams fan in to one queue, chunks go out as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for first in stream:
+                queue.put_nowait((index, first, stream.drain_nowait()))
+        except Exception as exc:  # noqa: BLE001 - reported in-band
+            queue.put_nowait((index, exc, []))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, first, more = await queue.get()
+            c = choices[index]
+            if c.done:
+                continue  # ended by a stop string (its request is aborted)
+            if isinstance(first, Exception):
+                await out.error(first)
+                remaining -= 1
+                continue
+            ch = shape.delta(c, *_feed(c, [first, *more]))
+            if ch is not None:
+                await out.choices([ch])
+            if c.done:
+                remaining -= 1
+                if not streams[index].finished:
+                    eng.abort(streams[index].request_id)  # a stop string matched: free its blocks now
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -1,0 +1,80 @@
+"""One choice of a response as its tokens arrive: detokenised text, stop strings, the token count.
+
+`ChoiceState.feed(new_token_ids, finished, finish_reason)` returns the text and tokens to send for
+this update. With stop strings the tokens are taken one at a time, so that a match ends the choice
+exactly at the token that completed it: later tokens (already generated, e.g. by multi-step decode)
+are dropped, `token_ids` and `usage.completion_tokens` count up to that token, `finish_reason` is
+"stop", and `stopped_early` tells the caller to abort the request in the engine.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from launch.detokenizer import IncrementalDetokenizer
+from launch.stop_strings import StopStringMatcher
+
+
+class ChoiceState:
+    __slots__ = ("index", "num_prompt_tokens", "detok", "stop", "token_ids", "texts", "finish_reason", "done",
+                 "stopped_early")
+
+    def __init__(self, index: int, num_prompt_tokens: int, tokenizer: Any = None, stop: Sequence[str] = ()):
+        if stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.index = index
+        self.num_prompt_tokens = num_prompt_tokens
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop = StopStringMatcher(stop) if stop else None
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []  # every text delta (the non-streamed response joins them)
+        self.finish_reason: Optional[str] = None
+        self.done = False
+        self.stopped_early = False  # a stop string ended the choice before the engine finished the request
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def feed(self, new_ids: list[int], finished: bool, finish_reason: Optional[str]) -> tuple[str, list[int]]:
+        """Text and token ids to send for this update (either may be empty)."""
+        if self.done:
+            return "", []
+        if self.stop is None:
+            self.token_ids.extend(new_ids)
+            text = self.detok.push(new_ids) if self.detok is not None and new_ids else ""
+            if finished:
+                if self.detok is not None:
+                    text += self.detok.flush()
+                self.done, self.finish_reason = True, finish_reason
+            if text:
+                self.texts.append(text)
+            return text, new_ids
+        return self._feed_with_stops(new_ids, finished, finish_reason)
+
+    def _feed_with_stops(self, new_ids: list[int], finished: bool,
+                         finish_reason: Optional[str]) -> tuple[str, list[int]]:
+        parts: list[str] = []
+        taken = 0
+        matched = False
+        for t in new_ids:
+            taken += 1
+            safe, matched = self.stop.push(self.detok.push((t,)))
+            parts.append(safe)
+            if matched:
+                break
+        if matched:
+            self.stopped_early = not finished
+        elif finished:
+            safe, matched = self.stop.push(self.detok.flush())
+            parts.append(safe)
+            if not matched:
+                parts.append(self.stop.flush())
+        if matched or finished:
+            self.done = True
+            self.finish_reason = "stop" if matched else finish_reason
+        tokens = new_ids if taken == len(new_ids) else new_ids[:taken]
+        self.token_ids.extend(tokens)
+        text = "".join(parts)
+        if text:
+            self.texts.append(text)
+        return text, tokens

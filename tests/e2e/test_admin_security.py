@@ -1,0 +1,258 @@
+"""Secure defaults for `/admin/*` on a real `graphline serve`: off loopback a token is required (the command refuses
+to start without one), the token comes from a file or the environment, cross-site posts (foreign Origin, text/plain,
+forms) never reset, and the dashboard's reset button works with the token in a real headless Chromium driven over
+the Chrome DevTools Protocol (`--remote-debugging-port`, aiohttp's websocket client). The servers bind 0.0.0.0 where
+the test needs it, but every request goes to 127.0.0.1."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import aiohttp
+import pytest
+
+from e2e_support import REPO, TINY_ARGS, graphline, start_server
+
+TOKEN = "tok-" + "7f3a9c" * 4
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+LOCAL = [*TINY_ARGS, "--executor", "local", "--port", "0"]
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "GRAPHLINE_ADMIN_TOKEN"}
+    env.update({"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", **extra})
+    return env
+
+
+def _loopback(url: str) -> str:
+    return re.sub(r"^http://[^/]+:(\d+)$", r"http://127.0.0.1:\1", url)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--host", "0.0.0.0"], "--host 0.0.0.0 is not a loopback address and no admin token is configured"),
+    (["--host", "::"], "not a loopback address"),
+    (["--host", "192.0.2.7"], "--admin-token-file PATH"),
+    (["--host", "0.0.0.0", "--admin-token-file", "/nonexistent/token"], "cannot read --admin-token-file"),
+    (["--host", "0.0.0.0", "--admin-token", "a", "--admin-token-file", "/dev/null"], "not both"),
+    (["--admin-token-file", "EMPTY"], "is empty"),
+])
+def test_serve_refuses_insecure_admin_configurations(tmp_path, extra, needle):
+    empty = tmp_path / "empty"
+    empty.write_text("  \n")
+    args = [str(empty) if a == "EMPTY" else a for a in extra]
+    out = subprocess.run(graphline("serve", *LOCAL, *args), cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=_env())
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("graphline serve: error: ") and needle in lines[0], out.stderr
+    assert "serving" not in out.stdout
+
+
+def test_a_token_from_the_environment_is_enough_off_loopback():
+    srv = start_server(graphline("serve", *LOCAL, "--host", "0.0.0.0"), env=_env(GRAPHLINE_ADMIN_TOKEN=TOKEN))
+    try:
+        url = _loopback(srv.url)
+        assert srv.url.startswith("http://0.0.0.0:") and url.startswith("http://127.0.0.1:")
+
+        async def main():
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/admin/reset", json={}) as r:
+                    without = r.status
+                async with s.post(url + "/admin/reset", json={}, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                    return without, r.status
+
+        assert asyncio.run(main()) == (401, 200)
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory):
+    f = tmp_path_factory.mktemp("admin") / "token"
+    f.write_text(TOKEN + "\n")
+    f.chmod(0o600)
+    srv = start_server(graphline("serve", *LOCAL, "--host", "0.0.0.0", "--admin-token-file", str(f)), env=_env())
+    srv.url = _loopback(srv.url)
+    yield srv
+    srv.stop()
+
+
+async def _resets(s: aiohttp.ClientSession, url: str) -> int:
+    async with s.get(url + "/status") as r:
+        return (await r.json())["num_resets"]
+
+
+def test_cross_site_posts_never_reset(token_server):
+    url = token_server.url
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            before = await _resets(s, url)
+            statuses = {}
+            for name, kw in {
+                "text/plain with token": {"data": "{}", "headers": {**auth, "Content-Type": "text/plain"}},
+                "form with token": {"data": {"recapture": "true"}, "headers": auth},
+                "foreign origin": {"json": {}, "headers": {**auth, "Origin": "http://evil.example"}},
+                "no token": {"json": {}},
+                "wrong token": {"json": {}, "headers": {"Authorization": "Bearer wrong"}},
+                "text/plain simple request": {"data": "{}", "headers": {"Content-Type": "text/plain",
+                                                                        "Origin": "http://evil.example"}},
+            }.items():
+                async with s.post(url + "/admin/reset", **kw) as r:
+                    statuses[name] = (r.status, (await r.json())["error"]["code"])
+            mid = await _resets(s, url)
+            async with s.post(url + "/admin/reset", json={}, headers={**auth, "Origin": url}) as r:
+                ok = r.status
+            after = await _resets(s, url)
+        return before, statuses, mid, ok, after
+
+    before, statuses, mid, ok, after = asyncio.run(main())
+    assert statuses["text/plain with token"] == statuses["form with token"] == (415, "unsupported_media_type")
+    assert statuses["foreign origin"] == (403, "forbidden_origin")
+    assert statuses["text/plain simple request"][0] == 403
+    assert statuses["no token"] == statuses["wrong token"] == (401, "unauthorized")
+    assert mid == before and ok == 200 and after == before + 1
+
+
+# ---- the dashboard in a real browser
+class DevTools:
+    """A minimal Chrome DevTools Protocol client over one page target (flattened session)."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse):
+        self.ws = ws
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self.dialogs: list[dict] = []
+        self.answers: list[tuple[bool, str]] = []  # what to do with the next dialogs, in order
+        self.session: Optional[str] = None
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async for msg in self.ws:
+            doc = json.loads(msg.data)
+            if "id" in doc and doc["id"] in self._pending:
+                self._pending.pop(doc["id"]).set_result(doc)
+            elif doc.get("method") == "Page.javascriptDialogOpening":
+                self.dialogs.append(doc["params"])
+                accept, text = self.answers.pop(0) if self.answers else (False, "")
+                asyncio.create_task(self.send("Page.handleJavaScriptDialog", {"accept": accept, "promptText": text},
+                                              wait=False))
+
+    async def send(self, method: str, params: Optional[dict] = None, wait: bool = True, session: bool = True) -> Any:
+        i = next(self._ids)
+        msg: dict[str, Any] = {"id": i, "method": method, "params": params or {}}
+        if session and self.session:
+            msg["sessionId"] = self.session
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[i] = fut
+        await self.ws.send_str(json.dumps(msg))
+        if not wait:
+            return None
+        doc = await asyncio.wait_for(fut, 30)
+        assert "error" not in doc, doc
+        return doc.get("result")
+
+    async def eval(self, expr: str) -> Any:
+        res = await self.send("Runtime.evaluate", {"expression": expr, "returnByValue": True, "awaitPromise": True})
+        return res["result"].get("value")
+
+    async def until(self, expr: str, timeout: float = 20.0) -> Any:
+        for _ in range(int(timeout / 0.1)):
+            v = await self.eval(expr)
+            if v:
+                return v
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {expr}")
+
+    async def click(self, element_id: str) -> None:
+        """Click without waiting: the handler opens dialogs that block the page's script until answered."""
+        await self.send("Runtime.evaluate", {"expression": f"document.getElementById({element_id!r}).click()"},
+                        wait=False)
+
+
+async def _chromium(url: str) -> tuple[subprocess.Popen, str, str]:
+    profile = tempfile.mkdtemp(prefix="gl-cdp-")
+    proc = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                             "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                             "--disable-sync", "--disable-dev-shm-usage", "--remote-debugging-address=127.0.0.1",
+                             "--remote-debugging-port=0", f"--user-data-dir={profile}", "about:blank"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    loop = asyncio.get_running_loop()
+    for _ in range(200):
+        line = await loop.run_in_executor(None, proc.stderr.readline)
+        m = re.search(r"DevTools listening on (ws://\S+)", line)
+        if m:
+            return proc, m.group(1), profile
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError("Chromium did not open its DevTools endpoint")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian: apt-get install -y chromium)")
+def test_dashboard_reset_button_with_the_token_in_chromium(token_server):
+    url = token_server.url
+
+    async def main():
+        proc, ws_url, profile = await _chromium(url)
+        try:
+            async with aiohttp.ClientSession() as s, s.ws_connect(ws_url, max_msg_size=0) as ws:
+                cdp = DevTools(ws)
+                target = (await cdp.send("Target.createTarget", {"url": "about:blank"}))["targetId"]
+                cdp.session = (await cdp.send("Target.attachToTarget", {"targetId": target, "flatten": True},
+                                              session=False))["sessionId"]
+                await cdp.send("Page.enable")
+                await cdp.send("Runtime.enable")
+                await cdp.send("Page.navigate", {"url": url + "/dashboard"})
+                await cdp.until("document.body && document.body.dataset.loaded === '1'")
+                start = await _resets(s, url)
+                msg = "document.getElementById('reset-msg').textContent"
+
+                # 1. a wrong token: the page asks once, gets 401, asks again (cancelled) and says so
+                cdp.answers = [(True, ""), (True, "wrong-token"), (False, "")]
+                await cdp.click("reset-btn")
+                first = await cdp.until(f"{msg}.includes('401') && {msg}")
+                kinds1 = [d["type"] for d in cdp.dialogs]
+                stored1 = await cdp.eval("sessionStorage.getItem('graphline.adminToken')")
+                after1 = await _resets(s, url)
+
+                # 2. the right token: reset done, the token kept in sessionStorage
+                cdp.dialogs.clear()
+                cdp.answers = [(True, ""), (True, TOKEN)]
+                await cdp.click("reset-btn")
+                second = await cdp.until(f"{msg}.startsWith('reset done') && {msg}")
+                kinds2 = [d["type"] for d in cdp.dialogs]
+                stored2 = await cdp.eval("sessionStorage.getItem('graphline.adminToken')")
+                after2 = await _resets(s, url)
+
+                # 3. again: only the confirmation, no token prompt (the stored token is sent)
+                cdp.dialogs.clear()
+                cdp.answers = [(True, "")]
+                await cdp.eval("document.getElementById('reset-msg').textContent = ''")
+                await cdp.click("reset-btn")
+                await cdp.until(f"{msg}.startsWith('reset done')")
+                kinds3 = [d["type"] for d in cdp.dialogs]
+                after3 = await _resets(s, url)
+                await cdp.until(f"document.getElementById('resets-count').textContent === '{after3}'")
+                cdp._reader.cancel()
+        finally:
+            proc.kill()
+            proc.wait(10)
+            shutil.rmtree(profile, ignore_errors=True)
+        return start, first, kinds1, stored1, after1, second, kinds2, stored2, after2, kinds3, after3
+
+    start, first, kinds1, stored1, after1, second, kinds2, stored2, after2, kinds3, after3 = \
+        asyncio.run(asyncio.wait_for(main(), 180))
+    assert kinds1 == ["confirm", "prompt", "prompt"] and "401" in first and "token" in first
+    assert stored1 is None and after1 == start
+    assert kinds2 == ["confirm", "prompt"] and stored2 == TOKEN and after2 == start + 1
+    assert kinds3 == ["confirm"] and after3 == start + 2
