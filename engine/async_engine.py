@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 from engine.events import log_event
 from engine.llm_engine import EngineStepError, LLMEngine, RoundRejectedError, StepInfo
 from engine.request import FinishReason, Request, RequestError, RequestOutput
-from modeling.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 class EngineFailedError(RuntimeError):
@@ -317,8 +317,11 @@ class AsyncLLMEngine:
                 self._on_engine_error(exc)
                 continue
             self.last_step_time = time.monotonic()
-            if self.last_step_time - self._stats_at > 0.05 or any(o.finished for o in outs):
-                self._publish_stats()  # before the outputs: a caller that saw its request finish sees its figures
+            if self.last_step_time - self._stats_at > 0.05 or any(
+                    o.finished or o.num_generated == len(o.new_token_ids) for o in outs):
+                # a request started or finished: publish before its outputs go out, so a caller that saw them
+                # sees the figures that include them
+                self._publish_stats()
             if outs:
                 self._deliver(outs)
         self._fail_streams("the engine stopped")

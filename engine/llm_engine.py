@@ -25,7 +25,7 @@ from engine.executor import executor_max_model_len
 from engine.request import FinishReason, ModelLimits, Request, RequestError, RequestOutput, validate_request
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence as Seq
-from modeling.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ class EngineConfig:
     decode_steps: int = 1
     overlap: bool = False  # schedule and submit the next decode round before collecting the current one
     overlap_max_seqs: int = 32  # ... while a round has at most this many sequences (all DP ranks together)
+    # generation stops at these unless a request sets ignore_eos: the checkpoint's EOS ids (generation_config.json,
+    # else config.json); None = the executor's model config's
+    eos_token_ids: Optional[tuple[int, ...]] = None
 
 
 @dataclass
@@ -74,6 +77,8 @@ class LLMEngine:
                                             config.watermark_blocks, config.decode_steps)
         self.schedulers = [Scheduler(self.sched_config, self.limits.num_kv_blocks, self.limits.block_size)
                            for _ in range(int(executor.dp_size))]
+        eos = config.eos_token_ids if config.eos_token_ids is not None else getattr(mcfg, "eos_token_ids", ())
+        self.eos_token_ids = frozenset(int(t) for t in eos or () if 0 <= int(t) < self.limits.vocab_size)
         self._seqs: dict[str, Seq] = {}
         self._pending: list[RequestOutput] = []  # finished outside a step (reset), reported by the next step
         self._overlap = config.overlap and callable(getattr(executor, "submit", None)) \
@@ -103,6 +108,8 @@ class LLMEngine:
             raise RequestError(f"request id {request.request_id!r} is already in flight", "request_id")
         rank = min(range(len(self.schedulers)), key=lambda r: self._load(r))
         seq = Seq(request, rank)
+        if self.eos_token_ids and not request.sampling.ignore_eos:
+            seq.stop_ids = request.stop_token_ids | self.eos_token_ids
         self._seqs[request.request_id] = seq
         self.schedulers[rank].add(seq)
         self.counters["requests_added"] += 1

@@ -28,7 +28,7 @@ __all__ = ["RequestError", "FinishReason", "Request", "ModelLimits", "validate_r
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # a stop token id was generated (not included in the output)
+    STOP = "stop"  # a stop token id was generated (the last output token; its text is not returned)
     LENGTH = "length"  # max_tokens reached, or the sequence reached max_model_len
     ABORT = "abort"  # aborted by the client (disconnect) or the operator
     ERROR = "error"  # the executor failed while the request was in flight
@@ -41,8 +41,9 @@ def new_request_id() -> str:
 @dataclass(frozen=True)
 class Request:
     """prompt_token_ids: the prompt; max_tokens None = generate until max_model_len (else 1 .. 2**31-1).
-    stop_token_ids: generation ends when one is sampled (the stop token is not returned; at most
-    `MAX_STOP_TOKEN_IDS`). sampling: `engine.sampling_params.SamplingParams`."""
+    stop_token_ids: generation ends when one is sampled (it is the last output token, counted, its text not
+    returned; at most `MAX_STOP_TOKEN_IDS`); the engine adds the model's EOS ids unless `sampling.ignore_eos`.
+    sampling: `engine.sampling_params.SamplingParams`."""
 
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
@@ -168,6 +169,9 @@ class RequestOutput:
     finish_time: Optional[float] = None
     num_preemptions: int = 0
     error: Optional[str] = None
+    # finished on a stop token (EOS or a stop_token_ids entry): it is the last of `token_ids` and counted, as
+    # OpenAI and vLLM count it, but its text is not returned
+    stopped_on_token: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

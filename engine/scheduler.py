@@ -319,11 +319,13 @@ class Scheduler:
                 seq.first_token_time = now
             seq.last_token_time = now
             req = seq.request
+            stops = seq.stop_ids
             for tok in row:
-                if tok in req.stop_token_ids:
-                    seq.finish_reason = FinishReason.STOP
-                    break
                 seq.token_ids.append(tok)
+                if tok in stops:  # counted as an output token; the HTTP layer returns no text for it
+                    seq.finish_reason = FinishReason.STOP
+                    seq.stopped_on_token = True
+                    break
                 if (req.max_tokens is not None and seq.num_output_tokens >= req.max_tokens) \
                         or seq.num_tokens >= max_len:
                     seq.finish_reason = FinishReason.LENGTH

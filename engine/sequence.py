@@ -8,6 +8,7 @@ so the prompt and every generated token are fed again as one prefill.
 from __future__ import annotations
 
 import enum
+import secrets
 from typing import Optional
 
 from engine.request import FinishReason, Request, RequestOutput
@@ -22,7 +23,7 @@ class SeqStatus(str, enum.Enum):
 class Sequence:
     __slots__ = ("request", "token_ids", "prompt_len", "block_table", "num_computed", "status", "finish_reason",
                  "num_preemptions", "first_token_time", "last_token_time", "_emitted", "dp_rank", "error",
-                 "sampling_row", "num_failures")
+                 "sampling_row", "num_failures", "stop_ids", "stopped_on_token")
 
     def __init__(self, request: Request, dp_rank: int = 0):
         self.request = request
@@ -39,9 +40,14 @@ class Sequence:
         self.dp_rank = dp_rank
         self.error: Optional[str] = None
         self.num_failures = 0  # executor failures (a rank died or hung) this sequence was in flight for
+        self.stop_ids = request.stop_token_ids  # the engine adds the model's EOS ids (unless ignore_eos)
+        self.stopped_on_token = False
         sp = request.sampling
-        # (temperature, top_k, top_p, seed or -1): this sequence's row of a step's sampling arrays
-        self.sampling_row = (sp.temperature, sp.top_k, sp.top_p, -1 if sp.seed is None else sp.seed)
+        # (temperature, top_k, top_p, seed): this sequence's row of a step's sampling arrays. An unseeded sampled
+        # request gets its seed here, once, on the driver: every rank that samples it draws the same token, and a
+        # preempted or requeued sequence samples the same tokens again.
+        seed = sp.seed if sp.seed is not None else (secrets.randbits(63) if sp.temperature > 0 else -1)
+        self.sampling_row = (sp.temperature, sp.top_k, sp.top_p, seed)
 
     @property
     def request_id(self) -> str:
@@ -78,7 +84,8 @@ class Sequence:
         req = self.request
         return RequestOutput(req.request_id, req.prompt_token_ids, new, self.token_ids[self.prompt_len:] if done else [],
                              self._emitted, done, self.finish_reason, req.arrival_time, self.first_token_time,
-                             self.last_token_time if done else None, self.num_preemptions, self.error)
+                             self.last_token_time if done else None, self.num_preemptions, self.error,
+                             done and self.stopped_on_token)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "

@@ -142,14 +142,15 @@ class PagedToyExecutor:
 
     def reference(self, prompt: Sequence[int], n: int, stop: Sequence[int] = (), temperature: float = 0.0,
                   seed: int = -1) -> list[int]:
-        """The tokens a correct engine must return for `prompt` (no KV cache involved)."""
+        """The tokens a correct engine must return for `prompt` (no KV cache involved): a stop token ends them,
+        and is the last one."""
         seq, out = list(prompt), []
         for _ in range(n):
             t = self._next(np.asarray(seq, dtype=np.int64), temperature, seed)
-            if t in stop:
-                break
             seq.append(t)
             out.append(t)
+            if t in stop:
+                break
         return out
 
     def status(self) -> dict:

@@ -11,7 +11,8 @@ import time
 
 import numpy as np
 
-from launch.options import add_model_args, build_executor, engine_config, load_tokenizer, start_executor
+from launch.options import (add_model_args, build_executor, checkpoint_generation_defaults, engine_config,
+                            load_tokenizer, start_executor)
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +29,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--stop-token-ids", default="", help="comma-separated")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's end-of-sequence ids")
     g.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=run_generate)
 
@@ -46,7 +48,8 @@ def run_generate(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         start_executor(executor, args)
         ready = time.perf_counter() - t0
-        engine = LLMEngine(executor, engine_config(args))
+        eos = checkpoint_generation_defaults(args.model, executor.model_config).get("eos_token_id", ())
+        engine = LLMEngine(executor, engine_config(args, eos))
         prompts = [_ids(s) for s in args.prompt_ids]
         if args.prompt:
             tok = load_tokenizer(args.model)
@@ -60,7 +63,8 @@ def run_generate(args: argparse.Namespace) -> int:
             prompts = [rng.integers(1, engine.vocab_size, args.prompt_len).tolist()]
         t1 = time.perf_counter()
         try:
-            sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.sampling_seed)
+            sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed=args.sampling_seed,
+                                      ignore_eos=args.ignore_eos)
             outs = engine.generate(prompts, sampling, args.max_tokens, _ids(args.stop_token_ids))
         except RequestError as exc:
             print(f"graphline generate: bad request: {exc}")

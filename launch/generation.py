@@ -56,7 +56,8 @@ COMPLETION, CHAT = Shape(False), Shape(True)
 def _feed(c: ChoiceState, outs: list) -> tuple[str, list[int]]:
     new = outs[0].new_token_ids if len(outs) == 1 else [t for o in outs for t in o.new_token_ids]
     last = outs[-1]
-    return c.feed(new, last.finished, last.finish_reason.value if last.finished and last.finish_reason else None)
+    return c.feed(new, last.finished, last.finish_reason.value if last.finished and last.finish_reason else None,
+                  stop_token=last.stopped_on_token)
 
 
 async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, greq: GenerationRequest, rid: str,

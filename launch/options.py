@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 EXECUTORS = ("ray", "local", "auto")
 
@@ -163,7 +163,8 @@ def start_executor(executor: Any, args: argparse.Namespace) -> dict:
     return dict(executor.start(progress=not args.no_progress) or {})
 
 
-def engine_config(args: argparse.Namespace):
+def engine_config(args: argparse.Namespace, eos_token_ids: Optional[Sequence[int]] = None):
+    """The engine's configuration; `eos_token_ids`: where generation stops unless a request sets ignore_eos."""
     from engine.llm_engine import EngineConfig
 
     resolve_graph_defaults(args)
@@ -173,7 +174,30 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, decode_steps=args.decode_steps,
                         overlap=bool(getattr(args, "overlap", False)),
-                        overlap_max_seqs=getattr(args, "overlap_max_seqs", 32))
+                        overlap_max_seqs=getattr(args, "overlap_max_seqs", 32),
+                        eos_token_ids=None if eos_token_ids is None else tuple(eos_token_ids))
+
+
+def checkpoint_generation_defaults(model: str, model_config: Any) -> dict:
+    """What requests that omit a field get from the checkpoint: `generation_config.json`'s sampling values (greedy
+    when it says `do_sample: false`), its `max_new_tokens`, and `eos_token_id` (generation_config.json's, else
+    config.json's). {} for a preset without EOS ids."""
+    from modeling.generation_config import load_generation_config, stop_token_ids
+
+    gen = load_generation_config(model, model_config.vocab_size) if Path(model).is_dir() else None
+    out: dict[str, Any] = {}
+    if gen is not None:
+        for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            if getattr(gen, key) is not None:
+                out[key] = getattr(gen, key)
+        if gen.do_sample is False:
+            out["temperature"] = 0.0
+        if gen.max_new_tokens is not None:
+            out["max_tokens"] = gen.max_new_tokens
+    eos = stop_token_ids(model_config, gen)
+    if eos:
+        out["eos_token_id"] = list(eos)
+    return out
 
 
 def served_model_name(args: argparse.Namespace) -> str:

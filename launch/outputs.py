@@ -4,7 +4,9 @@
 this update. With stop strings the tokens are taken one at a time, so that a match ends the choice
 exactly at the token that completed it: later tokens (already generated, e.g. by multi-step decode)
 are dropped, `token_ids` and `usage.completion_tokens` count up to that token, `finish_reason` is
-"stop", and `stopped_early` tells the caller to abort the request in the engine.
+"stop", and `stopped_early` tells the caller to abort the request in the engine. A request the engine
+finished on a stop token (EOS, `stop_token_ids`) keeps that token in `token_ids` and the count, as OpenAI
+and vLLM do, but its text is not returned.
 """
 from __future__ import annotations
 
@@ -35,10 +37,19 @@ class ChoiceState:
     def text(self) -> str:
         return "".join(self.texts)
 
-    def feed(self, new_ids: list[int], finished: bool, finish_reason: Optional[str]) -> tuple[str, list[int]]:
-        """Text and token ids to send for this update (either may be empty)."""
+    def feed(self, new_ids: list[int], finished: bool, finish_reason: Optional[str],
+             stop_token: bool = False) -> tuple[str, list[int]]:
+        """Text and token ids to send for this update (either may be empty). `stop_token`: the last of `new_ids`
+        is the stop token that finished the request (counted, no text)."""
         if self.done:
             return "", []
+        if stop_token and finished and new_ids:
+            text, tokens = self.feed(new_ids[:-1], False, None) if len(new_ids) > 1 else ("", [])
+            if self.done:  # a stop string matched before the stop token
+                return text, tokens
+            tail, _ = self.feed([], True, finish_reason)
+            self.token_ids.append(new_ids[-1])
+            return text + tail, [*tokens, new_ids[-1]]
         if self.stop is None:
             self.token_ids.extend(new_ids)
             text = self.detok.push(new_ids) if self.detok is not None and new_ids else ""

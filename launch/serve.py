@@ -11,8 +11,8 @@ import signal
 import sys
 import time
 
-from launch.options import (add_model_args, build_executor, deployment_summary, engine_config, load_tokenizer,
-                            served_model_name, start_executor)
+from launch.options import (add_model_args, build_executor, checkpoint_generation_defaults, deployment_summary,
+                            engine_config, load_tokenizer, served_model_name, start_executor)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,13 +55,15 @@ def run_serve(args: argparse.Namespace) -> int:
     executor, kind = build_executor(args)
     try:
         timings = start_executor(executor, args)
-        engine = LLMEngine(executor, engine_config(args))
+        defaults = checkpoint_generation_defaults(args.model, executor.model_config)
+        engine = LLMEngine(executor, engine_config(args, defaults.get("eos_token_id", ())))
         metrics = ServerMetrics()  # after start: Ray is initialised by then (ray.util.metrics mirror)
         state = ServerState(
             engine=AsyncLLMEngine(engine, metrics), metrics=metrics, model_name=served_model_name(args),
             model_aliases=(args.model,) if args.model != served_model_name(args) else (),
             tokenizer=load_tokenizer(args.model), deployment=deployment_summary(args, kind),
             startup={"executor": timings, "engine_ready_s": time.perf_counter() - t0}, admin_token=admin_token,
+            generation_defaults=defaults,
         )
         asyncio.run(_serve(state, args, t0))
     finally:

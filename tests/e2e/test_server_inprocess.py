@@ -112,7 +112,7 @@ def test_eos_default_stops_generation_unless_ignore_eos(executor, tokenizer):
 
     ref, eos, stopped, ignored = run(main())
     k = ref.index(eos)
-    assert stopped == (ref[:k], "stop") and ignored == (ref, "length")
+    assert stopped == (ref[:k + 1], "stop") and ignored == (ref, "length")  # the EOS token is counted
 
 
 def test_chat_needs_a_tokenizer_with_a_template(executor, tokenizer):
@@ -151,7 +151,8 @@ def test_stop_strings_abort_the_request_and_free_its_blocks(executor, tokenizer)
             body = await r.json()
             for _ in range(50):  # the abort reaches the engine thread at the next step boundary
                 st = await (await c.get("/status")).json()
-                if st["engine"]["running"] == 0:
+                e = st["engine"]  # as the engine thread last published it
+                if e["running"] == e["waiting"] == 0 and e["requests_aborted"] >= 1:
                     break
                 await asyncio.sleep(0.05)
         return ref, text, stop, body, st

@@ -113,15 +113,29 @@ def test_preemption_under_memory_pressure_gives_identical_tokens(dp, sampling):
     assert all(s.allocator.num_free == 13 for s in tight.schedulers)
 
 
-def test_stop_token_ends_without_returning_it():
+def test_stop_token_ends_generation_and_is_its_last_counted_token():
     ex = PagedToyExecutor()
     eng = LLMEngine(ex, EngineConfig())
     prompt = [1, 2, 3]
     free = ex.reference(prompt, 10)
     stop = free[4]
     out = eng.generate([prompt], max_tokens=10, stop_token_ids=[stop])[0]
-    assert out.finish_reason is FinishReason.STOP
-    assert out.token_ids == free[: free.index(stop)]
+    assert out.finish_reason is FinishReason.STOP and out.stopped_on_token
+    assert out.token_ids == free[: free.index(stop) + 1]
+
+
+def test_the_models_eos_stops_generation_unless_ignore_eos():
+    from engine import SamplingParams
+
+    ex = PagedToyExecutor()
+    prompt = [1, 2, 3]
+    free = ex.reference(prompt, 10)
+    eos = free[3]
+    eng = LLMEngine(ex, EngineConfig(eos_token_ids=(eos,)))
+    stopped = eng.generate([prompt], max_tokens=10)[0]
+    ignored = eng.generate([prompt], SamplingParams(ignore_eos=True), max_tokens=10)[0]
+    assert stopped.token_ids == free[: free.index(eos) + 1] and stopped.finish_reason is FinishReason.STOP
+    assert ignored.token_ids == free and ignored.finish_reason is FinishReason.LENGTH
 
 
 def test_max_tokens_and_max_model_len_stop_with_length():

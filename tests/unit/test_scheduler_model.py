@@ -58,4 +58,4 @@ def test_stop_token_on_the_real_model(prompts, roomy):
     free = roomy.generate([prompts[0]], max_tokens=12)[0].token_ids
     stop = free[5]
     out = roomy.generate([prompts[0]], max_tokens=12, stop_token_ids=[stop])[0]
-    assert out.finish_reason is FinishReason.STOP and out.token_ids == free[: free.index(stop)]
+    assert out.finish_reason is FinishReason.STOP and out.token_ids == free[: free.index(stop) + 1]
