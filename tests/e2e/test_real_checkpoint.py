@@ -1,0 +1,128 @@
+"""`graphline serve` on real-format checkpoints (`tests.fixtures.hf_checkpoints`: saved by transformers, a BPE
+tokenizer trained in the fixture, a chat template, `generation_config.json` with a multi-element `eos_token_id`,
+several safetensors shards with an index), through the official `openai` client on 127.0.0.1:
+
+- greedy tokens equal transformers' own greedy generation of the same checkpoint;
+- generation stops at an EOS id listed in `generation_config.json` (the fixture's list is extended with a token
+  the greedy model emits at a known step), the EOS token is counted but its text is not returned, and
+  `ignore_eos` runs on;
+- `/v1/models` shows the checkpoint's generation defaults, and a request that omits `temperature` samples with
+  them while an explicit value overrides;
+- chat completions, streamed and not, with a system message, equal the chat template applied by transformers
+  plus a completion of the same tokens;
+- a Qwen3-MoE checkpoint serves the tokens transformers generates.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from e2e_support import graphline, start_server
+from tests.fixtures.hf_checkpoints import build_checkpoint, hf_model
+
+openai = pytest.importorskip("openai", reason="the official openai client is a test dependency")
+transformers = pytest.importorskip("transformers")
+
+PROMPT = "The quick brown fox"
+EOS_STEP = 3  # the greedy model's token at this step is made an EOS id
+
+
+def _hf_greedy(directory, ids: list[int], n: int) -> list[int]:
+    model = hf_model(directory)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = build_checkpoint(tmp_path_factory.mktemp("real") / "qwen3-fixture", shards=3)
+    tok = transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    ids = tok.encode(PROMPT)
+    greedy = _hf_greedy(d, ids, 12)
+    gen = json.loads((d / "generation_config.json").read_text())
+    eos = greedy[EOS_STEP]
+    assert eos not in greedy[:EOS_STEP], "pick another step: the token appears earlier"
+    gen["eos_token_id"] = [*gen["eos_token_id"], eos]
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    return d, tok, ids, greedy, gen
+
+
+@pytest.fixture(scope="module")
+def srv(ckpt):
+    d = ckpt[0]
+    s = start_server(graphline("serve", "--model", str(d), "--executor", "local", "--device", "cpu",
+                               "--max-model-len", "128", "--max-decode-batch", "4", "--pcg-max-tokens", "0",
+                               "--no-progress", "--port", "0"))
+    yield s
+    s.stop()
+
+
+def _client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_greedy_tokens_equal_transformers_and_eos_from_generation_config_stops(srv, ckpt):
+    d, tok, ids, greedy, gen = ckpt
+    c = _client(srv)
+    model = d.name
+    full = c.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0,
+                                extra_body={"ignore_eos": True})
+    assert full.choices[0].model_extra["token_ids"] == greedy and full.choices[0].finish_reason == "length"
+    stopped = c.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0)
+    ch = stopped.choices[0]
+    assert ch.finish_reason == "stop" and ch.model_extra["token_ids"] == greedy[:EOS_STEP + 1]
+    assert stopped.usage.completion_tokens == EOS_STEP + 1  # the EOS token is counted ...
+    assert ch.text == tok.decode(greedy[:EOS_STEP], skip_special_tokens=True)  # ... but returns no text
+
+
+def test_generation_defaults_are_shown_and_applied(srv, ckpt):
+    d, tok, ids, greedy, gen = ckpt
+    c = _client(srv)
+    card = c.models.retrieve(d.name)
+    defaults = card.model_extra["generation_defaults"]
+    assert defaults["temperature"] == gen["temperature"] and defaults["top_p"] == gen["top_p"]
+    assert defaults["top_k"] == gen["top_k"] and defaults["eos_token_id"] == gen["eos_token_id"]
+    kw = dict(model=d.name, prompt=ids, max_tokens=12, extra_body={"ignore_eos": True})
+    sampled = [c.completions.create(seed=s, **kw).choices[0].model_extra["token_ids"] for s in range(4)]
+    assert any(t != greedy for t in sampled)  # the default temperature (0.6) samples
+    assert c.completions.create(seed=0, **kw).choices[0].model_extra["token_ids"] == sampled[0]  # seeded
+    assert c.completions.create(temperature=0, **kw).choices[0].model_extra["token_ids"] == greedy  # override
+
+
+def test_chat_equals_the_template_plus_a_completion(srv, ckpt):
+    d, tok, ids, greedy, gen = ckpt
+    c = _client(srv)
+    messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "hello there"}]
+    templated = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    templated = list(templated["input_ids"]) if hasattr(templated, "keys") else list(templated)
+    ref = c.completions.create(model=d.name, prompt=templated, max_tokens=10, temperature=0,
+                               extra_body={"ignore_eos": True})
+    chat = c.chat.completions.create(model=d.name, messages=messages, max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens == len(templated)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == ref.choices[0].text
+    chunks = list(c.chat.completions.create(model=d.name, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.choices[0].text
+
+
+def test_a_moe_checkpoint_serves_transformers_tokens(tmp_path):
+    d = build_checkpoint(tmp_path / "qwen3-moe-fixture", moe=True, shards=2)
+    tok = transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    ids = tok.encode(PROMPT)
+    want = _hf_greedy(d, ids, 8)
+    s = start_server(graphline("serve", "--model", str(d), "--executor", "local", "--device", "cpu",
+                               "--max-model-len", "64", "--max-decode-batch", "2", "--pcg-max-tokens", "0",
+                               "--no-progress", "--port", "0"))
+    try:
+        out = _client(s).completions.create(model=d.name, prompt=ids, max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    finally:
+        s.stop()
+    assert out.choices[0].model_extra["token_ids"] == want
