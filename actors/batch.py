@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -33,12 +33,79 @@ def prev_token(row: int) -> int:
     return -(row + 1)
 
 
+MAX_LOGPROBS = 20  # top log-probabilities a step may return per row
+
+
+@dataclass
+class SamplerExtras:
+    """The per-row sampling inputs beyond temperature / top_k / top_p / seed; a batch carries them only when some
+    row needs one (penalties, logit bias, banned ids, min_p, logprobs), so greedy and plain sampled steps stay as
+    small as they were. `B` rows, in batch order:
+
+    min_p float32 `[B]` (0 = off); penalties float32 `[B, 3]`: presence, frequency, repetition (0, 0, 1 = off);
+    bias_ids int32 `[B, K]` (-1 = unused) with bias_vals float32 `[B, K]`; ban_ids int32 `[B, M]` (-1 = unused:
+    tokens that must not be drawn this step, e.g. the stop ids before `min_tokens`); pen_ids int32 `[B, P]`
+    (-1 = unused: the distinct tokens of the row's prompt and output) with pen_counts int32 `[B, P]` (their
+    occurrences among the output tokens; 0 = prompt only); num_logprobs: -1 = none, else every row returns its
+    chosen token's log-probability and the top `num_logprobs` (0..20)."""
+
+    min_p: np.ndarray
+    penalties: np.ndarray
+    bias_ids: np.ndarray
+    bias_vals: np.ndarray
+    ban_ids: np.ndarray
+    pen_ids: np.ndarray
+    pen_counts: np.ndarray
+    num_logprobs: int = -1
+
+    @property
+    def processed(self) -> bool:
+        """Whether a row needs the logits patched (bias, banned ids, penalties) before sampling."""
+        p = self.penalties
+        return bool((self.bias_ids >= 0).any() or (self.ban_ids >= 0).any()
+                    or (p[:, 0] != 0).any() or (p[:, 1] != 0).any() or (p[:, 2] != 1).any())
+
+    def validate(self, b: int, vocab_size: int) -> None:
+        for name, dtype, ndim in (("min_p", np.float32, 1), ("penalties", np.float32, 2), ("bias_ids", np.int32, 2),
+                                  ("bias_vals", np.float32, 2), ("ban_ids", np.int32, 2), ("pen_ids", np.int32, 2),
+                                  ("pen_counts", np.int32, 2)):
+            a = getattr(self, name)
+            if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != ndim or a.shape[0] != b:
+                raise BatchError(f"sampler extras: {name} must be {np.dtype(dtype).name} with {ndim} dims and {b} rows")
+        if self.penalties.shape[1] != 3 or self.bias_vals.shape != self.bias_ids.shape \
+                or self.pen_counts.shape != self.pen_ids.shape:
+            raise BatchError("sampler extras: inconsistent list shapes")
+        for name in ("bias_ids", "ban_ids", "pen_ids"):
+            a = getattr(self, name)
+            if a.size and (a.min() < -1 or a.max() >= vocab_size):
+                raise BatchError(f"sampler extras: {name} must be token ids in [0, {vocab_size}) or -1")
+        if not -1 <= self.num_logprobs <= MAX_LOGPROBS:
+            raise BatchError(f"sampler extras: num_logprobs must be in [-1, {MAX_LOGPROBS}]")
+
+
+class StepLogprobs(NamedTuple):
+    """Log-probabilities of one step's rows (of the raw logits): chosen float32 `[B]`, top_ids int32 `[B, N]`,
+    top_logprobs float32 `[B, N]` (N = the step's `num_logprobs`, best first)."""
+
+    chosen: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+class SampledTokens(NamedTuple):
+    """A step's result for a DP rank when logprobs were asked for: tokens int64 `[B]` and their `StepLogprobs`."""
+
+    tokens: np.ndarray
+    logprobs: StepLogprobs
+
+
 @dataclass
 class StepBatch:
     """token_ids int64 `[T]`; q_seqlens int32 `[B]` (new tokens); num_history int32 `[B]` (cached tokens);
     block_tables int32 `[B, W]` (blocks covering history + new tokens; block 0 never used);
     temperature float32 `[B]` (0 = greedy), top_k int32 `[B]` (0 = off), top_p float32 `[B]`,
-    seeds int64 `[B]` (-1 = unseeded). The next token of each sequence is sampled at
+    seeds int64 `[B]` (the driver gives every sampled row one; -1 only for greedy rows); extras: the rarer sampling
+    inputs (`SamplerExtras`), None when no row needs them. The next token of each sequence is sampled at
     position num_history + q_seqlen."""
 
     token_ids: np.ndarray
@@ -49,6 +116,7 @@ class StepBatch:
     top_k: np.ndarray
     top_p: np.ndarray
     seeds: np.ndarray
+    extras: Optional[SamplerExtras] = None
 
     @property
     def batch_size(self) -> int:
@@ -70,6 +138,8 @@ class StepBatch:
         tokens negative ids may refer to (0: none may)."""
         if not self._valid_decode(vocab_size, block_size, prev_rows):
             self._validate(vocab_size, block_size, prev_rows)
+        if self.extras is not None:
+            self.extras.validate(self.batch_size, vocab_size)
 
     def _validate(self, vocab_size: int, block_size: int, prev_rows: int) -> None:
         """`validate`'s checks in full (any batch); raises the BatchError of the first that fails."""
@@ -162,6 +232,8 @@ class StepBatch:
     def check_runnable(self, vocab_size: int, block_size: int, max_blocks_per_seq: int, num_kv_blocks: int,
                        prev_rows: int = 0) -> None:
         """`validate` plus the limits of a deployment: block-table width and the cache's block count."""
+        if self.extras is not None:
+            self.extras.validate(self.batch_size, vocab_size)
         if self._valid_decode(vocab_size, block_size, prev_rows, max_blocks_per_seq, num_kv_blocks):
             return
         self._validate(vocab_size, block_size, prev_rows)
@@ -182,6 +254,8 @@ class StepBatch:
             raise BatchError("multi-step decode needs a decode batch (one new token per sequence)")
         if self.temperature.any():
             raise BatchError("multi-step decode is greedy only: every temperature must be 0")
+        if self.extras is not None:
+            raise BatchError("multi-step decode takes no sampler extras (penalties, bias, banned ids, logprobs)")
         hist, tables = self.num_history, self.block_tables
         if (hist.dtype.kind == tables.dtype.kind == "i" and hist.ndim == 1 and tables.ndim == 2 and tables.size
                 and len(hist) == len(tables)):

@@ -6,25 +6,29 @@ into the received buffer (zero-copy; the rank must not write to them). Frames ar
 length-prefixed so a reader knows how much to read from a stream.
 
 request  = u32 body length | body
-body     = u8 global_decode (0 False, 1 True, 2 None) | u8 flags (1 batch, 2 run, 4 arm next, 8 disarm) | i32 batch_bucket
-           | i32 token_bucket | i32 static_tokens (-1 None) | i32 num_steps
+body     = u8 global_decode (0 False, 1 True, 2 None) | u8 flags (1 batch, 2 run, 4 arm next, 8 disarm,
+           16 extras) | i32 batch_bucket | i32 token_bucket | i32 static_tokens (-1 None) | i32 num_steps
            [| i32 B | i32 T | i32 W | token_ids i64[T] | q_seqlens i32[B] | num_history i32[B]
-            | block_tables i32[B*W] | temperature f32[B] | top_k i32[B] | top_p f32[B] | seeds i64[B]]
+            | block_tables i32[B*W] | temperature f32[B] | top_k i32[B] | top_p f32[B] | seeds i64[B]
+            [| the batch's `SamplerExtras`, pickled (flag 16: only steps with penalties, bias, bans, min_p or
+               logprobs carry them; the common steps stay raw arrays)]]
            flag 4 (`StepPlan.arm_next`): the driver waits for this step's tokens before it sends anything else, so
            a tensor-parallel rank may arm the next decode step (`actors.armed`); flag 8 alone: a disarm frame (the
            driver went idle after such a step: cancel the arm), which gets no reply
 reply    = u32 body length | u8 status | f64 in-rank seconds | payload
-           status OK: next tokens i64[B] (i64[B, num_steps] row-major for multi-step decode); NONE: nothing (idle rank or TP rank > 0); ERROR: utf-8 text
+           status OK: next tokens i64[B] (i64[B, num_steps] row-major for multi-step decode); NONE: nothing (idle rank or TP rank > 0); ERROR: utf-8 text;
+           LOGPROBS: i32 B | i32 N | tokens i64[B] | chosen f32[B] | top_ids i32[B*N] | top_logprobs f32[B*N]
 """
 from __future__ import annotations
 
 import operator
+import pickle
 import struct
 from typing import Optional
 
 import numpy as np
 
-from actors.batch import StepBatch
+from actors.batch import SampledTokens, StepBatch, StepLogprobs
 from actors.protocol import StepPlan
 
 LENGTH = struct.Struct("<I")
@@ -47,8 +51,9 @@ _dtype_of = operator.attrgetter("dtype")
 _NDARRAYS = (np.ndarray,) * len(_FIELDS)
 _I64, _I32, _F32 = np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32)
 
-REPLY_OK, REPLY_NONE, REPLY_ERROR = 0, 1, 2
-ARM_NEXT, DISARM = 4, 8  # request flags (see the module docstring)
+REPLY_OK, REPLY_NONE, REPLY_ERROR, REPLY_LOGPROBS = 0, 1, 2, 3
+ARM_NEXT, DISARM, EXTRAS = 4, 8, 16  # request flags (see the module docstring)
+_LP_HEAD = struct.Struct("<ii")
 
 
 class WireError(ValueError):
@@ -59,6 +64,9 @@ def encode_request(plan: StepPlan, dp_rank: int) -> bytes:
     """This DP rank's share of `plan` as one length-prefixed frame."""
     batch = plan.batches[dp_rank]
     flags = (3 if batch is not None else (2 if plan.run_idle else 0)) | (ARM_NEXT if plan.arm_next else 0)
+    extras = b"" if batch is None or batch.extras is None else pickle.dumps(batch.extras, pickle.HIGHEST_PROTOCOL)
+    if extras:
+        flags |= EXTRAS
     static = -1 if plan.static_tokens is None else plan.static_tokens
     head = (_DECODE_FLAG[plan.global_decode], flags, plan.batch_bucket, plan.token_bucket, static, plan.num_steps)
     if batch is None:
@@ -69,7 +77,7 @@ def encode_request(plan: StepPlan, dp_rank: int) -> bytes:
     else:
         body = b"".join([np.ascontiguousarray(a, dtype=dtype).tobytes() for a, dtype in zip(arrays, _DTYPES)])
     shape = (arrays[1].shape[0], arrays[0].shape[0], arrays[3].shape[1])  # B, T, W
-    return _FRAME_BATCH.pack(_HEAD.size + _SHAPE.size + len(body), *head, *shape) + body
+    return _FRAME_BATCH.pack(_HEAD.size + _SHAPE.size + len(body) + len(extras), *head, *shape) + body + extras
 
 
 def encode_disarm() -> bytes:
@@ -96,7 +104,7 @@ def decode_request(body: memoryview | bytes) -> Optional[tuple]:
         off = _HEAD.size + _SHAPE.size
         n = 5 * b + b * w  # q_seqlens, num_history, block_tables, temperature, top_k, top_p: 4-byte items
         need = off + 8 * t + 4 * n + 8 * b
-        if min(b, t, w) < 0 or need != len(body):
+        if min(b, t, w) < 0 or need > len(body) or (need != len(body) and not has & EXTRAS):
             raise WireError(f"request body has {len(body)} bytes, its header says {need} (B={b}, T={t}, W={w})")
         # four buffer views (positional arguments: keywords cost twice as much), then slices: the 4-byte fields
         # lie back to back, seen through one int32 and one float32 view
@@ -107,6 +115,8 @@ def decode_request(body: memoryview | bytes) -> Optional[tuple]:
         e = 2 * b + b * w  # end of block_tables
         batch = StepBatch(ids, i32[:b], i32[b:2 * b], i32[2 * b:e].reshape(b, w), f32[e:e + b], i32[e + b:e + 2 * b],
                           f32[e + 2 * b:e + 3 * b], seeds)
+        if has & EXTRAS:
+            batch.extras = pickle.loads(body[need:])
     return (batch, _FLAG_DECODE[flag], batch_bucket, token_bucket), (None if static < 0 else static), num_steps
 
 
@@ -114,15 +124,24 @@ def encode_reply(status: int, seconds: float, payload: bytes = b"") -> bytes:
     return _FRAME_REPLY.pack(_REPLY.size + len(payload), status, seconds) + payload
 
 
-def encode_tokens(tokens: Optional[np.ndarray], seconds: float) -> bytes:
+def encode_tokens(tokens: Optional[np.ndarray | SampledTokens], seconds: float) -> bytes:
     if tokens is None:
         return encode_reply(REPLY_NONE, seconds)
+    if isinstance(tokens, SampledTokens):
+        toks, lp = tokens
+        b, n = int(toks.shape[0]), int(lp.top_ids.shape[1])
+        raw = b"".join([_LP_HEAD.pack(b, n), np.ascontiguousarray(toks, dtype=_I64).tobytes(),
+                        np.ascontiguousarray(lp.chosen, dtype=_F32).tobytes(),
+                        np.ascontiguousarray(lp.top_ids, dtype=_I32).tobytes(),
+                        np.ascontiguousarray(lp.top_logprobs, dtype=_F32).tobytes()])
+        return _FRAME_REPLY.pack(_REPLY.size + len(raw), REPLY_LOGPROBS, seconds) + raw
     raw = np.ascontiguousarray(tokens, dtype=_I64).tobytes()
     return _FRAME_REPLY.pack(_REPLY.size + len(raw), REPLY_OK, seconds) + raw
 
 
 def decode_reply(body: bytes) -> tuple[int, float, object]:
-    """(status, in-rank seconds, tokens int64 `[B]` | None | error text)."""
+    """(status, in-rank seconds, tokens int64 `[B]` | `SampledTokens` | None | error text); a logprobs reply
+    decodes as status OK with `SampledTokens`."""
     if len(body) < _REPLY.size:
         raise WireError(f"reply of {len(body)} bytes is shorter than its header")
     status, seconds = _REPLY.unpack_from(body, 0)
@@ -130,4 +149,14 @@ def decode_reply(body: bytes) -> tuple[int, float, object]:
         return status, seconds, np.frombuffer(body, _I64, -1, _REPLY.size).copy()
     if status == REPLY_NONE:
         return status, seconds, None
+    if status == REPLY_LOGPROBS:
+        b, n = _LP_HEAD.unpack_from(body, _REPLY.size)
+        off = _REPLY.size + _LP_HEAD.size
+        toks = np.frombuffer(body, _I64, b, off).copy()
+        off += 8 * b
+        chosen = np.frombuffer(body, _F32, b, off).copy()
+        off += 4 * b
+        ids = np.frombuffer(body, _I32, b * n, off).reshape(b, n).copy()
+        lps = np.frombuffer(body, _F32, b * n, off + 4 * b * n).reshape(b, n).copy()
+        return REPLY_OK, seconds, SampledTokens(toks, StepLogprobs(chosen, ids, lps))
     return status, seconds, bytes(body[_REPLY.size:]).decode("utf-8", "replace")

@@ -172,6 +172,8 @@ class RequestOutput:
     # finished on a stop token (EOS or a stop_token_ids entry): it is the last of `token_ids` and counted, as
     # OpenAI and vLLM count it, but its text is not returned
     stopped_on_token: bool = False
+    # when the request asked for logprobs: per token of `new_token_ids`, (its logprob, top ids, top logprobs)
+    new_logprobs: Optional[list[tuple[float, list[int], list[float]]]] = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -25,8 +25,9 @@ from typing import Optional
 
 import numpy as np
 
-from actors.batch import StepBatch, prev_token
+from actors.batch import SampledTokens, StepBatch, prev_token
 from engine.request import FinishReason, Request
+from engine.sampling_rows import build_extras, needs_extras
 from engine.sequence import Sequence, SeqStatus
 from modeling.kv_cache import BlockAllocator
 
@@ -160,8 +161,8 @@ class Scheduler:
         continues, or the blocks it needs are not free (never preempts). Updated after `prev`."""
         if prev is not self._in_flight or self._ahead is not None:
             raise SchedulerError("schedule_ahead() needs the in-flight round and none scheduled ahead of it")
-        if prev.is_prefill or prev.num_steps != 1 or self.waiting:
-            return None
+        if prev.is_prefill or prev.num_steps != 1 or self.waiting or prev.batch.extras is not None:
+            return None  # rows with sampler extras (penalties, bans, logprobs) need their last token first
         in_prev = {id(s) for s in prev.seqs}
         if any(id(s) not in in_prev for s in self.running):
             return None
@@ -198,7 +199,7 @@ class Scheduler:
         tokens need are allocated now (fewer steps when they are short; never preempts for them)."""
         k = self.cfg.decode_steps
         run = self.running
-        if k <= 1 or not run or any(s.sampling_row[0] > 0 for s in run):
+        if k <= 1 or not run or any(s.sampling_row[0] > 0 or needs_extras(s) for s in run):
             return 1
         k = min(k, min(self.cfg.max_model_len - s.num_tokens for s in run))
         left = [s.request.max_tokens - s.num_output_tokens for s in run if s.request.max_tokens is not None]
@@ -281,7 +282,7 @@ class Scheduler:
                 tokens = [t for s, h in zip(seqs, hist) for t in s.token_ids[h:]]
                 q = np.array([len(s.token_ids) - h for s, h in zip(seqs, hist)], dtype=np.int32)
         rows = [s.sampling_row for s in seqs]
-        greedy = all(r == (0.0, 0, 1.0, -1) for r in rows)
+        greedy = all(r == (0.0, 0, 1.0, -1) for r in rows) and not any(needs_extras(s) for s in seqs)
         return StepBatch(
             token_ids=np.array(tokens, dtype=np.int64), q_seqlens=q, num_history=np.array(hist, dtype=np.int32),
             block_tables=tables,
@@ -289,6 +290,7 @@ class Scheduler:
             top_k=np.zeros(n, np.int32) if greedy else np.array([r[1] for r in rows], dtype=np.int32),
             top_p=np.ones(n, np.float32) if greedy else np.array([r[2] for r in rows], dtype=np.float32),
             seeds=np.full(n, -1, np.int64) if greedy else np.array([r[3] for r in rows], dtype=np.int64),
+            extras=None if greedy else build_extras(seqs),
         )
 
     def build_alone(self, seq: Sequence) -> StepBatch:
@@ -301,6 +303,9 @@ class Scheduler:
         if sched is not self._in_flight:
             raise SchedulerError("update() for a batch that is not in flight")
         self._in_flight, self._ahead = self._ahead, None  # the round scheduled ahead is now the one in flight
+        logprobs = None
+        if isinstance(next_tokens, SampledTokens):
+            next_tokens, logprobs = next_tokens
         toks = np.asarray(next_tokens)
         if toks.ndim == 1:
             toks = toks[:, None]
@@ -310,11 +315,15 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         finished = False
         max_len = self.cfg.max_model_len
-        for seq, row in zip(sched.seqs, toks.tolist()):
+        for i, (seq, row) in enumerate(zip(sched.seqs, toks.tolist())):
             if seq.status is SeqStatus.FINISHED:  # stopped or aborted while this round ran: its token is dropped
                 if not self._in_any_round(seq):
                     self._release(seq)
                 continue
+            if logprobs is not None and seq.request.sampling.logprobs is not None:
+                n = seq.request.sampling.logprobs
+                seq.logprobs.append((float(logprobs.chosen[i]), logprobs.top_ids[i, :n].tolist(),
+                                     logprobs.top_logprobs[i, :n].tolist()))
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now

@@ -23,7 +23,7 @@ class SeqStatus(str, enum.Enum):
 class Sequence:
     __slots__ = ("request", "token_ids", "prompt_len", "block_table", "num_computed", "status", "finish_reason",
                  "num_preemptions", "first_token_time", "last_token_time", "_emitted", "dp_rank", "error",
-                 "sampling_row", "num_failures", "stop_ids", "stopped_on_token")
+                 "sampling_row", "num_failures", "stop_ids", "stopped_on_token", "logprobs", "_emitted_logprobs")
 
     def __init__(self, request: Request, dp_rank: int = 0):
         self.request = request
@@ -42,6 +42,9 @@ class Sequence:
         self.num_failures = 0  # executor failures (a rank died or hung) this sequence was in flight for
         self.stop_ids = request.stop_token_ids  # the engine adds the model's EOS ids (unless ignore_eos)
         self.stopped_on_token = False
+        # per generated token when the request asked for logprobs: (chosen logprob, top ids, top logprobs)
+        self.logprobs: list[tuple[float, list[int], list[float]]] = []
+        self._emitted_logprobs = 0
         sp = request.sampling
         # (temperature, top_k, top_p, seed): this sequence's row of a step's sampling arrays. An unseeded sampled
         # request gets its seed here, once, on the driver: every rank that samples it draws the same token, and a
@@ -82,10 +85,13 @@ class Sequence:
         self._emitted += len(new)
         done = self.status is SeqStatus.FINISHED
         req = self.request
+        lps = None
+        if req.sampling.logprobs is not None:
+            lps, self._emitted_logprobs = self.logprobs[self._emitted_logprobs:], len(self.logprobs)
         return RequestOutput(req.request_id, req.prompt_token_ids, new, self.token_ids[self.prompt_len:] if done else [],
                              self._emitted, done, self.finish_reason, req.arrival_time, self.first_token_time,
                              self.last_token_time if done else None, self.num_preemptions, self.error,
-                             done and self.stopped_on_token)
+                             done and self.stopped_on_token, lps)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "

@@ -5,8 +5,8 @@
 content). The prompt is `tokenizer.apply_chat_template(messages, add_generation_prompt=...,
 continue_final_message=..., tokenize=True, **chat_template_kwargs)` (transformers; e.g. Qwen3's
 `{"enable_thinking": false}`). `max_completion_tokens` (or `max_tokens`) defaults to what the
-context leaves. `logprobs` (bool) / `top_logprobs` (0-20) are accepted; their values are null until
-the sampler returns them.
+context leaves. `logprobs` (bool) / `top_logprobs` (0-20) return the chosen tokens' log-probabilities
+and the most probable alternatives (`launch.logprobs`).
 """
 from __future__ import annotations
 
@@ -167,19 +167,20 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
 
 
 # ---- shapes
-def chat_response(rid: str, model: str, created: int, c) -> dict:
-    """c: the finished `launch.outputs.ChoiceState`."""
+def chat_response(rid: str, model: str, created: int, c, logprobs: Optional[dict] = None) -> dict:
+    """c: the finished `launch.outputs.ChoiceState`; logprobs: its `{"content": [...]}` (None: not asked)."""
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
                      "finish_reason": c.finish_reason}],
         "usage": usage(c.num_prompt_tokens, len(c.token_ids)),
     }
 
 
-def chat_delta(index: int, content: Optional[str], finish_reason: Optional[str], first: bool = False) -> dict:
+def chat_delta(index: int, content: Optional[str], finish_reason: Optional[str], first: bool = False,
+               logprobs: Optional[dict] = None) -> dict:
     """One streamed chat choice: the first carries the role; the last the finish reason (and an empty delta
     when it brings no text)."""
     delta: dict[str, Any] = {"role": "assistant", "content": content or ""} if first else \
         ({} if not content else {"content": content})
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

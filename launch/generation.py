@@ -14,6 +14,7 @@ from aiohttp import web
 
 from engine.async_engine import AsyncLLMEngine
 from launch.chat import chat_delta, chat_response
+from launch.logprobs import chat_logprobs, completion_logprobs
 from launch.outputs import ChoiceState
 from launch.protocol import ApiError, GenerationRequest, choice, completion_response, now_s, stream_chunk, usage
 
@@ -32,32 +33,42 @@ def log_failure(what: str, exc: BaseException) -> str:
 class Shape:
     """How choices look on the wire for one endpoint."""
 
-    def __init__(self, chat: bool):
+    def __init__(self, chat: bool, tokenizer: Any = None):
         self.chat = chat
+        self.tokenizer = tokenizer
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
     def opening(self, c: ChoiceState) -> Optional[dict]:
         return chat_delta(c.index, "", None, first=True) if self.chat else None
 
+    def _logprobs(self, c: ChoiceState, tokens: list[int], entries: list, text_start: int) -> Optional[dict]:
+        if c.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tokenizer, tokens, entries)
+        return completion_logprobs(self.tokenizer, tokens, entries, text_start)
+
     def delta(self, c: ChoiceState, text: str, tokens: list[int]) -> Optional[dict]:
         reason = c.finish_reason if c.done else None
+        lp = self._logprobs(c, tokens, c.last_logprobs, c.last_text_start) if tokens else None
         if self.chat:
-            return chat_delta(c.index, text, reason) if text or reason else None
-        return choice(c.index, text, tokens, reason) if text or tokens or reason else None
+            return chat_delta(c.index, text, reason, logprobs=lp) if text or reason or lp else None
+        return choice(c.index, text, tokens, reason, lp) if text or tokens or reason else None
 
     def response(self, rid: str, model: str, created: int, choices: list[ChoiceState]) -> dict:
-        return chat_response(rid, model, created, choices[0]) if self.chat else \
-            completion_response(rid, model, created, choices)
+        lps = [self._logprobs(c, c.token_ids, c.logprobs or [], 0) for c in choices]
+        return chat_response(rid, model, created, choices[0], lps[0]) if self.chat else \
+            completion_response(rid, model, created, choices, lps)
 
 
-COMPLETION, CHAT = Shape(False), Shape(True)
 
 
 def _feed(c: ChoiceState, outs: list) -> tuple[str, list[int]]:
     new = outs[0].new_token_ids if len(outs) == 1 else [t for o in outs for t in o.new_token_ids]
     last = outs[-1]
+    lps = None if last.new_logprobs is None else [e for o in outs for e in (o.new_logprobs or ())]
     return c.feed(new, last.finished, last.finish_reason.value if last.finished and last.finish_reason else None,
-                  stop_token=last.stopped_on_token)
+                  stop_token=last.stopped_on_token, new_logprobs=lps)
 
 
 async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, greq: GenerationRequest, rid: str,

@@ -18,7 +18,7 @@ from launch.stop_strings import StopStringMatcher
 
 class ChoiceState:
     __slots__ = ("index", "num_prompt_tokens", "detok", "stop", "token_ids", "texts", "finish_reason", "done",
-                 "stopped_early")
+                 "stopped_early", "logprobs", "last_logprobs", "_lp_queue", "text_len", "last_text_start")
 
     def __init__(self, index: int, num_prompt_tokens: int, tokenizer: Any = None, stop: Sequence[str] = ()):
         if stop and tokenizer is None:
@@ -32,22 +32,47 @@ class ChoiceState:
         self.finish_reason: Optional[str] = None
         self.done = False
         self.stopped_early = False  # a stop string ended the choice before the engine finished the request
+        # logprob entries aligned with `token_ids` (None: the request did not ask); `last_logprobs`: those of the
+        # tokens the latest `feed` returned; `last_text_start`: the characters of text before that feed's text
+        self.logprobs: Optional[list] = None
+        self.last_logprobs: list = []
+        self._lp_queue: list = []
+        self.text_len = 0
+        self.last_text_start = 0
 
     @property
     def text(self) -> str:
         return "".join(self.texts)
 
     def feed(self, new_ids: list[int], finished: bool, finish_reason: Optional[str],
-             stop_token: bool = False) -> tuple[str, list[int]]:
+             stop_token: bool = False, new_logprobs: Optional[list] = None) -> tuple[str, list[int]]:
         """Text and token ids to send for this update (either may be empty). `stop_token`: the last of `new_ids`
-        is the stop token that finished the request (counted, no text)."""
+        is the stop token that finished the request (counted, no text). `new_logprobs`: the engine's entries of
+        `new_ids` (then `last_logprobs` holds those of the returned tokens)."""
+        if self.done:
+            self.last_logprobs = []
+            return "", []
+        if new_logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self._lp_queue.extend(new_logprobs)
+        start = self.text_len
+        text, tokens = self._feed_tokens(new_ids, finished, finish_reason, stop_token)
+        self.last_text_start, self.text_len = start, start + len(text)
+        if self.logprobs is not None:
+            self.last_logprobs, self._lp_queue = self._lp_queue[:len(tokens)], self._lp_queue[len(tokens):]
+            self.logprobs.extend(self.last_logprobs)
+        return text, tokens
+
+    def _feed_tokens(self, new_ids: list[int], finished: bool, finish_reason: Optional[str],
+                     stop_token: bool) -> tuple[str, list[int]]:
         if self.done:
             return "", []
         if stop_token and finished and new_ids:
-            text, tokens = self.feed(new_ids[:-1], False, None) if len(new_ids) > 1 else ("", [])
+            text, tokens = self._feed_tokens(new_ids[:-1], False, None, False) if len(new_ids) > 1 else ("", [])
             if self.done:  # a stop string matched before the stop token
                 return text, tokens
-            tail, _ = self.feed([], True, finish_reason)
+            tail, _ = self._feed_tokens([], True, finish_reason, False)
             self.token_ids.append(new_ids[-1])
             return text + tail, [*tokens, new_ids[-1]]
         if self.stop is None:

@@ -345,10 +345,11 @@ def parse_completion_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     return parse_common(body, ctx, prompts, logprobs, max_tokens)
 
 
-def choice(index: int, text: str, token_ids: list[int], finish_reason: Optional[str]) -> dict:
-    """One completion choice (non-streamed) or one streamed choice delta. `logprobs` stays null until the
-    sampler returns log-probabilities."""
-    return {"index": index, "text": text, "token_ids": token_ids, "logprobs": None, "finish_reason": finish_reason}
+def choice(index: int, text: str, token_ids: list[int], finish_reason: Optional[str],
+           logprobs: Optional[dict] = None) -> dict:
+    """One completion choice (non-streamed) or one streamed choice delta; `logprobs` when the request asked."""
+    return {"index": index, "text": text, "token_ids": token_ids, "logprobs": logprobs,
+            "finish_reason": finish_reason}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -356,11 +357,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(rid: str, model: str, created: int, choices: list) -> dict:
-    """choices: `launch.outputs.ChoiceState`s, finished."""
+def completion_response(rid: str, model: str, created: int, choices: list,
+                        logprobs: Optional[list] = None) -> dict:
+    """choices: `launch.outputs.ChoiceState`s, finished; logprobs: their `logprobs` objects (None: not asked)."""
+    lps = logprobs or [None] * len(choices)
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [choice(c.index, c.text, c.token_ids, c.finish_reason) for c in choices],
+        "choices": [choice(c.index, c.text, c.token_ids, c.finish_reason, lp) for c, lp in zip(choices, lps)],
         "usage": usage(sum(c.num_prompt_tokens for c in choices), sum(len(c.token_ids) for c in choices)),
     }
 

@@ -20,7 +20,7 @@ from engine.request import new_request_id
 from launch.admin import check_admin_request
 from launch.chat import parse_chat_request
 from launch.defaults import GenerationDefaults
-from launch.generation import CHAT, COMPLETION, ENGINE_FAILED, generate, log_failure
+from launch.generation import ENGINE_FAILED, Shape, generate, log_failure
 from launch.metrics import CONTENT_TYPE, ServerMetrics
 from launch.protocol import (ApiError, GenerationRequest, ParseContext, ProtocolLimits, parse_completion_request,
                              parse_json_body)
@@ -135,13 +135,15 @@ async def _raw_body(request: web.Request, limits: ProtocolLimits) -> bytes:
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     greq = await _parse(request, state, parse_completion_request)
-    return await generate(request, state.engine, state.tokenizer, greq, new_request_id(), COMPLETION)
+    return await generate(request, state.engine, state.tokenizer, greq, new_request_id(),
+                          Shape(False, state.tokenizer))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     greq = await _parse(request, state, parse_chat_request)
-    return await generate(request, state.engine, state.tokenizer, greq, "chat" + new_request_id(), CHAT)
+    return await generate(request, state.engine, state.tokenizer, greq, "chat" + new_request_id(),
+                          Shape(True, state.tokenizer))
 
 
 # ---- models, health, status, metrics
