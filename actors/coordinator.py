@@ -17,7 +17,10 @@ submit() / collect(): the two halves of step(). Up to `MAX_IN_FLIGHT` steps may 
           step k+1 while the driver handles step k's tokens (other paths run at submit).
 reset():  drain (in-flight steps finish; their tickets keep the tokens), then every rank: runner.reset() (graphs, plans) -> DeepEP buffer -> barrier; then
           optional weight reload / KV resize and re-capture.
-Step paths (`DeploymentConfig.step_path`, or `GRAPHLINE_STEP_PATH` which overrides it):
+Options: `DeploymentConfig.comm` (`CommOptions`) and `.runtime.kernels` (`KernelOptions`) travel to every rank,
+which cross-check them before any collective; `.driver` (`DriverOptions`) is the driver's own. None is read from
+the environment here: `launch/` builds them once (`actors.environment.options_from_environ`).
+Step paths (`DeploymentConfig.step_path`, or `DriverOptions.step_path` / `GRAPHLINE_STEP_PATH` which overrides it):
 - pipe: packed frames through per-rank named pipes to a resident loop in every rank
   (`actors.pipes`); the default when every rank runs on the driver's host;
 - compiled: a Ray compiled graph; the default on multi-host GPU clusters without tensor parallelism;
@@ -28,7 +31,6 @@ Step paths (`DeploymentConfig.step_path`, or `GRAPHLINE_STEP_PATH` which overrid
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,16 +40,17 @@ import numpy as np
 
 from actors.batch import BatchError, StepBatch
 from actors.errors import CoordinatorStateError, RankFailureError, StartupCaptureError
+from actors.options import STEP_PATHS, DriverOptions, check_step_path
 from actors.pipes import DRIVER_POLL_S, PipeStepper, all_local
 from actors.protocol import plan_step, with_arm_next
 from actors.rank import RuntimeConfig
 from actors.rankset import CompiledStepper, PlainStepper, RankCallError, RankFault, RankSet
 from actors.watch import RankWatcher
-from actors.startup import capture_all, launch_ranks, summarize_status
+from actors.startup import capture_all, launch_ranks, requested_step_path, summarize_status
 from parallel.dispatch import KINDS
+from parallel.options import CommOptions
 from parallel.topology import Topology
 
-STEP_PATHS = ("auto", "pipe", "compiled", "plain")
 MAX_IN_FLIGHT = 2  # submitted and not yet collected steps: one on the device, one queued behind it
 
 __all__ = ["DeploymentConfig", "Coordinator", "StepTicket", "RankFailureError", "StartupCaptureError", "CoordinatorStateError"]
@@ -66,6 +69,8 @@ class DeploymentConfig:
     collective_timeout_s: float = 60.0
     step_timeout_s: float = 30.0
     step_path: str = "auto"  # auto | pipe | compiled | plain
+    comm: CommOptions = CommOptions()  # sent to every rank
+    driver: DriverOptions = DriverOptions()  # the driver's own (tracing reaches the ranks' step loops)
 
     def __post_init__(self) -> None:
         if self.step_path not in STEP_PATHS:
@@ -244,9 +249,7 @@ class Coordinator:
 
     def _resolve_step_path(self, path: Optional[str] = None) -> str:
         """"pipe" | "compiled" | "plain" for this rank group, or ValueError naming why `path` cannot serve it."""
-        path = path or os.environ.get("GRAPHLINE_STEP_PATH") or self.cfg.step_path
-        if path not in STEP_PATHS:
-            raise ValueError(f"GRAPHLINE_STEP_PATH must be one of {STEP_PATHS}, got {path!r}")
+        path = check_step_path(path or requested_step_path(self.cfg))
         local = all_local(self._ranks.places)
         if path == "auto":  # compiled graphs need per-actor CUDA_VISIBLE_DEVICES, which TP ranks on GPUs give up
             path = "pipe" if local else ("compiled" if self._use_gpu and not self._ranks_see_all_gpus else "plain")
@@ -262,11 +265,11 @@ class Coordinator:
         path = self._resolve_step_path(path)
         if path == "pipe":
             dp_of = [self.topo.coords(r).dp_rank for r in range(len(self._ranks))]
-            env = os.environ.get("GRAPHLINE_DRIVER_POLL_S")
-            poll_s = float(env) if env else (DRIVER_POLL_S if self._use_gpu else 0.0)
+            drv = self.cfg.driver
+            poll_s = drv.poll_s if drv.poll_s is not None else (DRIVER_POLL_S if self._use_gpu else 0.0)
             return PipeStepper(self._ranks, dp_of, timeout_s=self.cfg.collective_timeout_s, poll_s=poll_s,
                                disarm_after_s=self.cfg.runtime.armed_decode_wait_ms / 1e3 if self._arms_collectively
-                               else 0.0)
+                               else 0.0, trace=drv.step_trace, profile=drv.step_profile)
         if path == "compiled":
             return CompiledStepper(self._ranks)
         return PlainStepper(self._ranks)

@@ -35,14 +35,13 @@ concurrently on different streams of one device are unsupported.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from modeling.ops.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from modeling.ops.pdl import PDL_LAUNCH, pdl_launch_dependents, pdl_wait
 
 LOG2E = 1.4426950408889634
 TARGET_WAVES = 4  # aim for about this many programs per SM in the split kernel
@@ -318,17 +317,18 @@ def decode_attention(
     scale: float,
     *,
     config: DecodeConfig | None = None,
-    single_launch: bool | None = None,
+    single_launch: bool = True,
+    pdl: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence (`q`: `[B, Hq, D]`) over its whole cached context; returns `[B, Hq, D]`.
 
     `config` overrides the static heuristic (benchmarks); it must not depend on live lengths.
-    `single_launch` (None: `GRAPHLINE_DECODE_SINGLE_LAUNCH`, default on) combines the splits in the split
+    `single_launch` (`KernelOptions.decode_single_launch`, default on) combines the splits in the split
     kernel's last-arriving program; False (or
     B * Hkv > `_COUNTER_SLOTS`) launches `_decode_reduce_kernel` instead; both give the same bits. Launched on
     the current stream; scratch is a per-call `torch.empty` (graph-pool memory under capture). The first call
     on a device allocates its arrival counters and must run outside CUDA graph capture; calls on one device
-    must be stream-ordered (see the module docstring).
+    must be stream-ordered (see the module docstring). `pdl`: the split kernel's PDL mode (`modeling.ops.pdl`).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -348,8 +348,6 @@ def decode_attention(
     if batch == 0:
         return out
     splits = cfg.num_splits
-    if single_launch is None:
-        single_launch = os.environ.get("GRAPHLINE_DECODE_SINGLE_LAUNCH", "1") != "0"
     single_launch = single_launch and splits > 1 and batch * num_kv_heads <= counters.numel()
     if splits > 1:
         part_o = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -396,7 +394,7 @@ def decode_attention(
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_launch(q.device),
+        **PDL_LAUNCH[pdl],
     )
     if splits > 1 and not single_launch:
         _decode_reduce_kernel[(batch, num_kv_heads)](

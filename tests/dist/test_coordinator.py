@@ -228,8 +228,11 @@ def test_submit_ahead_rejects_bad_references_and_misuse(dp2):
     assert coord.collect(idle) == [None, None]  # a drained step where every DP rank was idle
 
 
-def test_polling_driver_gives_the_same_tokens_and_learns_step_shapes(dp2, reference, monkeypatch):
-    monkeypatch.setenv("GRAPHLINE_DRIVER_POLL_S", "0.002")  # CPU ranks block by default: force the polling wait
+def test_polling_driver_gives_the_same_tokens_and_learns_step_shapes(dp2, reference):
+    from actors.options import DriverOptions
+
+    cfg = dp2.cfg
+    dp2.cfg = dataclasses.replace(cfg, driver=DriverOptions(poll_s=0.002))  # CPU ranks block by default: poll
     dp2._switch_step_path("pipe")
     try:
         assert dp2._stepper.poll_s == 0.002
@@ -238,7 +241,7 @@ def test_polling_driver_gives_the_same_tokens_and_learns_step_shapes(dp2, refere
         assert shapes and all(0.0 < s < 20.0 for s in shapes.values())
         assert {k[0] for k in shapes} == {"local"} and any(k[4] == ((1, 1), (1, 1)) for k in shapes)
     finally:
-        monkeypatch.delenv("GRAPHLINE_DRIVER_POLL_S")
+        dp2.cfg = cfg
         dp2._switch_step_path("pipe")
     assert dp2._stepper.poll_s == 0.0
 
