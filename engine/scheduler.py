@@ -28,7 +28,7 @@ import numpy as np
 from actors.batch import StepBatch, prev_token
 from engine.request import FinishReason, Request
 from engine.sequence import Sequence, SeqStatus
-from modeling.kv_cache import BlockAllocator
+from engine.blocks import BlockAllocator
 
 
 class SchedulerError(RuntimeError):

@@ -316,3 +316,23 @@ def test_failed_startup_capture_aborts_every_rank(cache):
             c.step([None])
     finally:
         c.shutdown()
+
+
+def test_ranks_with_different_options_fail_before_any_collective(cache):
+    """Every rank cross-checks its kernel and communication options over the gloo control group right after it
+    exists (`RankGroups.init`), before any other group or collective: rank 1 holding other kernel options (the
+    worker's test override) stops the start-up with an error naming each field and the ranks."""
+    from modeling.ops.options import KernelOptions
+
+    cache.close()
+    c = Coordinator(DeploymentConfig(runtime=runtime_cfg("qwen3-tiny"), tp=2, collective_timeout_s=10,
+                                     step_timeout_s=10))
+    c._test_faults = {1: {"kernels_override": KernelOptions(pdl="0", gemv=False)}}
+    try:
+        with pytest.raises(RankFailureError, match=r"start-up failed: .*OptionsMismatchError: the ranks hold "
+                                                   r"different options.*kernels\.gemv: rank 0 True; rank 1 False \| "
+                                                   r"kernels\.pdl: rank 0 'early'; rank 1 '0'"):
+            c.start(progress=False)
+        assert c.status()["state"] == "failed"
+    finally:
+        c.shutdown()
