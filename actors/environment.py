@@ -26,6 +26,11 @@ LOG_DIR_ENV = "GRAPHLINE_LOG_DIR"
 ADMIN_TOKEN_ENV = "GRAPHLINE_ADMIN_TOKEN"
 
 
+OPTION_VARIABLES = (PDL_ENV, GEMV_ENV, DECODE_SINGLE_LAUNCH_ENV, COMPILE_THREADS_ENV, TP_ALLREDUCE_ENV,
+                    TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV, DEEPEP_MAX_TOKENS_ENV, STEP_PATH_ENV, DRIVER_POLL_ENV,
+                    STEP_TRACE_ENV, STEP_PROFILE_ENV)
+
+
 class EnvironmentValueError(ValueError):
     """A variable's text is not a value of its type (the option classes check the values themselves)."""
 
