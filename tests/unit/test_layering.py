@@ -48,10 +48,6 @@ def product_modules() -> dict[str, Path]:
 MODULES = product_modules()
 
 
-def _is_package(name: str) -> bool:
-    return MODULES.get(name, Path()).name == "__init__.py" or (ROOT / name.replace(".", "/")).is_dir()
-
-
 def imports_of(name: str, path: Path) -> list[tuple[str, int]]:
     """(imported module, line) for every import statement of the module, at any depth; `from a import b` names
     the submodule a.b when it is one, else a."""
