@@ -17,7 +17,10 @@ submit() / collect(): the two halves of step(). Up to `MAX_IN_FLIGHT` steps may 
           step k+1 while the driver handles step k's tokens (other paths run at submit).
 reset():  drain (in-flight steps finish; their tickets keep the tokens), then every rank: runner.reset() (graphs, plans) -> DeepEP buffer -> barrier; then
           optional weight reload / KV resize and re-capture.
-Step paths (`DeploymentConfig.step_path`, or `GRAPHLINE_STEP_PATH` which overrides it):
+Options: `DeploymentConfig.comm` (`CommOptions`) and `.runtime.kernels` (`KernelOptions`) travel to every rank,
+which cross-check them before any collective; `.driver` (`DriverOptions`) is the driver's own. None is read from
+the environment here: `launch/` builds them once (`actors.environment.options_from_environ`).
+Step paths (`DeploymentConfig.step_path`, or `DriverOptions.step_path` / `GRAPHLINE_STEP_PATH` which overrides it):
 - pipe: packed frames through per-rank named pipes to a resident loop in every rank
   (`actors.pipes`); the default when every rank runs on the driver's host;
 - compiled: a Ray compiled graph; the default on multi-host GPU clusters without tensor parallelism;
@@ -28,7 +31,6 @@ Step paths (`DeploymentConfig.step_path`, or `GRAPHLINE_STEP_PATH` which overrid
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,17 +39,19 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from actors.batch import BatchError, StepBatch
+from actors.coordinator_health import CoordinatorHealth
+from actors.coordinator_paths import CoordinatorStepPaths
 from actors.errors import CoordinatorStateError, RankFailureError, StartupCaptureError
-from actors.pipes import DRIVER_POLL_S, PipeStepper, all_local
+from actors.options import STEP_PATHS, DriverOptions
 from actors.protocol import plan_step, with_arm_next
 from actors.rank import RuntimeConfig
-from actors.rankset import CompiledStepper, PlainStepper, RankCallError, RankFault, RankSet
+from actors.rankset import RankCallError, RankFault, RankSet
 from actors.watch import RankWatcher
-from actors.startup import capture_all, launch_ranks, summarize_status
+from actors.startup import capture_all, launch_ranks
 from parallel.dispatch import KINDS
+from parallel.options import CommOptions
 from parallel.topology import Topology
 
-STEP_PATHS = ("auto", "pipe", "compiled", "plain")
 MAX_IN_FLIGHT = 2  # submitted and not yet collected steps: one on the device, one queued behind it
 
 __all__ = ["DeploymentConfig", "Coordinator", "StepTicket", "RankFailureError", "StartupCaptureError", "CoordinatorStateError"]
@@ -66,6 +70,8 @@ class DeploymentConfig:
     collective_timeout_s: float = 60.0
     step_timeout_s: float = 30.0
     step_path: str = "auto"  # auto | pipe | compiled | plain
+    comm: CommOptions = CommOptions()  # sent to every rank
+    driver: DriverOptions = DriverOptions()  # the driver's own (tracing reaches the ranks' step loops)
 
     def __post_init__(self) -> None:
         if self.step_path not in STEP_PATHS:
@@ -106,7 +112,10 @@ class _Counters:
     phases: dict[str, int] = field(default_factory=dict)
 
 
-class Coordinator:
+class Coordinator(CoordinatorHealth, CoordinatorStepPaths):
+    """The deployment's rank group, driven from the driver (see the module doc). Failure detection, health and
+    status live in `actors.coordinator_health`, the step-path choice in `actors.coordinator_paths`."""
+
     def __init__(self, cfg: DeploymentConfig) -> None:
         self.cfg = cfg
         self.topo = cfg.topology
@@ -190,47 +199,6 @@ class Coordinator:
         self._start_watcher()
         return timings
 
-    # ------------------------------------------------------------------ failure detection
-    def _start_watcher(self) -> None:
-        # A rank's heartbeat thread answers within milliseconds whatever its step does, so a quarter of the step
-        # timeout of silence (1.5 to 5 s) means a stopped or wedged process: it is declared hung, and the group
-        # torn down and rebuilt within the step timeout. A stuck step whose rank still answers (a collective
-        # waiting on a peer) is caught by the step deadline.
-        hang = min(5.0, max(1.5, self.cfg.step_timeout_s / 4))
-        gen = self._generation
-        self._watcher = RankWatcher(self._ranks, lambda fault: self._on_watch_fault(fault, gen),
-                                    interval_s=0.25, unresponsive_after_s=min(0.5, hang), hang_after_s=hang)
-        self._ranks.watcher = self._watcher
-        self._watcher.start()
-
-    def _on_watch_fault(self, fault: RankFault, generation: int) -> None:
-        """The watcher's thread: a rank of group `generation` died or hung. Kill every rank process at once (a
-        step waiting on them ends with an error); the group is torn down and rebuilt by the owner's thread."""
-        ranks = self._ranks
-        if generation != self._generation or ranks is None or self._state != "serving":
-            return
-        self._watch_fault = fault
-        ranks.kill_processes()
-        reason = f"{fault}"
-        for listener in list(self.fault_listeners):
-            try:
-                listener(reason, generation)
-            except Exception:  # noqa: BLE001 - a listener never stops failure handling
-                pass
-
-    def health(self) -> dict[str, Any]:
-        """Whether every rank can serve, from any thread: {"ok", "state", "reason", "ranks", "generation"}."""
-        state, watcher, fault = self._state, self._watcher, self._watch_fault
-        snap = watcher.snapshot() if watcher is not None and state == "serving" else {"ok": False, "reason": None,
-                                                                                       "ranks": []}
-        ok = state == "serving" and fault is None and snap["ok"]
-        reason = None if ok else (str(fault) if fault is not None else snap["reason"] or f"coordinator {state}")
-        return {"ok": ok, "state": state, "reason": reason, "ranks": snap["ranks"], "generation": self._generation}
-
-    @property
-    def generation(self) -> int:
-        return self._generation
-
     def _capture(self, progress: bool) -> dict[str, float]:
         try:
             return capture_all(self._ranks, *self._sizes, timeout_s=self._capture_timeout(), progress=progress)
@@ -242,43 +210,7 @@ class Coordinator:
     def _capture_timeout(self) -> float:
         return self.cfg.collective_timeout_s + 300.0
 
-    def _resolve_step_path(self, path: Optional[str] = None) -> str:
-        """"pipe" | "compiled" | "plain" for this rank group, or ValueError naming why `path` cannot serve it."""
-        path = path or os.environ.get("GRAPHLINE_STEP_PATH") or self.cfg.step_path
-        if path not in STEP_PATHS:
-            raise ValueError(f"GRAPHLINE_STEP_PATH must be one of {STEP_PATHS}, got {path!r}")
-        local = all_local(self._ranks.places)
-        if path == "auto":  # compiled graphs need per-actor CUDA_VISIBLE_DEVICES, which TP ranks on GPUs give up
-            path = "pipe" if local else ("compiled" if self._use_gpu and not self._ranks_see_all_gpus else "plain")
-        if path == "pipe" and not local:
-            raise ValueError("the pipe step path needs every rank on the driver's host")
-        if path == "compiled" and self._ranks_see_all_gpus:
-            raise ValueError("the compiled step path needs Ray's per-actor CUDA_VISIBLE_DEVICES, but these TP "
-                             "ranks see every GPU (for the symmetric-memory all-reduce): start the deployment "
-                             "with step_path='compiled' instead")
-        return path
-
-    def _make_stepper(self, path: Optional[str] = None):
-        path = self._resolve_step_path(path)
-        if path == "pipe":
-            dp_of = [self.topo.coords(r).dp_rank for r in range(len(self._ranks))]
-            env = os.environ.get("GRAPHLINE_DRIVER_POLL_S")
-            poll_s = float(env) if env else (DRIVER_POLL_S if self._use_gpu else 0.0)
-            return PipeStepper(self._ranks, dp_of, timeout_s=self.cfg.collective_timeout_s, poll_s=poll_s,
-                               disarm_after_s=self.cfg.runtime.armed_decode_wait_ms / 1e3 if self._arms_collectively
-                               else 0.0)
-        if path == "compiled":
-            return CompiledStepper(self._ranks)
-        return PlainStepper(self._ranks)
-
     # ------------------------------------------------------------------ steps
-    @property
-    def _arms_collectively(self) -> bool:
-        """Whether the ranks arm decode steps only when told (`StepPlan.arm_next`): tensor parallelism on GPUs,
-        no expert parallelism, arming on (`actors.armed`)."""
-        return (self._use_gpu and self.topo.tp > 1 and self.topo.ep == 1
-                and self.cfg.runtime.armed_decode_wait_ms > 0)
-
     def step(self, batches: list[StepBatch | None], num_steps: int = 1) -> list[np.ndarray | None]:
         """One step: next tokens int64 `[B]` per DP rank (None for idle ones). `num_steps > 1`: multi-step
         decode (greedy decode batches whose block tables cover `num_steps` more tokens), int64 `[B, num_steps]`."""
@@ -383,33 +315,10 @@ class Coordinator:
         except BatchError as e:
             raise BatchError(f"DP rank {dp_rank}: {e}") from None
 
-    def _fail(self, e: RankCallError, during: str = "step") -> RankFailureError:
-        """Tear every rank down (communicators are not repairable) and build the caller's error. A fault the
-        watcher found first (it killed the group, so the step saw pipes close) is the one reported."""
-        self._c.failures += 1
-        faults = [self._watch_fault] if self._watch_fault is not None else e.faults
-        msg = f"{during} failed: " + "; ".join(str(f) for f in faults)
-        if sum(f.kind == "hung" for f in faults) > 1:
-            msg += " (a rank waiting in a collective for a stuck peer shows as hung too)"
-        msg += "; every rank was torn down"
-        self._c.last_failure = msg
-        self._teardown()
-        self._state = "failed"
-        return RankFailureError(msg)
-
     def rank_step_times(self, clear: bool = False) -> list[list[float]]:
         """Per rank, the in-rank seconds of its recent `execute` calls (benchmarks: coordinator overhead)."""
         self._require("serving")
         return self._ranks.call("step_times", (clear,), timeout_s=30.0, what="step times")
-
-    def _switch_step_path(self, path: str) -> None:
-        """Benchmarks/tests: replace the step path ("pipe" | "compiled" | "plain") on the live rank group."""
-        self._require("serving")
-        path = self._resolve_step_path(path)  # a path that cannot serve raises before the current one is dropped
-        self._drain()
-        if self._stepper is not None:
-            self._stepper.teardown()
-        self._stepper = self._make_stepper(path)
 
     # ------------------------------------------------------------------ reset
     def reset(self, recapture: bool = True, num_kv_blocks: int | None = None, reload_weights: bool = False) -> dict:
@@ -445,17 +354,7 @@ class Coordinator:
         out["events"] = {r: [ev["kind"] for ev in evs] for r, evs in self._last_reset_events.items()}
         return out
 
-    # ------------------------------------------------------------------ status / life cycle
-    def status(self) -> dict:
-        infos = self._ranks.probe() if self._ranks is not None else []
-        return summarize_status(self, infos)
-
-    def event_logs(self) -> dict[int, list[dict]]:
-        """Every rank's protocol event log (captures, resets) with timestamps; {} when not running."""
-        if self._ranks is None or self._ranks.killed:
-            return {}
-        return {r: ev for r, ev in enumerate(self._ranks.probe(method="event_log")) if ev is not None}
-
+    # ------------------------------------------------------------------ life cycle (status: `CoordinatorHealth`)
     def rebuild(self) -> None:
         """Tear everything down (whatever state) and start again with the same config."""
         self._teardown()

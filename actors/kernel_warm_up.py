@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -26,14 +26,16 @@ log = logging.getLogger(__name__)
 class KernelWarmUp:
     """Compile, in a daemon thread started by the constructor, the kernels of `cfg`'s model for the rank `tp_rank`
     of `tp_size`-way tensor parallelism on `device` (CUDA): the fused TP kernel first (`tp_size > 1`; `wait_fused`
-    waits for it), then the attention variants. `cfg`: an `actors.rank.RuntimeConfig`."""
+    waits for it), then the attention variants. `cfg`: an `actors.rank.RuntimeConfig` (its `kernels` options
+    included); `comm`: the deployment's `parallel.options.CommOptions` (None: the defaults)."""
 
-    def __init__(self, cfg, tp_size: int, device: torch.device, tp_rank: int = 0):
+    def __init__(self, cfg, tp_size: int, device: torch.device, tp_rank: int = 0, comm: Optional[Any] = None):
         self.seconds = 0.0
         self.fused_seconds = 0.0  # of which the fused TP kernel's compile (0 at TP = 1 or when it is not used)
         self.launches = 0
         self.error: Optional[BaseException] = None
         self._fused_done = threading.Event()
+        self._comm = comm
         self._thread = threading.Thread(target=self._run, args=(cfg, tp_size, tp_rank, device),
                                         name="kernel-warm-up", daemon=True)
         self._thread.start()
@@ -57,10 +59,10 @@ class KernelWarmUp:
 
         mc = cfg.model_config(device)
         if tp_size > 1:
-            self._compile_fused(mc, tp_size, tp_rank, device)
+            self._compile_fused(mc, tp_size, tp_rank, device, self._comm)
         self.fused_seconds = time.perf_counter() - t0
         self._fused_done.set()
-        ops = get_kernel_ops(device, cfg.kernel_backend)
+        ops = get_kernel_ops(device, cfg.kernel_backend, cfg.kernels)
         with torch.cuda.device(device), torch.inference_mode():
             stream = torch.cuda.Stream(device)
             with torch.cuda.stream(stream):
@@ -69,22 +71,23 @@ class KernelWarmUp:
                 self.launches = ops.warm_up_attention(k_cache, v_cache, mc.num_heads // tp_size, mc.head_dim ** -0.5)
                 calls = config_projection_warm_up_calls(mc, ParallelContext(tp_rank=tp_rank, tp_size=tp_size), ops,
                                                         device)
-                self.launches += run_projection_warm_up(calls, device)
+                self.launches += run_projection_warm_up(calls, device, ops.options.compile_threads)
             stream.synchronize()
 
     @staticmethod
-    def _compile_fused(mc, tp_size: int, tp_rank: int, device: torch.device) -> None:
-        """The fused TP kernel for the model's hidden size and dtype, as the TP group's `SymmMemAllReduce`
-        (default size) will launch it, unless the environment turns the symmetric-memory path or the fusion off
-        (`parallel.groups`, `parallel.symm_allreduce`)."""
-        from parallel.groups import tp_allreduce_mode
-        from parallel.symm_allreduce import DEFAULT_MAX_BYTES, fused_norm_enabled
+    def _compile_fused(mc, tp_size: int, tp_rank: int, device: torch.device, comm: Optional[Any]) -> None:
+        """The fused TP kernel (`comm.tp_fused_kind`) for the model's hidden size and dtype, as the TP group's
+        `SymmMemAllReduce` (default size) will launch it, unless the options turn the symmetric-memory path or the
+        fusion off (`parallel.options.CommOptions`)."""
+        from parallel.options import CommOptions
+        from parallel.symm_allreduce import DEFAULT_MAX_BYTES
         from parallel.symm_fused import warm_up_compile
 
-        if tp_allreduce_mode() == "nccl" or not fused_norm_enabled():
+        comm = comm if comm is not None else CommOptions()
+        if comm.tp_allreduce == "nccl" or not comm.tp_fused_norm:
             return
         with torch.cuda.device(device):
-            warm_up_compile(mc.hidden_size, mc.dtype, tp_rank, tp_size, DEFAULT_MAX_BYTES)
+            warm_up_compile(mc.hidden_size, mc.dtype, tp_rank, tp_size, DEFAULT_MAX_BYTES, comm.tp_fused_kind)
 
     def wait_fused(self, timeout_s: float = 60.0) -> None:
         """Wait until the fused TP kernel's compile is done (or failed, or never started), at most `timeout_s`:

@@ -51,9 +51,6 @@ from actors.wire import LENGTH, REPLY_ERROR, decode_reply, encode_disarm, encode
 _F_SETPIPE_SZ = 1031  # Linux fcntl: pipe capacity (large prefill frames in one write)
 POLL_MARGIN_S = 0.0003  # start polling this long before the expected reply
 DRIVER_POLL_S = 0.002  # how long past the expected reply the driver polls (GPU ranks) before it blocks
-# GRAPHLINE_STEP_TRACE=1: the driver and each rank's step loop record per-step timestamps (`bench.step_trace`);
-# off by default because the rank's timing events cost a few microseconds per step.
-STEP_TRACE = os.environ.get("GRAPHLINE_STEP_TRACE") == "1"
 _MAX_SHAPES = 4096  # remembered step shapes (prefill token counts vary): forgotten all at once beyond this
 
 
@@ -112,10 +109,13 @@ class PipeStepper:
     name = "pipe"
 
     def __init__(self, ranks: RankSet, dp_of_rank: Sequence[int], timeout_s: float = 60.0, poll_s: float = 0.0,
-                 disarm_after_s: float = 0.0):
+                 disarm_after_s: float = 0.0, trace: bool = False, profile: Optional[str] = None):
         """`disarm_after_s` (> 0 where tensor-parallel ranks arm, `actors.armed`): after a step marked
         `arm_next`, when no request follows within that many seconds, a thread of this stepper sends every rank a
-        disarm frame (under the same lock as `send`, so every rank sees it at the same place among its requests)."""
+        disarm frame (under the same lock as `send`, so every rank sees it at the same place among its requests).
+        `trace` (`DriverOptions.step_trace`): the driver and each rank's step loop record per-step timestamps
+        (`bench.step_trace`; off by default: the rank's timing events cost a few microseconds per step);
+        `profile` (`DriverOptions.step_profile`): with `trace`, each rank's loop is profiled into that path."""
         self.ranks = ranks
         self.dp_of_rank = list(dp_of_rank)
         self.poll_s = poll_s
@@ -123,7 +123,7 @@ class PipeStepper:
         self._sent: deque[float] = deque()  # send times of the plans whose replies are still due, oldest first
         self._last_reply = 0.0  # when the last reply was received (monotonic)
         # (perf_counter after the requests were written, after the replies were read) per step, when tracing
-        self.trace: Optional[deque[tuple[float, float]]] = deque(maxlen=4096) if STEP_TRACE else None
+        self.trace: Optional[deque[tuple[float, float]]] = deque(maxlen=4096) if trace else None
         self._trace_sent: deque[float] = deque()
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.dir = tempfile.mkdtemp(prefix="graphline-steps-", dir=base)
@@ -147,7 +147,8 @@ class PipeStepper:
                 self.resp_fds.append(fd)
                 self._rank_of_fd[fd] = r
                 paths.append((req, resp))
-            ranks.call("start_pipe_loop", paths, per_rank=True, timeout_s=timeout_s, what="start step loop")
+            ranks.call("start_pipe_loop", [(req, resp, trace, profile) for req, resp in paths], per_rank=True,
+                       timeout_s=timeout_s, what="start step loop")
             deadline = time.monotonic() + timeout_s
             for req, _ in paths:
                 self.req_fds.append(self._open_writer(req, deadline))

@@ -31,6 +31,7 @@ from modeling.dummy import make_dummy_inputs
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.loader import init_random, load_checkpoint
 from modeling.ops import get_kernel_ops
+from modeling.ops.options import KernelOptions
 from modeling.qwen3 import Qwen3ForCausalLM
 from modeling.sampling import SamplingParams, sample
 from parallel.context import ParallelContext
@@ -52,6 +53,8 @@ class RuntimeConfig:
         graph's output, one for greedy tokens alone and one for fp32 logits + argmax (`bucket x vocab` in one
         shared pool; ~15 MiB at 16 for a 152k vocabulary, ~100 MiB at 64); larger buckets run the head eagerly
         (about 0.4 ms of host launches at batch 64, more under TP); 0 = off.
+    kernels: how the rank's operators launch (`modeling.ops.options.KernelOptions`: PDL, GEMV, decode combine,
+        compile threads); built on the driver (`actors.environment.options_from_environ`), defaults here.
     armed_decode_wait_ms: how long an armed decode step (`actors.armed`: the next greedy decode step enqueued
         behind a gate while the rank waits for its request) waits before it gives up (TP > 1: before the
         driver disarms it); 0 = never arm. Only CUDA ranks with expert-parallel size 1 arm.
@@ -69,6 +72,7 @@ class RuntimeConfig:
     graph: GraphRunnerConfig = field(default_factory=GraphRunnerConfig)
     head_graph_max_batch: int = 64
     armed_decode_wait_ms: float = 20.0
+    kernels: KernelOptions = KernelOptions()
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -247,7 +251,7 @@ class RankRuntime:
     def load_model(self) -> float:
         self.disarm()
         t0 = time.perf_counter()
-        ops = get_kernel_ops(self.device, self.cfg.kernel_backend)
+        ops = get_kernel_ops(self.device, self.cfg.kernel_backend, self.cfg.kernels)
         with torch.device(self.device), self.on_stream():
             model = Qwen3ForCausalLM(self.model_config, self.ctx, self.device, ops)
             if self.cfg.model in PRESETS:

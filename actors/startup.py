@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 
 import ray
 
+from actors.environment import python_path
 from actors.errors import StartupCaptureError
 from actors.placement import ActorPlace, PlacementError, bundle_strategy, cluster_has_gpus, create_placement_group, describe_places, \
     order_ranks
@@ -31,6 +32,11 @@ class Launched:
     ranks_see_all_gpus: bool = False
 
 
+def requested_step_path(cfg: Any) -> str:
+    """The step path a `DeploymentConfig` asks for: its driver options' override, else its own `step_path`."""
+    return cfg.driver.step_path or cfg.step_path
+
+
 def ensure_ray(address: Optional[str], num_cpus: Optional[int]) -> bool:
     """Connect to `address` or start a local Ray; returns True when this call started it. Ray's token
     authentication stays as Ray sets it (on for a local cluster since Ray 2.59; `launch/cluster.sh` turns it on
@@ -40,8 +46,8 @@ def ensure_ray(address: Optional[str], num_cpus: Optional[int]) -> bool:
     if address is not None:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
     else:
-        path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+        ray.init(num_cpus=num_cpus, include_dashboard=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": python_path(_REPO_ROOT)}})
     return True
 
 
@@ -76,8 +82,7 @@ def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Laun
     # TP ranks see every GPU of their node and bind their own by id: symmetric memory (the TP all-reduce)
     # tells peers apart by device index, and under Ray's default isolation every rank would be cuda:0.
     # Not with compiled graphs: Ray's compiled-graph device setup requires its own per-actor CUDA_VISIBLE_DEVICES.
-    path = os.environ.get("GRAPHLINE_STEP_PATH") or cfg.step_path
-    see_all = use_gpu and topo.tp > 1 and path != "compiled"
+    see_all = use_gpu and topo.tp > 1 and requested_step_path(cfg) != "compiled"
     opts: dict[str, Any] = {"runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}} \
         if see_all else {}
     workers = [RankWorker.options(num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=bundle_strategy(pg, i),
@@ -94,14 +99,14 @@ def launch_ranks(cfg: Any, topo: Topology, test_faults: dict[int, dict]) -> Laun
                                    "placement_group_s": t_pg - t0 - ray_init_s, "actor_start_s": t_placed - t_pg,
                                    "actor_phases_s": actor_phases(places, wall_pg)}
         if use_gpu:  # attention compiles overlap the groups, weights and KV phases (`actors.kernel_warm_up`)
-            ranks.call("start_kernel_warm_up", [(cfg.runtime, topo.tp, cfg.runtime.device, topo.coords(r).tp_rank)
-                                                for r in range(topo.world)],
+            ranks.call("start_kernel_warm_up", [(cfg.runtime, topo.tp, cfg.runtime.device, topo.coords(r).tp_rank,
+                                                 cfg.comm) for r in range(topo.world)],
                        per_rank=True, timeout_s=timeout, what="kernel warm-up start")
         t1 = time.perf_counter()
         coll = cfg.collective_timeout_s
         rv = ranks.call("serve_rendezvous", (topo.world, coll), ranks=[0], timeout_s=timeout)[0]
-        per_rank = ranks.call("init_groups", [(r, topo, rv, use_gpu, cfg.runtime.device, coll, cfg.runtime)
-                                              for r in range(topo.world)],
+        per_rank = ranks.call("init_groups", [(r, topo, rv, use_gpu, cfg.runtime.device, coll, cfg.runtime,
+                                               cfg.comm) for r in range(topo.world)],
                               per_rank=True, timeout_s=timeout, what="process groups")
         timings["group_phases_s"] = {k: max(t[k] for t in per_rank) for k in per_rank[0]}  # slowest rank per phase
         t2 = time.perf_counter()

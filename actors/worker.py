@@ -28,7 +28,6 @@ from typing import Any, Optional
 import ray
 
 from actors.errors import RankStepError
-from actors.pipes import STEP_TRACE
 from actors.placement import ActorPlace
 
 PIPE_SPIN_S = 0.003  # how long a GPU rank's step loop polls for the next request before blocking
@@ -70,7 +69,7 @@ class RankWorker:
         self._steps = 0
         self._in_flight = 0  # steps launched and not yet finished (the pipe loop may run two at once)
         self._step_times: deque[float] = deque(maxlen=4096)
-        self._trace: deque[dict[str, float]] = deque(maxlen=4096)  # STEP_TRACE records, oldest first
+        self._trace: deque[dict[str, float]] = deque(maxlen=4096)  # step trace records, oldest first
         self._captures = 0
         self._faults = dict(test_faults or {})
         self._threads_set: set[int] = set()  # threads limited to one intra-op thread (CPU ranks)
@@ -97,10 +96,12 @@ class RankWorker:
     def _local_gpu_index() -> int:
         """This actor's GPU as a CUDA index: 0 under Ray's default isolation (only that GPU is visible);
         with every GPU visible (TP ranks, see `actors.startup`), its position among the visible devices."""
+        from actors.environment import visible_gpu_ids
+
         ids = [str(g) for g in ray.get_gpu_ids()]
-        if not ids or os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") != "1":
+        visible = visible_gpu_ids()
+        if not ids or visible is None:
             return 0
-        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         return visible.index(ids[0]) if ids[0] in visible else int(ids[0])
 
     def _leave(self) -> None:
@@ -122,7 +123,7 @@ class RankWorker:
         self._store, rv = serve_rendezvous(world, timeout_s, host=ray.util.get_node_ip_address())
         return rv
 
-    def start_kernel_warm_up(self, cfg: Any, tp_size: int, device: str, tp_rank: int = 0) -> bool:
+    def start_kernel_warm_up(self, cfg: Any, tp_size: int, device: str, tp_rank: int = 0, comm: Any = None) -> bool:
         """Start compiling the attention kernels of `cfg`'s model in the background (`actors.kernel_warm_up`),
         before the process groups form; returns at once. False (nothing started) without a GPU."""
         from actors.kernel_warm_up import KernelWarmUp
@@ -133,14 +134,15 @@ class RankWorker:
         dev = resolve_device(device, self._local_gpu_index())
         if dev.type != "cuda":
             return False
-        self._kernel_warm_up = KernelWarmUp(cfg, tp_size, dev, tp_rank)
+        self._kernel_warm_up = KernelWarmUp(cfg, tp_size, dev, tp_rank, comm)
         return True
 
     def init_groups(self, rank: int, topo: Any, rendezvous: Any, use_gpu: bool, device: str,
-                    timeout_s: float, cfg: Any = None) -> dict[str, float]:
+                    timeout_s: float, cfg: Any = None, comm: Any = None) -> dict[str, float]:
         """Join the world and create this rank's groups; returns seconds per phase (`RankGroups.timings`) and
         "total_s". `cfg` (`RuntimeConfig`, optional): the model served, whose hidden size and dtype the fused
-        TP all-reduce is probed for."""
+        TP all-reduce is probed for; `comm`: the deployment's `CommOptions`. Every rank cross-checks both option
+        objects before any collective (`RankGroups.init`)."""
         import torch
 
         from actors.rank import resolve_device
@@ -155,8 +157,9 @@ class RankWorker:
             mc = cfg.model_config(self.device)
             probe = (mc.hidden_size, mc.dtype)
         early = self._kernel_warm_up
-        self.groups = RankGroups(topo, rank, self.device, timeout_s, fused_probe=probe,
-                                 before_tp_setup=None if early is None else early.wait_fused)
+        kernels = {"kernels": self._faults.get("kernels_override", cfg.kernels)} if cfg is not None else {}
+        self.groups = RankGroups(topo, rank, self.device, timeout_s, comm, fused_probe=probe,
+                                 before_tp_setup=None if early is None else early.wait_fused, check_options=kernels)
         self.groups.init(rendezvous, store=self._store)
         self._leave()
         return {**self.groups.timings, "total_s": time.perf_counter() - t0}
@@ -282,11 +285,14 @@ class RankWorker:
         if self._in_flight == 0:
             self._leave()
 
-    def start_pipe_loop(self, request_path: str, reply_path: str) -> None:
+    def start_pipe_loop(self, request_path: str, reply_path: str, trace: bool = False,
+                        profile: Optional[str] = None) -> None:
         """Start the resident step loop of the pipe step path (`actors.pipes`): a thread that reads packed
         requests from `request_path` and writes replies to `reply_path` until the driver closes its end.
         The coordinator never overlaps steps with set-up calls, so the loop and this actor's default
-        thread do not run device work at the same time."""
+        thread do not run device work at the same time. `trace` / `profile`: `DriverOptions.step_trace` /
+        `step_profile`."""
+        self._step_trace, self._step_profile = trace, profile
         reply = os.open(reply_path, os.O_WRONLY)  # the driver already holds the read end
         thread = threading.Thread(target=self._pipe_loop, args=(request_path, reply), daemon=True,
                                   name=f"graphline-step-loop-{self.rank}")
@@ -334,7 +340,7 @@ class RankWorker:
                 if trace is not None:
                     trace["written"] = time.perf_counter()
 
-        profile_path = os.environ.get("GRAPHLINE_STEP_PROFILE") if STEP_TRACE else None
+        profile_path = self._step_profile if self._step_trace else None
         profiler = None
         if profile_path:  # bench.step_trace --profile: where this thread's host time goes
             import cProfile
@@ -367,7 +373,7 @@ class RankWorker:
                         decoded = decode_request(body)
                         if decoded is None:
                             pending.append(encode_tokens(None, 0.0))
-                        elif STEP_TRACE:
+                        elif self._step_trace:
                             pending.append(self._launch_traced(decoded, t_read))
                         else:
                             pending.append(self._launch_step(*decoded))
@@ -428,7 +434,7 @@ class RankWorker:
         return step
 
     def step_trace(self, clear: bool = False) -> list[dict[str, float]]:
-        """The pipe loop's trace records (GRAPHLINE_STEP_TRACE=1), oldest first; perf_counter seconds."""
+        """The pipe loop's trace records (`DriverOptions.step_trace`), oldest first; perf_counter seconds."""
         out = []
         for rec in self._trace:
             if "written" not in rec:  # its reply is being written
@@ -569,7 +575,8 @@ class RankWorker:
     def _test_set_faults(self, **faults: Any) -> None:
         """Tests only: fail_capture_at=N (raise in the N-th capture), exit_in_step=N (os._exit in the
         N-th step), raise_in_step=N (raise in the N-th step), hang_in_step=N (sleep forever in the N-th step),
-        step_delay_s=x (sleep in each step)."""
+        step_delay_s=x (sleep in each step), kernels_override=KernelOptions (what `init_groups` cross-checks in place
+        of the config's)."""
         self._faults.update(faults)
 
     def _test_record_logits(self) -> None:

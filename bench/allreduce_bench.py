@@ -82,7 +82,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out_q: Any) -> None:
 def _run_rank(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from parallel.symm_allreduce import try_create_for_group
+    from parallel.symm_setup import try_create_for_group
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)

@@ -1,13 +1,11 @@
-"""Timing helpers shared by the benchmarks: device copy bandwidth and step timing; environment switches."""
+"""Timing helpers shared by the benchmarks: device copy bandwidth and step timing."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -58,19 +56,3 @@ def machine() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}"
     return f"CPU, torch {torch.__version__}"
-
-
-@contextlib.contextmanager
-def environ(env: dict[str, str]) -> Iterator[None]:
-    """Set the environment variables `env` for the body (kernel switches read at launch or build time), then put
-    back what was there (unset ones unset again)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

@@ -1,7 +1,8 @@
 """Kernel-level switches side by side in one process on one GPU: the rank's synchronous decode step under each.
 
-One rank runtime of the same model per variant is built in this process, each captured with its environment
-variables set (a variant is `label:NAME=VALUE[;NAME=VALUE...]`; the first is the baseline); then the rank's
+One rank runtime of the same model per variant is built in this process, each with the kernel options its
+variables give (a variant is `label:NAME=VALUE[;NAME=VALUE...]` over this process's environment, NAME one of the
+option variables of `actors.environment`; the first is the baseline); then the rank's
 synchronous decode step (inputs in, next tokens on the host) is timed on each in turn, in alternating rounds, at
 each batch. Prints median ms per step, each variant's ratio to the baseline and whether its tokens equal the
 baseline's (switches that change the arithmetic may flip near-tied greedy choices of random weights).
@@ -18,8 +19,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from actors.environment import OPTION_VARIABLES, child_environ, options_from_environ
 from actors.rank import RankRuntime, RuntimeConfig
-from bench.common import environ, machine, write_json
+from bench.common import machine, write_json
 from bench.graph_bench import _decode_batch
 from graphrunner.config import GraphRunnerConfig
 from parallel.context import ParallelContext
@@ -33,6 +35,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
         name, eq, value = item.partition("=")
         if not eq or not name:
             raise SystemExit(f"variant {text!r}: {item!r} is not NAME=VALUE")
+        if name.strip() not in OPTION_VARIABLES:
+            raise SystemExit(f"variant {text!r}: {name.strip()} is not an option variable ({', '.join(OPTION_VARIABLES)})")
         env[name.strip()] = value.strip()
     if not label:
         raise SystemExit(f"variant {text!r} has no label")
@@ -40,15 +44,15 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def _runtime(model: str, blocks: int, env: dict[str, str], max_batch: int) -> RankRuntime:
-    with environ(env):
-        graph = GraphRunnerConfig(max_decode_batch=max_batch, pcg_max_tokens=512)
-        cfg = RuntimeConfig(model=model, device="cuda", num_kv_blocks=blocks, graph=graph)
-        rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
-        rt.load_model()
-        rt.allocate_kv_cache()
-        rt.build_runner()
-        rt.capture_all()
-        return rt
+    kernels = options_from_environ(child_environ(**env)).kernels
+    graph = GraphRunnerConfig(max_decode_batch=max_batch, pcg_max_tokens=512)
+    cfg = RuntimeConfig(model=model, device="cuda", num_kv_blocks=blocks, graph=graph, kernels=kernels)
+    rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
+    rt.load_model()
+    rt.allocate_kv_cache()
+    rt.build_runner()
+    rt.capture_all()
+    return rt
 
 
 def _time_steps(rt: RankRuntime, sb, n: int) -> list[float]:

@@ -103,16 +103,23 @@ def armed_waits(args: Any, tp: int) -> list[Optional[float]]:
     return [float(x) for x in args.armed_wait_ms.split(",") if x.strip()] or [None]
 
 
-def make_coordinator(args: Any, tp: int, armed_wait_ms: Optional[float] = None) -> Coordinator:
+def make_coordinator(args: Any, tp: int, armed_wait_ms: Optional[float] = None,
+                     driver: Optional[Any] = None) -> Coordinator:
     """A coordinator (not started) for the parsed benchmark `args`: model, device, decode and prefill bucket
     limits, KV blocks (`--kv-blocks`, 0 or absent: from the memory budget), CPUs for a local Ray; armed decode
-    waits `armed_wait_ms` (None: the runtime's default; 0: never arms)."""
+    waits `armed_wait_ms` (None: the runtime's default; 0: never arms). Options come from the environment as for
+    `graphline serve` (`actors.environment.options_from_environ`); `driver` replaces the driver options."""
+    from actors.environment import options_from_environ
+
+    opts = options_from_environ()
     graph = GraphRunnerConfig(max_decode_batch=args.max_decode_batch, pcg_max_tokens=args.pcg_max_tokens)
     kv_blocks = getattr(args, "kv_blocks", 0)
     extra = {} if armed_wait_ms is None else {"armed_decode_wait_ms": armed_wait_ms}
-    rt = RuntimeConfig(model=args.model, device=args.device, graph=graph, num_kv_blocks=kv_blocks or None, **extra)
+    rt = RuntimeConfig(model=args.model, device=args.device, graph=graph, num_kv_blocks=kv_blocks or None,
+                       kernels=opts.kernels, **extra)
     return Coordinator(DeploymentConfig(runtime=rt, tp=tp, use_gpu=False if args.device == "cpu" else None,
-                                        num_cpus=args.num_cpus))
+                                        num_cpus=args.num_cpus, comm=opts.comm,
+                                        driver=driver if driver is not None else opts.driver))
 
 
 def run_tp(args: Any, tp: int, armed_wait_ms: Optional[float] = None) -> dict[str, Any]:

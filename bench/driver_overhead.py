@@ -97,7 +97,7 @@ class _LoopbackRanks:
 
     def call(self, method: str, paths: Any = (), **_: Any) -> list[None]:
         assert method == "start_pipe_loop"
-        for req, resp in paths:
+        for req, resp, *_options in paths:
             self.replies.append(os.open(resp, os.O_WRONLY))
             fd = os.open(req, os.O_RDONLY | os.O_NONBLOCK)
             os.set_blocking(fd, True)

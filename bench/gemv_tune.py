@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import copy_bandwidth, environ, machine, write_json
+from bench.common import copy_bandwidth, machine, write_json
 from bench.gemm_tune import GraphTimer
 
 H, I, QKV, ATT = 1024, 3072, 4096, 2048  # Qwen3-0.6B: hidden, intermediate, q+k+v width, attention width
@@ -149,34 +149,35 @@ def chain(m: int, best: dict[tuple[str, int], Cfg], timer: GraphTimer) -> dict:
     if len(cfg) < len(OPS):
         return {"m": m, "error": "no passing config for every projection"}
 
-    def before(layers: int) -> torch.Tensor:
+    def before(layers: int, pdl: int) -> torch.Tensor:
         h, res = h0, res0
         for i in range(layers):
-            linear(h, w["qkv"][i])
-            h, res = linear_add_rms_norm(o_in, w["o_proj"][i], res, nw, EPS)
-            up = linear(h, w["gate_up"][i])
-            h, res = linear_add_rms_norm(up, w["down"][i], res, nw, EPS, gated=True)
+            linear(h, w["qkv"][i], pdl=pdl)
+            h, res = linear_add_rms_norm(o_in, w["o_proj"][i], res, nw, EPS, pdl=pdl)
+            up = linear(h, w["gate_up"][i], pdl=pdl)
+            h, res = linear_add_rms_norm(up, w["down"][i], res, nw, EPS, gated=True, pdl=pdl)
         return res
 
-    def after(layers: int) -> torch.Tensor:
+    def after(layers: int, pdl: int) -> torch.Tensor:
         y, res = y0, res0
         for i in range(layers):
-            _, res = gemv_with_config(y, w["qkv"][i], cfg["qkv"], residual=res, norm_weight=nw, eps=EPS)
-            y, _ = gemv_with_config(o_in, w["o_proj"][i], cfg["o_proj"])
+            _, res = gemv_with_config(y, w["qkv"][i], cfg["qkv"], residual=res, norm_weight=nw, eps=EPS, pdl=pdl)
+            y, _ = gemv_with_config(o_in, w["o_proj"][i], cfg["o_proj"], pdl=pdl)
             act, res = gemv_with_config(y, w["gate_up"][i], cfg["gate_up"], residual=res, norm_weight=nw, eps=EPS,
-                                        gated=True)
-            y, _ = gemv_with_config(act, w["down"][i], cfg["down"])
-        return add_rms_norm(y, res, nw, EPS)[1]
+                                        gated=True, pdl=pdl)
+            y, _ = gemv_with_config(act, w["down"][i], cfg["down"], pdl=pdl)
+        return add_rms_norm(y, res, nw, EPS, pdl=pdl)[1]
 
-    from modeling.ops.pdl import PDL_ENV, pdl_supported
+    from modeling.ops.pdl import pdl_mode, pdl_supported
 
     out = {"m": m}
-    modes = ["0", "early"] if pdl_supported(torch.device("cuda", torch.cuda.current_device())) else ["0"]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    modes = ["0", "early"] if pdl_supported(dev) else ["0"]
     for mode in modes:
-        with environ({PDL_ENV: mode}):  # PDL is read at every launch: each capture below gets the mode set here
-            for label, fn in (("before", before), ("gemv", after), ("before_again", before), ("gemv_again", after)):
-                us, _, _ = timer.run(lambda i, fn=fn: fn(COPIES), 1)
-                out[f"{label}_pdl{mode}_us_per_layer"] = us / COPIES
+        pdl = pdl_mode(dev, mode)  # each capture below launches with this mode
+        for label, fn in (("before", before), ("gemv", after), ("before_again", before), ("gemv_again", after)):
+            us, _, _ = timer.run(lambda i, fn=fn: fn(COPIES, pdl), 1)
+            out[f"{label}_pdl{mode}_us_per_layer"] = us / COPIES
     for mode in modes:
         b = (out[f"before_pdl{mode}_us_per_layer"] + out[f"before_again_pdl{mode}_us_per_layer"]) / 2
         a = (out[f"gemv_pdl{mode}_us_per_layer"] + out[f"gemv_again_pdl{mode}_us_per_layer"]) / 2

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (`modeling.ops.pdl`) modes side by side in one process on one GPU.
 
 One rank runtime of the same model per mode is built in this process, its kernels captured with
-`GRAPHLINE_PDL=<mode>` (0: off; 1: the next kernel starts once this one passed its wait; early: once this one
+`KernelOptions(pdl=<mode>)` (`GRAPHLINE_PDL`; 0: off; 1: the next kernel starts once this one passed its wait; early: once this one
 is resident); then the rank's synchronous decode step (inputs in, next tokens on the host) is timed on each in
 turn, in rounds, at each batch (`bench.decode_ab`). The tokens must be identical (the kernels' arithmetic does
 not change). Prints median ms per step and each mode's ratio to off.
@@ -15,7 +15,8 @@ import argparse
 import torch
 
 from bench.decode_ab import add_step_args, run
-from modeling.ops.pdl import PDL_ENV, pdl_supported
+from modeling.ops.options import PDL_ENV
+from modeling.ops.pdl import pdl_supported
 
 
 def main() -> dict:

@@ -3,7 +3,7 @@
     python -m bench.step_trace --out artifacts/step_trace.json                  # qwen3-0.6b, GPUs
     python -m bench.step_trace --model qwen3-tiny --device cpu --steps 20        # CPU smoke check
 
-Sets GRAPHLINE_STEP_TRACE=1 before Ray starts, so the driver's `PipeStepper` and every rank's step
+Starts the deployment with `DriverOptions(step_trace=True)`, so the driver's `PipeStepper` and every rank's step
 loop record perf_counter timestamps (one clock on one host) and each rank times its forward stream
 with CUDA events from before the launch to after the tokens' device-to-host copy. For strict steps
 (`Coordinator.step`: send, wait, send the next) the median of each segment, in microseconds:
@@ -80,7 +80,7 @@ def trace_steps(coord: Any, batch: Any, steps: int, warmup: int) -> dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    os.environ["GRAPHLINE_STEP_TRACE"] = "1"  # before actors.pipes is imported and before Ray starts workers
+    from actors.options import DriverOptions
     from bench.dist_bench import add_armed_wait_arg, armed_waits, decode_batch, make_coordinator
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--profile", default=None, help="also cProfile each rank's step loop into PROFILE.rank<r>")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if args.profile:
-        os.environ["GRAPHLINE_STEP_PROFILE"] = os.path.abspath(args.profile)
+    driver = DriverOptions(step_trace=True, step_profile=os.path.abspath(args.profile) if args.profile else None)
     import ray
 
     from actors.startup import ensure_ray
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res: dict[str, Any] = {"model": args.model, "args": vars(args), "runs": []}
     try:
         for tp, wait in ((int(x), w) for x in args.tp.split(",") for w in armed_waits(args, int(x))):
-            coord = make_coordinator(args, tp, wait)
+            coord = make_coordinator(args, tp, wait, driver)
             coord.start(progress=False)
             try:
                 if coord.step_path != "pipe":

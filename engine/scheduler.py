@@ -29,7 +29,7 @@ from actors.batch import SampledTokens, StepBatch, prev_token
 from engine.request import FinishReason, Request
 from engine.sampling_rows import build_extras, needs_extras
 from engine.sequence import Sequence, SeqStatus
-from modeling.kv_cache import BlockAllocator
+from engine.blocks import BlockAllocator
 
 
 class SchedulerError(RuntimeError):

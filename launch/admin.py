@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import os
 from pathlib import Path
 from typing import Mapping, Optional
 
+from actors.environment import ADMIN_TOKEN_ENV as TOKEN_ENV
+from actors.environment import admin_token
 from launch.protocol import ApiError
-
-TOKEN_ENV = "GRAPHLINE_ADMIN_TOKEN"
 _LOOPBACK_NAMES = ("localhost", "localhost.", "ip6-localhost")
 
 
@@ -51,7 +50,7 @@ def _host_of(host_header: str) -> str:
 
 
 def resolve_admin_token(token: Optional[str], token_file: Optional[str],
-                        environ: Mapping[str, str] = os.environ) -> Optional[str]:
+                        environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """The admin token from `--admin-token-file`, `--admin-token` or `GRAPHLINE_ADMIN_TOKEN` (in that order;
     giving both options is an error). Surrounding whitespace of a file is dropped; an empty token is an error."""
     if token is not None and token_file is not None:
@@ -65,7 +64,7 @@ def resolve_admin_token(token: Optional[str], token_file: Optional[str],
     elif token is not None:
         source = "--admin-token"
     else:
-        token = environ.get(TOKEN_ENV) or None
+        token = (admin_token() if environ is None else environ.get(TOKEN_ENV)) or None
         source = TOKEN_ENV
     if token is not None and not token.strip():
         raise AdminTokenError(f"the admin token from {source} is empty")

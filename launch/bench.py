@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
@@ -57,7 +56,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, float
            "--host", "127.0.0.1", "--port", "0", "--no-progress", *args.server_arg]
     if args.eager:
         cmd.append("--eager")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    from actors.environment import child_environ
+
+    env = child_environ(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -22,13 +22,15 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from actors.environment import options_from_environ
     from actors.local import LocalExecutor
     from actors.rank import RuntimeConfig
     from graphrunner.config import GraphRunnerConfig
 
     graph = GraphRunnerConfig(eager_mode=args.eager, max_decode_batch=max(8, args.batch), pcg_max_tokens=0)
     cfg = RuntimeConfig(model=args.model, device=args.device, graph=graph, num_kv_blocks=64, block_size=16,
-                        max_model_len=args.prompt_len + args.max_tokens + 16)
+                        max_model_len=args.prompt_len + args.max_tokens + 16,
+                        kernels=options_from_environ().kernels)
     t0 = time.perf_counter()
     ex = LocalExecutor(cfg)
     ex.start()

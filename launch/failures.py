@@ -59,7 +59,9 @@ def explain(exc: BaseException) -> str:
 
 
 def log_dir() -> Path:
-    return Path(os.environ.get("GRAPHLINE_LOG_DIR") or Path.home() / ".cache" / "graphline" / "logs")
+    from actors.environment import log_dir as log_dir_override
+
+    return Path(log_dir_override() or Path.home() / ".cache" / "graphline" / "logs")
 
 
 def write_log(command: str, exc: BaseException) -> Optional[Path]:

@@ -1,10 +1,10 @@
 """Command-line options shared by `serve`, `generate` and `bench`, and what they build:
 the `RuntimeConfig` of every rank, the deployment (Ray coordinator or local executor),
-and the engine configuration."""
+and the engine configuration. The `GRAPHLINE_*` variables become typed option objects here, once, on the
+driver (`actors.environment.options_from_environ`), and travel inside the configs to every rank."""
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -86,10 +86,15 @@ def resolve_graph_defaults(args: argparse.Namespace) -> None:
                           "(the start-up prefill of the largest bucket is one sequence)")
 
 
-def runtime_config(args: argparse.Namespace):
+def runtime_config(args: argparse.Namespace, kernels: Any = None):
+    """The `RuntimeConfig` of every rank; `kernels` (None: from the environment, `options_from_environ`)."""
     from actors.rank import RuntimeConfig
     from graphrunner.config import GraphRunnerConfig
 
+    if kernels is None:
+        from actors.environment import options_from_environ
+
+        kernels = options_from_environ().kernels
     resolve_graph_defaults(args)
     graph = GraphRunnerConfig(eager_mode=args.eager, max_decode_batch=args.max_decode_batch,
                               pcg_max_tokens=args.pcg_max_tokens or None, pcg_token_stride=args.pcg_token_stride,
@@ -98,15 +103,15 @@ def runtime_config(args: argparse.Namespace):
     return RuntimeConfig(model=args.model, seed=args.seed, dtype=args.dtype, device=args.device, block_size=block,
                          num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                          max_model_len=args.max_model_len, graph=graph,
-                         armed_decode_wait_ms=args.armed_decode_wait_ms)
+                         armed_decode_wait_ms=args.armed_decode_wait_ms, kernels=kernels)
 
 
 def prepare_process(args: argparse.Namespace) -> None:
     """Process-wide settings a command needs before anything imports Ray: no usage reporting, and a Ray cluster
     this process starts itself binds to loopback unless `--ray-listen node` (Ray reads the variable at import)."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if getattr(args, "address", None) is None and getattr(args, "ray_listen", "node") == "loopback":
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's switch: every server on 127.0.0.1
+    from actors.environment import prepare_ray_process
+
+    prepare_ray_process(getattr(args, "address", None) is None and getattr(args, "ray_listen", "node") == "loopback")
 
 
 def check_device(args: argparse.Namespace, kind: str) -> None:
@@ -132,9 +137,13 @@ class LaunchError(RuntimeError):
 
 
 def build_executor(args: argparse.Namespace) -> tuple[Any, str]:
-    """Create (not start) the executor the arguments describe; returns (executor, kind)."""
+    """Create (not start) the executor the arguments describe; returns (executor, kind). The options are read from
+    the environment here, once (`actors.environment.options_from_environ`)."""
+    from actors.environment import options_from_environ
+
     try:
-        rt = runtime_config(args)
+        opts = options_from_environ()
+        rt = runtime_config(args, opts.kernels)
     except (ValueError, KeyError) as exc:  # config validation names the bad option
         raise LaunchError(f"bad deployment options: {exc}") from exc
     kind = executor_kind(args)
@@ -153,7 +162,8 @@ def build_executor(args: argparse.Namespace) -> tuple[Any, str]:
     try:
         dep = DeploymentConfig(runtime=rt, tp=args.tp, dp=args.dp, ep=args.ep, ep_backend=args.ep_backend,
                                address=args.address, num_cpus=args.num_cpus,
-                               collective_timeout_s=args.collective_timeout_s, step_timeout_s=args.step_timeout_s)
+                               collective_timeout_s=args.collective_timeout_s, step_timeout_s=args.step_timeout_s,
+                               comm=opts.comm, driver=opts.driver)
     except (ValueError, KeyError) as exc:
         raise LaunchError(f"bad deployment options: {exc}") from exc
     return Coordinator(dep), kind

@@ -129,7 +129,7 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
         mlp = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, Qwen3MLP)), None)
         calls = decode_projection_warm_up_calls(attn.qkv_proj, attn.o_proj, mlp, self.layers[0].input_layernorm,
                                                 self.ctx.tp_size, self.kernels)
-        return launches + run_projection_warm_up(calls, self.device)
+        return launches + run_projection_warm_up(calls, self.device, self.kernels.options.compile_threads)
 
     def compute_logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""
@@ -205,12 +205,13 @@ def config_projection_warm_up_calls(cfg: ModelConfig, ctx: ParallelContext, ops:
     return decode_projection_warm_up_calls(qkv, o_proj, mlp, norm, ctx.tp_size, ops)
 
 
-def run_projection_warm_up(calls: list[Callable[[], Any]], device: torch.device) -> int:
-    """Run projection warm-up calls (`decode_projection_warm_up_calls`) side by side on threads, after creating the
-    GEMM kernels' per-device cache entries on this thread; returns the number of launches."""
+def run_projection_warm_up(calls: list[Callable[[], Any]], device: torch.device, threads: int | None = None) -> int:
+    """Run projection warm-up calls (`decode_projection_warm_up_calls`) side by side on `threads` threads (None:
+    `compile_threads()`), after creating the GEMM kernels' per-device cache entries on this thread; returns the
+    number of launches."""
     if calls:
         from modeling.ops import triton_gemm, triton_gemv
 
         prime_kernel_caches([triton_gemv, triton_gemm], device)
-        run_side_by_side(calls)
+        run_side_by_side(calls, threads)
     return len(calls)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -35,7 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel import comm
-from parallel.dispatch import StaticTokensMixin
+from parallel.options import DEEPEP_MAX_TOKENS_ENV, DEFAULT_DEEPEP_MAX_TOKENS_PER_RANK
+from parallel.static_tokens import StaticTokensMixin
 
 try:  # optional dependency
     import deep_ep  # type: ignore
@@ -45,7 +45,7 @@ except Exception:  # noqa: BLE001 - ImportError, or a broken CUDA extension
     deep_ep = None
     HAVE_DEEP_EP = False
 
-DEFAULT_LL_TOKEN_CAP = 256  # low-latency tokens per rank (env GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK)
+DEFAULT_LL_TOKEN_CAP = DEFAULT_DEEPEP_MAX_TOKENS_PER_RANK  # low-latency tokens per rank (`CommOptions`)
 
 # The process-wide DeepEP buffer (documented global; see module doc).
 _BUFFER: Optional[Any] = None
@@ -117,7 +117,8 @@ class DeepEPDispatcher(StaticTokensMixin):
     name = "deepep"
 
     def __init__(self, *, ep_group: Any, ep_size: int, ep_rank: int, tp_group: Any = None, tp_size: int = 1,
-                 tp_rank: int = 0, model_config: Any, max_decode_tokens: int, barrier_group: Any = None):
+                 tp_rank: int = 0, model_config: Any, max_decode_tokens: int, barrier_group: Any = None,
+                 max_tokens_per_rank: int = DEFAULT_DEEPEP_MAX_TOKENS_PER_RANK):
         if not HAVE_DEEP_EP:
             raise DeepEPUnavailableError("ep_backend='deepep' needs the deep_ep package on every rank")
         if model_config is None or not model_config.is_moe:
@@ -132,7 +133,7 @@ class DeepEPDispatcher(StaticTokensMixin):
         self.e_local = self.num_experts // ep_size
         self.first_expert = ep_rank * self.e_local
         # Per-rank cap of the low-latency kernels (every rank must use the same value; it sizes the RDMA buffer).
-        self.max_tokens_per_rank = int(os.environ.get("GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK", DEFAULT_LL_TOKEN_CAP))
+        self.max_tokens_per_rank = int(max_tokens_per_rank)
         self._need_ll_clean = False
         self.check_token_cap(max_decode_tokens)
 
@@ -143,7 +144,7 @@ class DeepEPDispatcher(StaticTokensMixin):
             raise DeepEPConfigError(
                 f"DeepEP low-latency cap {self.max_tokens_per_rank} tokens/rank < {need} needed by the largest "
                 f"decode bucket {largest_decode_bucket} (tp {self.tp_size}): lower max_decode_batch or raise "
-                f"GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK")
+                f"{DEEPEP_MAX_TOKENS_ENV}")
 
     def _buffer(self) -> Any:
         return get_deepep_buffer(self.ep_group, hidden=self.hidden, num_experts=self.num_experts,

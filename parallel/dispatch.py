@@ -30,58 +30,24 @@ phase and bucket, so the collective sequences pair up.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from parallel import comm
+from parallel.options import DEFAULT_DEEPEP_MAX_TOKENS_PER_RANK
+from parallel.static_tokens import DispatcherError, StaticTokensMixin
 
 KINDS = ("allgather", "deepep")
-
-
-class DispatcherError(RuntimeError):
-    """A dispatcher was misused (token count above the static size, unknown kind, bad layout)."""
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass(frozen=True)
 class _Handle:
     num_tokens: int  # T: this rank's real tokens
     padded: int  # S: padded rows per rank (before the TP split)
-
-
-class StaticTokensMixin:
-    """The per-step size hint shared by dispatchers (see module doc)."""
-
-    _static_n: Optional[int] = None
-
-    @contextlib.contextmanager
-    def static_tokens(self, n: Optional[int]) -> Iterator[None]:
-        """Inside: every rank has exactly `n` rows after padding (None = no hint, dynamic)."""
-        if n is not None and n < 1:
-            raise DispatcherError(f"static token count must be >= 1, got {n}")
-        prev, self._static_n = self._static_n, n
-        try:
-            yield
-        finally:
-            self._static_n = prev
-
-    def _static_size(self, hidden: torch.Tensor) -> Optional[int]:
-        t = int(hidden.shape[0])
-        if self._static_n is not None:
-            if t > self._static_n:
-                raise DispatcherError(f"{t} tokens exceed the step's static token count {self._static_n}")
-            return self._static_n
-        if _capturing(hidden):
-            return t
-        return None
 
 
 class AllGatherDispatcher(StaticTokensMixin):
@@ -154,8 +120,10 @@ def _gather_packed(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
 
 def make_dispatcher(kind: str, *, ep_group: Any, ep_size: int, ep_rank: int, tp_group: Any = None, tp_size: int = 1,
                     tp_rank: int = 0, dp_size: int = 1, model_config: Any = None, max_decode_tokens: int = 0,
-                    barrier_group: Any = None) -> Optional[Any]:
-    """The EP dispatcher of `kind` ("allgather" | "deepep"), or None when ep_size == 1.
+                    barrier_group: Any = None,
+                    deepep_max_tokens_per_rank: int = DEFAULT_DEEPEP_MAX_TOKENS_PER_RANK) -> Optional[Any]:
+    """The EP dispatcher of `kind` ("allgather" | "deepep"), or None when ep_size == 1. `deepep_max_tokens_per_rank`:
+    DeepEP's low-latency cap (`CommOptions.deepep_max_tokens_per_rank`).
 
     "deepep" raises `parallel.deepep.DeepEPUnavailableError` when `deep_ep` does not import.
     """
@@ -170,4 +138,4 @@ def make_dispatcher(kind: str, *, ep_group: Any, ep_size: int, ep_rank: int, tp_
 
     return DeepEPDispatcher(ep_group=ep_group, ep_size=ep_size, ep_rank=ep_rank, tp_group=tp_group, tp_size=tp_size,
                             tp_rank=tp_rank, model_config=model_config, max_decode_tokens=max_decode_tokens,
-                            barrier_group=barrier_group)
+                            barrier_group=barrier_group, max_tokens_per_rank=deepep_max_tokens_per_rank)

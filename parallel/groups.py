@@ -13,23 +13,26 @@ Every group carries `timeout=collective_timeout`. Lifetime: `init()` .. `destroy
 (idempotent); the coordinator tears whole processes down after a failure, because NCCL
 communicators cannot be repaired.
 
+Options: `CommOptions` (`parallel.options`, from the deployment config) says how to communicate. Right after the
+control group exists, before any other group and any device collective, every rank all-gathers its options record
+(its `CommOptions` plus whatever the caller adds, e.g. the kernel options) over the gloo control group and every
+rank raises `OptionsMismatchError` naming the differing fields and ranks when they disagree.
+
 TP all-reduce: with NCCL and tp > 1, `init()` tries the symmetric-memory one-shot
-all-reduce (`parallel.symm_allreduce`) for the TP group and registers it in `parallel.comm`
-(small tensors take it, larger ones NCCL). `GRAPHLINE_TP_ALLREDUCE` (or the `tp_allreduce`
-argument) picks: `auto` (symmetric memory when available), `nccl` (never), `symm` (required:
-`GroupsError` with the reason when unavailable). The TP ranks check that they all use the
-same mode. `tp_allreduce_impl` records the outcome ("symm_mem_one_shot", "nccl", "gloo",
-or "none" when tp == 1) and `tp_allreduce_reason` why.
+all-reduce (`parallel.symm_setup`) for the TP group and registers it in `parallel.comm`
+(small tensors take it, larger ones NCCL). `CommOptions.tp_allreduce` (`GRAPHLINE_TP_ALLREDUCE`)
+picks: `auto` (symmetric memory when available), `nccl` (never), `symm` (required:
+`GroupsError` with the reason when unavailable). `tp_allreduce_impl` records the outcome
+("symm_mem_one_shot", "nccl", "gloo", or "none" when tp == 1) and `tp_allreduce_reason` why.
 """
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,14 +40,13 @@ import torch.distributed as dist
 from parallel import comm
 from parallel.context import ParallelContext
 from parallel.dispatch import make_dispatcher
+from parallel.options import TP_ALLREDUCE_ENV, CommOptions, OptionsMismatchError, check_same_options, options_record
 from parallel.symm_allreduce import IMPL_NAME as SYMM_IMPL_NAME
-from parallel.symm_allreduce import SymmMemAllReduce, default_fused_kind as fused_kind, try_create_for_group
+from parallel.symm_allreduce import SymmMemAllReduce
+from parallel.symm_setup import try_create_for_group
 from parallel.topology import RankCoords, Topology
 
 log = logging.getLogger(__name__)
-
-TP_ALLREDUCE_ENV = "GRAPHLINE_TP_ALLREDUCE"
-TP_ALLREDUCE_MODES = ("auto", "nccl", "symm")
 
 
 class GroupsError(RuntimeError):
@@ -73,25 +75,19 @@ def serve_rendezvous(world: int, timeout_s: float, host: Optional[str] = None) -
     return store, Rendezvous(host or default_host(), int(store.port))
 
 
-def tp_allreduce_mode(value: Optional[str] = None) -> str:
-    """The TP all-reduce mode: `value`, else `$GRAPHLINE_TP_ALLREDUCE`, else "auto" (validated)."""
-    raw = value if value is not None else os.environ.get(TP_ALLREDUCE_ENV, "")
-    mode = raw.strip().lower() or "auto"
-    if mode not in TP_ALLREDUCE_MODES:
-        raise GroupsError(f"{TP_ALLREDUCE_ENV}={raw!r}: expected one of {', '.join(TP_ALLREDUCE_MODES)}")
-    return mode
-
-
 class RankGroups:
     """Owns one rank's process groups and EP dispatcher (lifetime: `init()` .. `destroy()`)."""
 
     def __init__(self, topo: Topology, rank: int, device: torch.device, timeout_s: float,
-                 tp_allreduce: Optional[str] = None, fused_probe: Optional[tuple[int, torch.dtype]] = None,
-                 before_tp_setup: Optional[Callable[[], None]] = None):
-        """`fused_probe`: (hidden size, dtype) of the model these groups serve, which the fused TP all-reduce +
-        RMSNorm is probed (and compiled) for (`try_create_for_group`); None: every dtype, hidden 1024.
-        `before_tp_setup`: called right before the TP all-reduce set-up (to wait for a compile of its kernel on
-        another thread, `actors.kernel_warm_up`)."""
+                 options: Optional[CommOptions] = None, fused_probe: Optional[tuple[int, torch.dtype]] = None,
+                 before_tp_setup: Optional[Callable[[], None]] = None,
+                 check_options: Optional[Mapping[str, Any]] = None):
+        """`options`: the deployment's communication options (None: the defaults). `fused_probe`: (hidden size,
+        dtype) of the model these groups serve, which the fused TP all-reduce + RMSNorm is probed (and compiled)
+        for (`try_create_for_group`); None: every dtype, hidden 1024. `before_tp_setup`: called right before the
+        TP all-reduce set-up (to wait for a compile of its kernel on another thread, `actors.kernel_warm_up`).
+        `check_options`: more frozen option objects by name (e.g. {"kernels": KernelOptions}) that `init`
+        cross-checks over every rank with `options`."""
         self.topo = topo
         self.coords: RankCoords = topo.coords(rank)
         self.device = device
@@ -101,8 +97,10 @@ class RankGroups:
         self.ep_group: Optional[Any] = None
         self.control: Optional[Any] = None
         self.dispatcher: Optional[Any] = None
-        self.tp_allreduce_mode = tp_allreduce_mode(tp_allreduce)
-        self.tp_fused_kind = fused_kind()  # a bad GRAPHLINE_TP_FUSED_KIND fails here, before any group exists
+        self.options = options if options is not None else CommOptions()
+        self.tp_allreduce_mode = self.options.tp_allreduce
+        self.tp_fused_kind = self.options.tp_fused_kind
+        self._check_record = options_record(comm=self.options, **dict(check_options or {}))
         self.fused_probe = fused_probe
         self._before_tp_setup = before_tp_setup
         self.tp_allreduce_impl = "none"
@@ -138,6 +136,11 @@ class RankGroups:
         self._initialized = True
         t1 = time.perf_counter()
         self.control = dist.new_group(list(range(world)), backend="gloo", timeout=self.timeout)
+        try:
+            check_same_options(self.control, self._check_record)  # before any device group or collective
+        except OptionsMismatchError:
+            self.destroy()  # every rank saw the same records, so all of them raise here
+            raise
         if self.topo.tp > 1:
             for ranks in self.topo.tp_groups():
                 g = dist.new_group(ranks, timeout=self.timeout)
@@ -176,7 +179,6 @@ class RankGroups:
         if self.tp_group is None:
             self.tp_allreduce_impl, self.tp_allreduce_reason = "none", "tp == 1: no TP all-reduce"
             return
-        self._check_same_mode()
         if self.backend != "nccl":
             if self.tp_allreduce_mode == "symm":
                 raise GroupsError(f"{TP_ALLREDUCE_ENV}=symm but the backend is {self.backend} (CPU): "
@@ -187,7 +189,8 @@ class RankGroups:
             self.tp_allreduce_impl, self.tp_allreduce_reason = "nccl", f"{TP_ALLREDUCE_ENV}=nccl"
             return
         impl, why = try_create_for_group(self.tp_group, self.device, fused_kind=self.tp_fused_kind,
-                                         fused_probe=self.fused_probe, timings=self.timings)
+                                         fused_norm=self.options.tp_fused_norm, fused_probe=self.fused_probe,
+                                         timings=self.timings)
         if impl is None:
             if self.tp_allreduce_mode == "symm":
                 raise GroupsError(f"{TP_ALLREDUCE_ENV}=symm but the symmetric-memory all-reduce is "
@@ -198,16 +201,6 @@ class RankGroups:
         comm.register_fast_all_reduce(self.tp_group, impl)
         self._tp_fast = impl
         self.tp_allreduce_impl, self.tp_allreduce_reason = SYMM_IMPL_NAME, why
-
-    def _check_same_mode(self) -> None:
-        """Every TP rank must use the same mode (the environment is per process), else all raise."""
-        code = torch.tensor([TP_ALLREDUCE_MODES.index(self.tp_allreduce_mode)], dtype=torch.int64,
-                            device=self.device)
-        parts = [torch.empty_like(code) for _ in range(dist.get_world_size(self.tp_group))]
-        dist.all_gather(parts, code, group=self.tp_group)
-        modes = [TP_ALLREDUCE_MODES[int(p.item())] for p in parts]
-        if len(set(modes)) > 1:
-            raise GroupsError(f"TP ranks disagree on {TP_ALLREDUCE_ENV}: {modes} (set it the same for every rank)")
 
     def tp_allreduce_info(self) -> dict[str, Any]:
         """What the TP all-reduce uses, for status pages."""
@@ -242,7 +235,8 @@ class RankGroups:
             self.dispatcher = make_dispatcher(
                 ep_backend, ep_group=self.ep_group, ep_size=t.ep, ep_rank=c.ep_rank, tp_group=self.tp_group,
                 tp_size=t.tp, tp_rank=c.tp_rank, dp_size=t.dp, model_config=model_config,
-                max_decode_tokens=max_decode_tokens, barrier_group=self.control)
+                max_decode_tokens=max_decode_tokens, barrier_group=self.control,
+                deepep_max_tokens_per_rank=self.options.deepep_max_tokens_per_rank)
         return ParallelContext(tp_rank=c.tp_rank, tp_size=t.tp, tp_group=self.tp_group, ep_rank=c.ep_rank,
                                ep_size=t.ep, ep_group=self.ep_group, dp_rank=c.dp_rank, dp_size=t.dp,
                                ep_dispatcher=self.dispatcher)

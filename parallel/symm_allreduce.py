@@ -21,7 +21,7 @@ input and output, reduce op "sum" only, bf16 and fp32 only (fp16 is probed, not 
 size in bytes a multiple of 4, world sizes 2/4/8 specialised (others generic).
 
 Agreement: every rank of the group must take the same decision, or the first all-reduce
-deadlocks (one rank in the symmetric kernel, the other in NCCL). `try_create_for_group`
+deadlocks (one rank in the symmetric kernel, the other in NCCL). `parallel.symm_setup.try_create_for_group`
 therefore agrees collectively at each stage (local checks; allocation + rendezvous; a
 numeric probe per dtype and variant) by all-gathering per-rank success flags over the
 group's own NCCL communicator, and enables only what succeeded on every rank. Residual
@@ -41,23 +41,12 @@ decides per call, from shapes and dtypes only.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-FUSED_KINDS = ("push", "pull")  # the fused all-reduce + add + RMSNorm kernels of `parallel.symm_fused`
-
-
-def default_fused_kind() -> str:
-    """`GRAPHLINE_TP_FUSED_KIND` (push | pull), default push; every rank of a deployment shares the environment."""
-    import os
-
-    kind = os.environ.get("GRAPHLINE_TP_FUSED_KIND", "push")
-    if kind not in FUSED_KINDS:
-        raise ValueError(f"GRAPHLINE_TP_FUSED_KIND={kind!r}: expected one of {', '.join(FUSED_KINDS)}")
-    return kind
+from parallel.symm_memory import MAX_HIDDEN, _symm_mem_module, symm_empty_bytes
 
 log = logging.getLogger(__name__)
 
@@ -73,24 +62,6 @@ VARIANTS = ("fused", "plain")
 
 class SymmMemError(RuntimeError):
     """Symmetric memory could not be set up, or was used outside what `can_reduce` allows."""
-
-
-def _symm_mem_module() -> Any:
-    """`torch.distributed._symmetric_memory`, imported lazily (CPU-only builds may lack pieces of it)."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    return symm_mem
-
-
-def symm_empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 `[nbytes]` tensor in symmetric memory on `device` (CUDA), for `rendezvous`: what
-    `symm_mem.empty(nbytes, dtype=torch.uint8, device=device)` gives with `TORCH_SYMMMEM_IMPLICIT_POOL=0`,
-    without that wrapper's stride helper (`torch._prims_common.make_contiguous_strides_for`), whose first use in a
-    process imports sympy: 483 modules, 1.9-3.4 s with the GIL held on the H200 machines (no bytecode cache there),
-    against 1 ms for the allocation itself (`python -m bench.symm_setup_bench`)."""
-    from torch._C._distributed_c10d import _SymmetricMemory
-
-    return _SymmetricMemory.empty_strided_p2p((int(nbytes),), (1,), torch.uint8, device)
 
 
 def _op(name: str) -> Optional[Any]:
@@ -172,7 +143,7 @@ class SymmMemAllReduce:
     # ---- the fused all-reduce + add + RMSNorm
     def make_fused(self, kind: Optional[str] = None) -> None:
         """Allocate and rendezvous the fused kernel's buffers (every rank together); enabled by `enable_fused`.
-        `kind`: "push" or "pull" (`parallel.symm_fused`); None: `GRAPHLINE_TP_FUSED_KIND`, default push."""
+        `kind`: "push" or "pull" (`parallel.symm_fused`; None: push, `CommOptions.tp_fused_kind`'s default)."""
         from parallel.symm_fused import FusedSymmBuffers
 
         self._fused_pending = FusedSymmBuffers(self.group_name, self.device, self.world_size, self.rank, self.max_bytes,
@@ -192,8 +163,6 @@ class SymmMemAllReduce:
     def can_fuse_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `all_reduce_add_rms_norm` may run: a pure function of shapes, dtypes and layout (the same on
         every rank of the group) plus the agreed enable flag."""
-        from parallel.symm_fused import MAX_HIDDEN
-
         f = self._fused
         if f is None or not self.enabled or not x.is_cuda or x.device != self.device or x.dim() != 2:
             return False
@@ -343,148 +312,3 @@ class SymmMemAllReduce:
                 results[(dt, variant)] = ok
         torch.cuda.synchronize(self.device)
         return results
-
-
-def _gather_ints(values: list[int], group: Any, device: torch.device) -> torch.Tensor:
-    """`[world, len(values)]` int64 (CPU) of every rank's values (collective over `group`)."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    out = torch.empty((dist.get_world_size(group), len(values)), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine, group=group)
-    return out.cpu()
-
-
-def _agree(ok: bool, reason: str, group: Any, device: torch.device, stage: str) -> tuple[bool, str]:
-    flags = _gather_ints([int(ok)], group, device)[:, 0]
-    if bool(flags.all()):
-        return True, ""
-    bad = [i for i, f in enumerate(flags.tolist()) if not f]
-    return False, reason if not ok else f"{stage} failed on group rank(s) {bad} (see their logs)"
-
-
-def try_create_for_group(group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
-                         fused_kind: Optional[str] = None, fused_probe: Optional[tuple[int, torch.dtype]] = None,
-                         timings: Optional[dict[str, float]] = None) -> tuple[Optional[SymmMemAllReduce], str]:
-    """`(impl, description)` or `(None, reason)`; every rank of `group` calls it together and gets the same verdict.
-    `fused_kind`: the fused add + RMSNorm kernel ("push" / "pull"; None: `GRAPHLINE_TP_FUSED_KIND`).
-    `fused_probe`: (hidden size, dtype) of the model the group serves: the fused kernel is probed, and enabled,
-    for that shape's dtype only (None: hidden 1024, every dtype it takes); the same on every rank.
-    `timings`: filled with seconds per set-up stage ("symm_rendezvous_s", "symm_probe_s", "fused_rendezvous_s",
-    "fused_probe_s").
-
-    Decisions that are identical on every rank by construction (device type, group size,
-    backend, and the all-gathered device ordinals) return without a further collective;
-    everything else is agreed over the group.
-    """
-    fused_kind = fused_kind or default_fused_kind()  # a bad GRAPHLINE_TP_FUSED_KIND raises before anything is allocated
-    if group is None:
-        return None, "no process group"
-    if device.type != "cuda":
-        return None, f"device {device} is not CUDA"
-    world = dist.get_world_size(group)
-    if world == 1 or world > MAX_WORLD:
-        return None, f"group size {world} outside 2..{MAX_WORLD}"
-    backend = str(dist.get_backend(group)).lower()
-    if backend != "nccl":
-        return None, f"group backend is {backend}, not nccl"
-
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    # The CUDA symmetric-memory allocator identifies peers by device ordinal and rejects a
-    # rendezvous where two ranks report the same one ("detected allocations from overlapping
-    # devices"): the case when each process sees a single GPU (Ray's per-actor
-    # CUDA_VISIBLE_DEVICES masking makes every rank cuda:0). Say so before trying.
-    ordinals = _gather_ints([device.index], group, device)[:, 0].tolist()
-    if len(set(ordinals)) != len(ordinals):
-        return None, (f"ranks use overlapping CUDA device ordinals {ordinals}: symmetric memory needs each rank "
-                      "on a distinct ordinal of one shared device view (every GPU visible to every process, "
-                      "e.g. no per-actor CUDA_VISIBLE_DEVICES masking)")
-
-    ok, reason = True, ""
-    try:
-        _symm_mem_module()
-        if not available_ops():
-            ok, reason = False, "no torch.ops.symm_mem.one_shot_all_reduce* op in this torch build"
-        else:
-            _group_name(group)
-    except Exception as e:  # noqa: BLE001 - any import/lookup failure means "unavailable"
-        ok, reason = False, f"torch.distributed._symmetric_memory unusable: {type(e).__name__}: {e}"
-    ok, reason = _agree(ok, reason, group, device, "symmetric-memory import / op lookup")
-    if not ok:
-        return None, reason
-
-    timings = timings if timings is not None else {}
-    t0 = time.perf_counter()
-    impl: Optional[SymmMemAllReduce] = None
-    try:
-        impl = SymmMemAllReduce(group, device, max_bytes)
-        ok, reason = True, ""
-    except Exception as e:  # noqa: BLE001
-        ok, reason = False, f"allocation/rendezvous failed: {type(e).__name__}: {e}"
-    ok, reason = _agree(ok, reason, group, device, "allocation/rendezvous")
-    if not ok or impl is None:
-        if impl is not None:
-            impl.close()
-        return None, reason
-
-    t1 = time.perf_counter()
-    timings["symm_rendezvous_s"] = t1 - t0
-    keys = [(dt, v) for dt in CANDIDATE_DTYPES for v in VARIANTS]
-    local = impl.probe()
-    agreed = _gather_ints([int(local.get(k, False)) for k in keys], group, device).all(dim=0).tolist()
-    passed = {k for k, f in zip(keys, agreed) if f}
-    dtypes = frozenset(dt for dt, _ in passed)
-    # a variant is kept only if it works for every enabled dtype (one rule per call, no per-dtype variants)
-    variants = tuple(v for v in VARIANTS if dtypes and all((dt, v) in passed for dt in dtypes))
-    if not dtypes or not variants:
-        impl.close()
-        return None, "numeric probe failed for every dtype / op variant (see logs)"
-    impl.configure(dtypes, variants)
-    timings["symm_probe_s"] = time.perf_counter() - t1
-    _try_fused(impl, group, device, fused_kind, fused_probe, timings)
-    return impl, impl.describe()
-
-
-TP_FUSED_NORM_ENV = "GRAPHLINE_TP_FUSED_NORM"
-
-
-def fused_norm_enabled() -> bool:
-    """Whether TP groups try the fused all-reduce + add + RMSNorm: not when `GRAPHLINE_TP_FUSED_NORM=0` (every rank
-    of a deployment shares the environment)."""
-    import os
-
-    return os.environ.get(TP_FUSED_NORM_ENV, "1") != "0"
-
-
-def _try_fused(impl: SymmMemAllReduce, group: Any, device: torch.device, kind: str,
-               probe: Optional[tuple[int, torch.dtype]], timings: dict[str, float]) -> None:
-    """Set up, probe and agree on the fused all-reduce + add + RMSNorm with the `kind` kernel, where
-    `fused_norm_enabled`; the plain all-reduce stays either way."""
-    if not fused_norm_enabled():
-        return
-    ok, reason = True, ""
-    t0 = time.perf_counter()
-    try:
-        impl.make_fused(kind)
-    except Exception as e:  # noqa: BLE001
-        ok, reason = False, f"{type(e).__name__}: {e}"
-    ok, reason = _agree(ok, reason, group, device, "fused buffers allocation/rendezvous")
-    t1 = time.perf_counter()
-    timings["fused_rendezvous_s"] = t1 - t0
-    if ok:
-        local = impl.probe_fused() if probe is None else impl.probe_fused(probe[0], frozenset({probe[1]}))
-        ok, reason = _agree(local, "numeric probe failed", group, device, "fused probe")
-    timings["fused_probe_s"] = time.perf_counter() - t1
-    impl.enable_fused(ok)
-    if not ok:
-        log.warning("fused all-reduce + add + RMSNorm unavailable: %s", reason)
-
-
-def create_for_group(group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES
-                     ) -> Optional[SymmMemAllReduce]:
-    """`try_create_for_group` that logs the reason and returns only the implementation (or None)."""
-    impl, why = try_create_for_group(group, device, max_bytes)
-    if impl is None:
-        log.warning("symmetric-memory all-reduce unavailable: %s", why)
-    else:
-        log.info("symmetric-memory all-reduce enabled: %s", why)
-    return impl

@@ -48,10 +48,12 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel.options import FUSED_KINDS as KINDS
+from parallel.symm_memory import MAX_HIDDEN, symm_empty_bytes  # noqa: F401 - MAX_HIDDEN: this kernel's row limit
+
 # The row count M only bounds each program's row loop: specialising it (M == 1, M % 16 == 0) would compile three
 # variants per dtype, each about a second on a cold cache, during the process-group set-up's probe.
 PROGRAMS = 64  # G: programs per call (rows are strided over them); far below any H100/H200 SM count
-MAX_HIDDEN = 8192
 
 
 @triton.jit
@@ -103,7 +105,6 @@ def _ar_add_rms_norm_kernel(X, R, W, OUT, SUM, PEERS, EPOCHS, M, eps, half_elems
 
 
 EMPTY_BITS = -32768  # int16 bit pattern of -0.0 in bf16 and fp16: the push kind's "not arrived" mark
-from parallel.symm_allreduce import FUSED_KINDS as KINDS, default_fused_kind  # noqa: E402 (triton-free)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -164,12 +165,11 @@ def _half_bytes(max_bytes: int) -> int:
     return -(-int(max_bytes) // 16) * 16
 
 
-def warm_up_compile(hidden: int, dtype: torch.dtype, rank: int, world: int, max_bytes: int, kind: str | None = None,
+def warm_up_compile(hidden: int, dtype: torch.dtype, rank: int, world: int, max_bytes: int, kind: str = "push",
                     eps: float = 1e-6) -> None:
     """Compile (without launching, with no buffers and no peers) the fused kernel `FusedSymmBuffers` of this
     `kind`, `max_bytes`, group rank and size will launch for `[M, hidden]` inputs of `dtype`, into Triton's caches;
     on the current CUDA device. Lets a rank compile it before its process groups exist."""
-    kind = kind if kind is not None else default_fused_kind()
     elem = torch.empty((), dtype=dtype).element_size()
     kernel, args, meta = _kernel_call(kind, dtype, dtype, dtype, dtype, dtype, torch.int64, torch.int64, 1, eps,
                                       hidden, elem, _half_bytes(max_bytes), rank, world)
@@ -181,16 +181,14 @@ class FusedSymmBuffers:
 
     Built by every rank of the group together (rendezvous), outside any CUDA graph capture; lives as long as
     the group's `SymmMemAllReduce`. `max_bytes`: the largest `[M, H]` input, in bytes. `kind`: "push" (bf16 /
-    fp16 only) or "pull" (bf16 / fp16 / fp32); None: `default_fused_kind()`. `dtypes`: what this kind reduces.
+    fp16 only) or "pull" (bf16 / fp16 / fp32), `CommOptions.tp_fused_kind`. `dtypes`: what this kind reduces.
     """
 
     def __init__(self, group_name: str, device: torch.device, world: int, rank: int, max_bytes: int,
                  kind: str | None = None):
         import torch.distributed._symmetric_memory as symm_mem
 
-        from parallel.symm_allreduce import symm_empty_bytes
-
-        self.kind = kind if kind is not None else default_fused_kind()
+        self.kind = kind if kind is not None else "push"
         if self.kind not in KINDS:
             raise ValueError(f"fused all-reduce kind {self.kind!r}: expected one of {', '.join(KINDS)}")
         self.world, self.rank, self.device = world, rank, device

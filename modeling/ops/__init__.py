@@ -1,15 +1,19 @@
 """Operators behind one interface, picked by device: the torch reference (CPU and GPU) and
-Triton CUDA kernels (GPU). `get_kernel_ops(device, prefer)` returns a `KernelOps` whose
-functions have identical signatures in both backends (see `attention_ref.py`, `fused_ref.py`)."""
+Triton CUDA kernels (GPU). `get_kernel_ops(device, prefer, options)` returns a `KernelOps` whose
+functions have identical signatures in both backends (see `attention_ref.py`, `fused_ref.py`).
+The Triton backend binds the rank's `KernelOptions` (PDL mode for this device, GEMV on/off, decode
+combine) into its functions once, so a launch reads no option and no process-wide state."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import functools
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from modeling.ops import attention_ref, fused_ref
+from modeling.ops.options import KernelOptions
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class KernelOps:
     prologue_norm_max_tokens: int = 0
     # (k_cache, v_cache, num_q_heads, scale) -> launches: compile every attention variant serving can pick
     warm_up_attention: Callable = lambda k_cache, v_cache, num_q_heads, scale: 0
+    options: KernelOptions = field(default_factory=KernelOptions)  # what the functions were bound with
 
 
 def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, linear_add_rms_norm: Callable,
@@ -68,20 +73,42 @@ def _torch_norm_linear(x, residual, norm_weight, eps, weight, *, gated=False):
     return (fused_ref.silu_and_mul(y) if gated else y), summed
 
 
-def get_kernel_ops(device: torch.device | str, prefer: str = "auto") -> KernelOps:
-    """prefer: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"."""
+def get_kernel_ops(device: torch.device | str, prefer: str = "auto",
+                   options: Optional[KernelOptions] = None) -> KernelOps:
+    """prefer: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton". `options`: the rank's kernel options
+    (None: the defaults); the torch backend has nothing to bind."""
     dev = torch.device(device)
+    options = options if options is not None else KernelOptions()
     if prefer not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown kernel backend {prefer!r}; use auto, torch or triton")
     if prefer == "torch" or (prefer == "auto" and dev.type != "cuda"):
         # The reference ops loop over sequences on the host: usable in graphs only on the full-graph-free paths.
-        return _collect("torch", attention_ref, fused_ref, F.linear,
-                        _torch_silu_mul_linear, _torch_linear_add_rms_norm, _torch_norm_linear, capturable=False,
-                        prologue_norm_max_tokens=0)
+        ops = _collect("torch", attention_ref, fused_ref, F.linear,
+                       _torch_silu_mul_linear, _torch_linear_add_rms_norm, _torch_norm_linear, capturable=False,
+                       prologue_norm_max_tokens=0)
+        return replace(ops, options=options)
     if dev.type != "cuda":
         raise ValueError("the triton kernel backend needs a CUDA device")
-    from modeling.ops import triton_attention, triton_fused, triton_gemm, triton_gemv
+    return _triton_ops(dev, options)
 
-    return _collect("triton", triton_attention, triton_fused, triton_gemm.linear, triton_gemm.silu_mul_linear,
-                    triton_gemm.linear_add_rms_norm, triton_gemm.norm_linear, capturable=True,
-                    prologue_norm_max_tokens=triton_gemv.GEMV_MAX_M if triton_gemv.gemv_enabled() else 0)
+
+def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
+    from modeling.ops import triton_attention, triton_fused, triton_gemm, triton_gemv
+    from modeling.ops.pdl import pdl_mode
+
+    pdl, gemv, single = pdl_mode(dev, options.pdl), options.gemv, options.decode_single_launch
+    bind = functools.partial
+    return KernelOps(
+        name="triton", store_kv=triton_attention.store_kv, prefill_attention=triton_attention.prefill_attention,
+        decode_attention=bind(triton_attention.decode_attention, single_launch=single, pdl=pdl),
+        rms_norm=bind(triton_fused.rms_norm, pdl=pdl), add_rms_norm=bind(triton_fused.add_rms_norm, pdl=pdl),
+        qk_norm_rope=triton_fused.qk_norm_rope, qk_norm_rope_store=bind(triton_fused.qk_norm_rope_store, pdl=pdl),
+        silu_and_mul=bind(triton_fused.silu_and_mul, pdl=pdl),
+        linear=bind(triton_gemm.linear, pdl=pdl, gemv=gemv),
+        silu_mul_linear=bind(triton_gemm.silu_mul_linear, pdl=pdl, gemv=gemv),
+        linear_add_rms_norm=bind(triton_gemm.linear_add_rms_norm, pdl=pdl, gemv=gemv),
+        norm_linear=bind(triton_gemm.norm_linear, pdl=pdl, gemv=gemv), capturable=True,
+        prologue_norm_max_tokens=triton_gemv.GEMV_MAX_M if gemv else 0,
+        warm_up_attention=bind(triton_attention.warm_up_attention, threads=options.compile_threads, pdl=pdl,
+                               single_launch=single),
+        options=options)

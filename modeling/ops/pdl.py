@@ -6,8 +6,8 @@ exited), instead of after that kernel finished and flushed its memory. Inside a 
 this as a programmatic edge. A decode step is ~200 short kernels in a row, most of them a few microseconds,
 so the launch and ramp-up of each kernel hidden under the tail of the previous one is a measurable share.
 
-`PDL: tl.constexpr` is the mode: 0 off, 1 (`GRAPHLINE_PDL=1`) the next kernel may start once every program of
-this one passed its wait, 2 (`GRAPHLINE_PDL=early`) as soon as every program of this one is resident. Every
+`PDL: tl.constexpr` is the mode: 0 off, 1 (`KernelOptions.pdl="1"`, `GRAPHLINE_PDL=1`) the next kernel may start
+once every program of this one passed its wait, 2 (`"early"`) as soon as every program of this one is resident. Every
 kernel that takes it follows three rules:
 1. `pdl_launch_dependents(PDL)` first (the early trigger; a no-op in mode 1);
 2. before `pdl_wait(PDL)`, only loads of data no kernel of the step writes (weights, norm weights);
@@ -15,8 +15,9 @@ kernel that takes it follows three rules:
    also triggers the next kernel). The wait returns once the previous kernel completed and its memory is
    visible; since that kernel waited the same way on its own predecessor, everything earlier in the stream is
    complete too (which is why no program may skip the wait, even one with nothing to do).
-Launch sites pass `**pdl_launch(device)`: `PDL=<mode>, launch_pdl=True` where PDL is on, `PDL=0` elsewhere
-(CPU interpreter, GPUs before sm_90, a Triton without the `launch_pdl` option, `GRAPHLINE_PDL=0`). The default is
+Launch wrappers take the mode as their `pdl` argument (`modeling.ops.get_kernel_ops` binds `pdl_mode(device,
+options.pdl)` once) and pass `**PDL_LAUNCH[pdl]`: `PDL=<mode>, launch_pdl=True` where PDL is on, `PDL=0` elsewhere
+(CPU interpreter, GPUs before sm_90, a Triton without the `launch_pdl` option, `pdl="0"`). The default is
 `early`: with the decode GEMV (`triton_gemv`), which loads its program's whole weight tile before the wait, the
 batch-1 decode step of qwen3-0.6b measured 0.87 of PDL off on an H200 (`python -m bench.decode_ab`, see
 docs/benchmarks.md); before the GEMV it gained nothing dependable, the skinny GEMM prefetching one chunk only.
@@ -26,15 +27,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-PDL_ENV = "GRAPHLINE_PDL"
+from modeling.ops.options import PDL_ENV, KernelOptions
+
 PDL_MODES = {"0": 0, "1": 1, "early": 2}
+# launch keyword arguments per mode, built once: a launch indexes this tuple instead of building a dict
+PDL_LAUNCH: tuple[dict[str, Any], ...] = ({"PDL": 0}, {"PDL": 1, "launch_pdl": True}, {"PDL": 2, "launch_pdl": True})
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,32 +57,30 @@ def _device_has_pdl(index: int) -> bool:
 
 
 def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on `device` can launch with PDL at all, whatever `GRAPHLINE_PDL` says: CUDA of compute
-    capability 9.0 or later, a Triton with the `launch_pdl` option, the CPU interpreter off (checked before any
-    device query)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not _triton_has_pdl():
+    """Whether kernels on `device` can launch with PDL at all, whatever the option says: CUDA of compute capability
+    9.0 or later, a Triton with the `launch_pdl` option, kernels not built for Triton's CPU interpreter (checked
+    before any device query)."""
+    if device.type != "cuda" or interpreted() or not _triton_has_pdl():
         return False
     return _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_mode(device: torch.device) -> int:
-    """The PDL mode of kernels launched on `device` (0 off, 1, 2: see the module doc): `GRAPHLINE_PDL` (default early)
-    where `pdl_supported(device)`; 0 elsewhere."""
-    raw = os.environ.get(PDL_ENV, "early")
-    if raw not in PDL_MODES:
-        raise ValueError(f"{PDL_ENV}={raw!r}: use 0 (off), 1 (trigger after the wait) or early (the default)")
-    mode = PDL_MODES[raw]
+def pdl_mode(device: torch.device, requested: str = KernelOptions.pdl) -> int:
+    """The PDL mode of kernels launched on `device` (0 off, 1, 2: see the module doc): `requested` ("0", "1" or
+    "early", `KernelOptions.pdl`) where `pdl_supported(device)`; 0 elsewhere."""
+    if requested not in PDL_MODES:
+        raise ValueError(f"{PDL_ENV}={requested!r}: use 0 (off), 1 (trigger after the wait) or early (the default)")
+    mode = PDL_MODES[requested]
     return mode if mode and pdl_supported(device) else 0
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    return pdl_mode(device) != 0
+def pdl_enabled(device: torch.device, requested: str = KernelOptions.pdl) -> bool:
+    return pdl_mode(device, requested) != 0
 
 
-def pdl_launch(device: torch.device) -> dict[str, Any]:
+def pdl_launch(device: torch.device, requested: str = KernelOptions.pdl) -> dict[str, Any]:
     """Keyword arguments for a launch of a kernel with a `PDL` constexpr (see the module doc)."""
-    mode = pdl_mode(device)
-    return {"PDL": mode, "launch_pdl": True} if mode else {"PDL": 0}
+    return PDL_LAUNCH[pdl_mode(device, requested)]
 
 
 @triton.jit
@@ -97,3 +98,18 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+def interpreted() -> bool:
+    """Whether this process's kernels run under Triton's CPU interpreter: Triton decides when it builds them (from
+    `TRITON_INTERPRET`, which Triton reads itself), and `triton.jit` then returns interpreter functions."""
+    return _INTERPRETED
+
+
+def _built_for_interpreter() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(pdl_wait, InterpretedFunction)
+
+
+_INTERPRETED = _built_for_interpreter()

@@ -28,13 +28,14 @@ from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
 _PREFILL_BOUNDS = (16, 64, 128)
 
 
-def attention_warm_up_calls(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
-                            scale: float) -> list[Callable[[], Any]]:
+def attention_warm_up_calls(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, scale: float, *,
+                            pdl: int = 0, single_launch: bool = True) -> list[Callable[[], Any]]:
     """One launch per variant the attention kernels can pick while serving over these caches (`[N, bs, Hkv, D]`):
     the decode kernel at each split count (powers of two up to `MAX_SPLITS`, see `decode_config`) and the prefill
     kernel at each tile config. Each is a one-token sequence over the padding block 0: reads only, nothing is
     stored. Call them outside CUDA graph capture (they allocate), in any order, on any thread bound to the
-    caches' device (`modeling.ops.warm_up.run_side_by_side`)."""
+    caches' device (`modeling.ops.warm_up.run_side_by_side`). `pdl` and `single_launch`: as serving launches the
+    decode kernel (`modeling.ops.get_kernel_ops` binds both), so the warm-up compiles those variants."""
     dev, dtype = k_cache.device, k_cache.dtype
     head_dim = k_cache.shape[3]
     q = torch.zeros((1, num_q_heads, head_dim), dtype=dtype, device=dev)
@@ -46,7 +47,8 @@ def attention_warm_up_calls(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_
 
     def decode(splits: int) -> Callable[[], Any]:
         cfg = dataclasses.replace(base, num_splits=splits)
-        return lambda: decode_attention(q, k_cache, v_cache, tables, ones, scale, config=cfg)
+        return lambda: decode_attention(q, k_cache, v_cache, tables, ones, scale, config=cfg,
+                                        single_launch=single_launch, pdl=pdl)
 
     def prefill(bound: int) -> Callable[[], Any]:
         cfg = prefill_config(bound, head_dim, dtype)
@@ -58,11 +60,12 @@ def attention_warm_up_calls(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_
 
 
 def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, scale: float,
-                      threads: int | None = None) -> int:
-    """Compile every attention variant serving can pick over these caches (`attention_warm_up_calls`), side by
-    side on `threads` threads (None: `compile_threads()`), so no step waits for a Triton compile (about a second
-    each, on a cold cache). Launches on the current stream; returns the number of launches."""
-    calls = attention_warm_up_calls(k_cache, v_cache, num_q_heads, scale)
+                      threads: int | None = None, *, pdl: int = 0, single_launch: bool = True) -> int:
+    """Compile every attention variant serving can pick over these caches (`attention_warm_up_calls`, with `pdl`
+    and `single_launch`), side by side on `threads` threads (None: `compile_threads()`), so no step waits for a
+    Triton compile (about a second each, on a cold cache). Launches on the current stream; returns the number of
+    launches."""
+    calls = attention_warm_up_calls(k_cache, v_cache, num_q_heads, scale, pdl=pdl, single_launch=single_launch)
     prime_kernel_caches([triton_decode, triton_prefill], k_cache.device)
     run_side_by_side(calls, threads)
     return len(calls)

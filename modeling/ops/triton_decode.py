@@ -34,89 +34,14 @@ concurrently on different streams of one device are unsupported.
 """
 from __future__ import annotations
 
-import functools
-import os
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from modeling.ops.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-
-LOG2E = 1.4426950408889634
-TARGET_WAVES = 4  # aim for about this many programs per SM in the split kernel
-MAX_SPLITS = 64
-COMBINE_CHUNK = 8  # splits one combine step loads at once (16 raised ptxas spills of the split kernel, sm_90)
-_COUNTER_SLOTS = 1 << 16  # one per (sequence, KV head): B * Hkv <= 65536 (e.g. 256 sequences x 256 KV heads)
-
-
-class DecodeNotWarmedUpError(RuntimeError):
-    """The decode arrival counters of a device would be allocated inside CUDA graph capture."""
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Static launch parameters of the decode kernels."""
-
-    block_n: int
-    num_splits: int
-    num_warps: int
-    num_stages: int
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def device_sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of `device`; a fixed stand-in on CPU (Triton interpreter)."""
-    if device.type != "cuda":
-        return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def decode_config(
-    batch: int,
-    num_kv_heads: int,
-    max_blocks_per_seq: int,
-    block_size: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    sm_count: int,
-) -> DecodeConfig:
-    """Pick tile size and split count from static shapes only (CUDA-graph safe)."""
-    block_n = 32 if dtype == torch.float32 or head_dim > 128 else 64
-    max_tiles = max(1, -(-max_blocks_per_seq * block_size // block_n))
-    programs = max(1, batch * num_kv_heads)
-    # powers of two bound the number of compiled variants across batch buckets
-    # ... and of the live block-table width of eager calls: a split beyond the tiles exits at once
-    splits = min(triton.next_power_of_2(-(-TARGET_WAVES * sm_count // programs)), MAX_SPLITS,
-                 triton.next_power_of_2(max_tiles))
-    num_stages = 3 if head_dim <= 128 and dtype != torch.float32 else 2
-    return DecodeConfig(block_n=block_n, num_splits=splits, num_warps=4, num_stages=num_stages)
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def decode_counters(device: torch.device) -> torch.Tensor:
-    """The device's int32 `[_COUNTER_SLOTS]` split-arrival counters (zero between launches); allocated on first use.
-
-    Lives for the process; separate from `triton_gemm.split_k_counters`. Raises `DecodeNotWarmedUpError` if the
-    first use is inside CUDA graph capture. (A CPU device only occurs under TRITON_INTERPRET=1.)
-    """
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    cnt = _counters.get(device)
-    if cnt is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise DecodeNotWarmedUpError("call modeling.ops.triton_decode.decode_attention once on this device "
-                                         "before capture")
-        cnt = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-        _counters[device] = cnt
-    return cnt
+from modeling.ops.pdl import PDL_LAUNCH, pdl_launch_dependents, pdl_wait
+from modeling.ops.triton_decode_config import (COMBINE_CHUNK, LOG2E, MAX_SPLITS, TARGET_WAVES,  # noqa: F401
+                                              _COUNTER_SLOTS, DecodeConfig, DecodeNotWarmedUpError, _counters,
+                                              _sm_count, decode_config, decode_counters, device_sm_count)
 
 
 @triton.jit
@@ -318,17 +243,18 @@ def decode_attention(
     scale: float,
     *,
     config: DecodeConfig | None = None,
-    single_launch: bool | None = None,
+    single_launch: bool = True,
+    pdl: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence (`q`: `[B, Hq, D]`) over its whole cached context; returns `[B, Hq, D]`.
 
     `config` overrides the static heuristic (benchmarks); it must not depend on live lengths.
-    `single_launch` (None: `GRAPHLINE_DECODE_SINGLE_LAUNCH`, default on) combines the splits in the split
+    `single_launch` (`KernelOptions.decode_single_launch`, default on) combines the splits in the split
     kernel's last-arriving program; False (or
     B * Hkv > `_COUNTER_SLOTS`) launches `_decode_reduce_kernel` instead; both give the same bits. Launched on
     the current stream; scratch is a per-call `torch.empty` (graph-pool memory under capture). The first call
     on a device allocates its arrival counters and must run outside CUDA graph capture; calls on one device
-    must be stream-ordered (see the module docstring).
+    must be stream-ordered (see the module docstring). `pdl`: the split kernel's PDL mode (`modeling.ops.pdl`).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -348,8 +274,6 @@ def decode_attention(
     if batch == 0:
         return out
     splits = cfg.num_splits
-    if single_launch is None:
-        single_launch = os.environ.get("GRAPHLINE_DECODE_SINGLE_LAUNCH", "1") != "0"
     single_launch = single_launch and splits > 1 and batch * num_kv_heads <= counters.numel()
     if splits > 1:
         part_o = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -396,7 +320,7 @@ def decode_attention(
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_launch(q.device),
+        **PDL_LAUNCH[pdl],
     )
     if splits > 1 and not single_launch:
         _decode_reduce_kernel[(batch, num_kv_heads)](

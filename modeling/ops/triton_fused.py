@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from modeling.ops.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from modeling.ops.pdl import PDL_LAUNCH, pdl_launch_dependents, pdl_wait
 
 _MAX_BLOCK = 65536  # one row lives in registers of one program
 _SILU_BLOCK = 1024  # silu_and_mul is a pure elementwise op: columns are split over programs
@@ -76,8 +76,9 @@ def _rms_norm_kernel(
     tl.store(OUT + (a * nb + b) * H + offs, (n * w).to(OUT.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x `[..., H]`, weight `[H]` -> contiguous `[..., H]` in the promoted dtype of (x, weight)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: int = 0) -> torch.Tensor:
+    """x `[..., H]`, weight `[H]` -> contiguous `[..., H]` in the promoted dtype of (x, weight). `pdl`: the PDL
+    mode of the launch (`modeling.ops.pdl`; 0 off), as in every wrapper here."""
     h = x.shape[-1]
     if weight.shape != (h,):
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match hidden size {h}")
@@ -109,7 +110,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         H=h,
         BLOCK=block,
         num_warps=_row_warps(block),
-        **pdl_launch(x.device),
+        **PDL_LAUNCH[pdl],
     )
     return out
 
@@ -157,7 +158,7 @@ def _add_rms_norm_kernel(
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, *, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) for x, residual `[T, H]`; both outputs are new tensors."""
     if x.shape != residual.shape:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
@@ -186,7 +187,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         H=h,
         BLOCK=block,
         num_warps=_row_warps(block),
-        **pdl_launch(x.device),
+        **PDL_LAUNCH[pdl],
     )
     return out, s
 
@@ -215,7 +216,7 @@ def _silu_and_mul_kernel(
     tl.store(OUT + row * I + offs, (act * u).to(OUT.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, *, pdl: int = 0) -> torch.Tensor:
     """x `[T, 2I]` (gate then up) -> silu(gate) * up `[T, I]` (leading dims beyond T are flattened)."""
     two_i = x.shape[-1]
     if two_i % 2:
@@ -234,7 +235,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         I=i,
         BLOCK=block,
         num_warps=max(1, min(4, block // 256)),
-        **pdl_launch(x.device),
+        **PDL_LAUNCH[pdl],
     )
     return out
 

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from modeling.ops import triton_gemv
-from modeling.ops.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from modeling.ops.pdl import PDL_LAUNCH, pdl_launch_dependents, pdl_wait
 from modeling.ops.triton_fused import add_rms_norm, add_rms_norm_row, rms_norm, silu_and_mul
 
 SKINNY_MAX_M = 16
@@ -259,9 +259,9 @@ def config_for(n: int, k: int, m: int, device: torch.device | None = None, gated
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig, y: torch.Tensor, gated: bool,
-            norm: tuple | None = None) -> None:
-    """One `_skinny_gemm_kernel` launch writing y `[M, N]`; `norm` = (residual, norm_weight, eps, normed out,
-    sum out) turns on the fused residual add + RMSNorm epilogue."""
+            norm: tuple | None = None, pdl: int = 0) -> None:
+    """One `_skinny_gemm_kernel` launch writing y `[M, N]` with PDL mode `pdl` (`modeling.ops.pdl`); `norm` =
+    (residual, norm_weight, eps, normed out, sum out) turns on the fused residual add + RMSNorm epilogue."""
     m, k = x.shape
     if gated:
         k //= 2
@@ -278,30 +278,30 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig, y: torch.Ten
         BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
         EVEN_K=(k % (split_k * cfg.block_k) == 0), GATED=gated, NORM=norm is not None, NORM_SLOT=_NORM_SLOT,
         BLOCK_H=triton.next_power_of_2(n) if norm is not None else 16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **PDL_LAUNCH[pdl])
 
 
 def linear_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig,
-                       out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
+                       out_dtype: torch.dtype | None = None, gated: bool = False, *, pdl: int = 0) -> torch.Tensor:
     """The Triton path with an explicit config (benchmarks, tests). x `[M<=16, K]` (unit last stride),
     weight `[N, K]` (unit last stride), both bf16/fp16 CUDA on one device; returns `[M, N]` in
     `out_dtype` (default x.dtype), launched on the current stream. The split-K workspace is a
     per-call `torch.empty` (graph-pool memory under capture), stream-ordered and freed on return.
     gated: x is `[M, 2K]` (gate then up) and the GEMM input is silu(gate) * up, computed in the kernel."""
     y = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype, device=x.device)
-    _launch(x, weight, cfg, y, gated)
+    _launch(x, weight, cfg, y, gated, pdl=pdl)
     return y
 
 
 def linear_add_rms_norm_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig, residual: torch.Tensor,
                                     norm_weight: torch.Tensor, eps: float,
-                                    gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                                    gated: bool = False, *, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear_with_config` fused with the residual add + RMSNorm that follows it, in one launch: returns
     (rms_norm(y + residual) * norm_weight, y + residual), both new `[M, N]` tensors in x's dtype. residual
     `[M, N]` contiguous and norm_weight `[N]` in x's dtype; y itself is an internal temporary."""
     y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     normed, summed = torch.empty_like(y), torch.empty_like(y)
-    _launch(x, weight, cfg, y, gated, (residual, norm_weight, eps, normed, summed))
+    _launch(x, weight, cfg, y, gated, (residual, norm_weight, eps, normed, summed), pdl)
     return normed, summed
 
 
@@ -315,23 +315,26 @@ def _triton_config(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -
     return config_for(weight.shape[0], weight.shape[1], x.shape[0], x.device, gated)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None, pdl: int = 0,
+           gemv: bool = True) -> torch.Tensor:
     """`F.linear(x, weight)` for x `[..., K]`, weight `[N, K]`; the GEMV (`triton_gemv`) where it applies (1-2
     rows, weights up to GEMV_MAX_N rows, x's dtype out), else the skinny Triton path when x is 2-D CUDA bf16/fp16
     with rows <= SKINNY_MAX_M and weight has unit last stride. `out_dtype` (default x.dtype) is the output
     dtype; the Triton path writes it straight from the fp32 accumulator (fp32 logits), the `F.linear`
     fallback (larger M, fp32, CPU, strided weight) casts its x.dtype result. Call once per device before
-    CUDA graph capture (allocates the split-K counters); same-device calls must be stream-ordered."""
-    if (out_dtype is None or out_dtype == x.dtype) and triton_gemv.applies(x, weight):
-        return triton_gemv.gemv(x, weight)
+    CUDA graph capture (allocates the split-K counters); same-device calls must be stream-ordered. `pdl`: the PDL
+    mode of every launch (`modeling.ops.pdl`); `gemv`: whether the GEMV may serve (`KernelOptions.gemv`), as in
+    every operator below."""
+    if gemv and (out_dtype is None or out_dtype == x.dtype) and triton_gemv.applies(x, weight):
+        return triton_gemv.gemv(x, weight, pdl=pdl)
     cfg = _triton_config(x, weight)
     if cfg is None:
         y = F.linear(x, weight)
         return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
-    return linear_with_config(x if x.stride(1) == 1 else x.contiguous(), weight, cfg, out_dtype)
+    return linear_with_config(x if x.stride(1) == 1 else x.contiguous(), weight, cfg, out_dtype, pdl=pdl)
 
 
-def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, *, pdl: int = 0, gemv: bool = True) -> torch.Tensor:
     """`linear(silu_and_mul(x), weight)` for x `[M, 2K]` (gate then up), weight `[N, K]`: one kernel (the SiLU-gate
     in the GEMM's prologue, no `[M, K]` intermediate) where `linear` would take the Triton path, else the two
     operators. Same bits as the unfused pair: the prologue rounds like `silu_and_mul`."""
@@ -339,12 +342,13 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_mul_linear: x {tuple(x.shape)} must be [M, 2K] for weight {tuple(weight.shape)}")
     cfg = _triton_config(x, weight, gated=True)
     if cfg is None:
-        return linear(silu_and_mul(x), weight)
-    return linear_with_config(x if x.stride(1) == 1 else x.contiguous(), weight, cfg, gated=True)
+        return linear(silu_and_mul(x, pdl=pdl), weight, pdl=pdl, gemv=gemv)
+    return linear_with_config(x if x.stride(1) == 1 else x.contiguous(), weight, cfg, gated=True, pdl=pdl)
 
 
 def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                        eps: float, *, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        eps: float, *, gated: bool = False, pdl: int = 0,
+                        gemv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm(linear(x, weight), residual, norm_weight, eps)` (gated: `silu_mul_linear(x, weight)`):
     (normed `[M, N]`, sum `[M, N]`). One kernel where the GEMM takes the Triton path, M <= FUSED_NORM_MAX_M,
     N <= FUSED_NORM_MAX_N and residual/norm_weight match x's dtype; else the GEMM and `add_rms_norm` kernels.
@@ -356,18 +360,19 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
     if gated and cfg is None:
         cfg = _triton_config(x, weight)
         if cfg is not None:  # the gated prologue measured slower than the separate kernel here
-            x, gated = silu_and_mul(x), False
+            x, gated = silu_and_mul(x, pdl=pdl), False
     if (cfg is None or x.shape[0] > FUSED_NORM_MAX_M or n > FUSED_NORM_MAX_N or residual.shape != (x.shape[0], n)
             or residual.dtype != x.dtype or norm_weight.shape != (n,) or norm_weight.dtype != x.dtype):
-        y = silu_mul_linear(x, weight) if gated else linear(x, weight)
-        return add_rms_norm(y, residual, norm_weight, eps)
+        y = silu_mul_linear(x, weight, pdl=pdl, gemv=gemv) if gated else linear(x, weight, pdl=pdl, gemv=gemv)
+        return add_rms_norm(y, residual, norm_weight, eps, pdl=pdl)
     x = x if x.stride(1) == 1 else x.contiguous()
     return linear_add_rms_norm_with_config(x, weight, cfg, residual.contiguous(), norm_weight.contiguous(), eps,
-                                           gated=gated)
+                                           gated=gated, pdl=pdl)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, *, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                weight: torch.Tensor, *, gated: bool = False, pdl: int = 0,
+                gemv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual) * norm_weight, weight), x + residual): the projection with the residual add
     and RMSNorm before it (residual None: the norm of x, and x itself as the stream); gated: weight `[2N, K]`
     (gate then up) and the first output is silu_and_mul of the projection, `[M, N]`. One GEMV launch where
@@ -376,12 +381,12 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     k = x.shape[-1]
     if gated and weight.shape[0] % 2:
         raise ValueError(f"norm_linear: gated weight {tuple(weight.shape)} needs an even number of rows (gate, up)")
-    if (triton_gemv.applies(x, weight) and norm_weight.shape == (k,) and norm_weight.dtype == x.dtype
+    if (gemv and triton_gemv.applies(x, weight) and norm_weight.shape == (k,) and norm_weight.dtype == x.dtype
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
-        return triton_gemv.norm_gemv(x, residual, norm_weight, eps, weight, gated)
+        return triton_gemv.norm_gemv(x, residual, norm_weight, eps, weight, gated, pdl=pdl)
     if residual is None:
-        normed, summed = rms_norm(x, norm_weight, eps), x
+        normed, summed = rms_norm(x, norm_weight, eps, pdl=pdl), x
     else:
-        normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-    y = linear(normed, weight)
-    return (silu_and_mul(y) if gated else y), summed
+        normed, summed = add_rms_norm(x, residual, norm_weight, eps, pdl=pdl)
+    y = linear(normed, weight, pdl=pdl, gemv=gemv)
+    return (silu_and_mul(y, pdl=pdl) if gated else y), summed

@@ -19,7 +19,8 @@ activation dtype before the GEMV, gate and up are rounded to it before the SiLU.
 
 The kernel takes up to 4 rows (M_PAD 1, 2, 4: rows broadcast against the weight tile); `applies` admits
 GEMV_MAX_M = 2, where it measured faster than the kernels it replaces (at 4 rows it was slower).
-`GRAPHLINE_GEMV=0` turns it off (and with it the model's norm-first layout), for A/B benchmarks.
+`KernelOptions.gemv=False` (`GRAPHLINE_GEMV=0`) turns it off, and with it the model's norm-first layout, for A/B
+benchmarks: `linear` and `norm_linear` of `triton_gemm` take it as their `gemv` argument.
 
 Grid `(cdiv(N, BLOCK_N),)`, static, no host sync, no process-wide state: capturable anywhere.
 Launch configs come from `_CONFIGS` (measured, `python -m bench.gemv_tune`), keyed by (N, K,
@@ -29,16 +30,14 @@ allocator on the current stream (graph-pool memory under capture).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from modeling.ops.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from modeling.ops.pdl import PDL_LAUNCH, interpreted, pdl_launch_dependents, pdl_wait
 
-GEMV_ENV = "GRAPHLINE_GEMV"  # 0 turns the GEMV (and the model's norm-first layout) off: A/B benchmarks
 GEMV_MAX_M = 2  # measured faster than the layout it replaces at M = 1, 2; slower at 4 (bench.gemv_tune)
 GEMV_MAX_N = 32768  # wider weights (the LM head) stay on the skinny GEMM, which streams them near roofline
 NORM_NONE, NORM_RMS, NORM_ADD_RMS = 0, 1, 2
@@ -184,32 +183,26 @@ def config_for(n: int, k: int, m: int, norm: int, gated: bool) -> GemvConfig:
     return GemvConfig(*entry) if entry is not None else default_config(n, k, gated)
 
 
-def gemv_enabled() -> bool:
-    """`GRAPHLINE_GEMV`: 1 (the default) or 0; anything else raises ValueError naming the choices."""
-    raw = os.environ.get(GEMV_ENV, "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{GEMV_ENV}={raw!r}: use 1 (the decode GEMV, the default) or 0 (off)")
-    return raw == "1"
-
-
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the GEMV serves x `[M, K]` @ weight^T: x 2-D with M <= GEMV_MAX_M rows and unit last stride, weight
     2-D with unit last stride and at most GEMV_MAX_N rows (larger ones, the LM head, stay on the skinny GEMM),
-    both bf16 or both fp16 on one CUDA device (or any device under the Triton interpreter), and `gemv_enabled()`."""
+    both bf16 or both fp16 on one CUDA device (or any device under the Triton interpreter). Whether the GEMV is on
+    at all is the caller's `gemv` option."""
     return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M and x.shape[1] == weight.shape[1]
             and weight.shape[0] <= GEMV_MAX_N and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device
-            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and gemv_enabled())
+            and (x.is_cuda or interpreted()))
 
 
 def gemv_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig, *, residual: torch.Tensor | None = None,
                      norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     out: torch.Tensor | None = None, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One `_gemv_kernel` launch. x `[M<=4, K]` (unit last stride), weight `[N, K]` (`[2N, K]` gated, unit last
     stride), residual `[M, K]` contiguous, norm_weight `[K]` contiguous, all one dtype on one CUDA device (CPU under
     the interpreter). norm_weight given: x is normed first (with residual: x + residual, whose rounded sum is
     returned as a new `[M, K]` tensor). Returns (y `[M, N]` in x's dtype, the sum or None); launched on the current
-    stream; outputs are new tensors (graph-pool memory under capture) unless `out` is given."""
+    stream with PDL mode `pdl` (`modeling.ops.pdl`); outputs are new tensors (graph-pool memory under capture)
+    unless `out` is given."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     norm = NORM_NONE if norm_weight is None else NORM_RMS if residual is None else NORM_ADD_RMS
@@ -220,17 +213,18 @@ def gemv_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig, *, 
         x, r, summed if summed is not None else x, norm_weight if norm_weight is not None else x, weight, y,
         m, n, k, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), eps,
         NORM=norm, GATED=gated, M_PAD=m_pad(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SINGLE=cfg.block_k >= k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **PDL_LAUNCH[pdl])
     return y, summed
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, pdl: int = 0) -> torch.Tensor:
     """x `[M, K]` @ weight `[N, K]`^T -> `[M, N]` in x's dtype, one launch; requires `applies(x, weight)`."""
-    return gemv_with_config(x, weight, config_for(weight.shape[0], x.shape[1], x.shape[0], NORM_NONE, False))[0]
+    cfg = config_for(weight.shape[0], x.shape[1], x.shape[0], NORM_NONE, False)
+    return gemv_with_config(x, weight, cfg, pdl=pdl)[0]
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-              weight: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              weight: torch.Tensor, gated: bool = False, *, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual) * norm_weight, weight), x + residual) in one launch (residual None: the
     norm of x, and x itself as the stream). gated: weight is `[2N, K]` (gate then up rows) and the first output
     is silu(gate) * up `[M, N]`. Requires `applies(x, weight)`, residual `[M, K]` and norm_weight `[K]` in x's
@@ -240,5 +234,5 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     norm = NORM_RMS if residual is None else NORM_ADD_RMS
     cfg = config_for(n, k, m, norm, gated)
     y, summed = gemv_with_config(x, weight, cfg, residual=None if residual is None else residual.contiguous(),
-                                 norm_weight=norm_weight.contiguous(), eps=eps, gated=gated)
+                                 norm_weight=norm_weight.contiguous(), eps=eps, gated=gated, pdl=pdl)
     return y, (x if summed is None else summed)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from modeling.ops.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from modeling.ops.pdl import PDL_LAUNCH, pdl_launch_dependents, pdl_wait
 from modeling.ops.triton_store import _last_dim_contiguous
 
 
@@ -337,7 +337,7 @@ def _qk_norm_rope_store_token_kernel(
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
                        k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                        eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> torch.Tensor:
+                       slot_mapping: torch.Tensor, *, pdl: int = 0) -> torch.Tensor:
     """`qk_norm_rope` then `triton_store.store_kv` of its k (and v), in ONE kernel launch, bitwise equal to the two.
 
     q `[T, Hq, D]`, k/v `[T, Hkv, D]` RAW (pre-norm; strided views with a contiguous last dim are fine),
@@ -345,7 +345,8 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
     rotated q as a new contiguous `[T, Hq, D]` (every row, padding included). Normalised k row i is written
     to flat slot `slot_mapping[i]` of k_cache (cast to its dtype from the dtype `qk_norm_rope` returns k in)
     and v row i unchanged (cast) to v_cache; rows with slot < 0 or i >= n are not stored (k is not even
-    computed for them). The grid depends on shapes only (no host reads): CUDA-graph capturable."""
+    computed for them). The grid depends on shapes only (no host reads): CUDA-graph capturable. `pdl`: the launch's
+    PDL mode (`modeling.ops.pdl`)."""
     what = "qk_norm_rope_store"
     t, hq, hkv, d = _check_qk(what, q, k, q_weight, k_weight, cos, sin, positions)
     n = slot_mapping.shape[0]
@@ -376,7 +377,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), eps)
     meta = dict(D=d, HALF=half, BLOCK=block, BLOCK_D=triton.next_power_of_2(d), PAGE=k_cache.shape[1],
-                KO_TY=_TL_DTYPES[k_dtype], **pdl_launch(q.device))
+                KO_TY=_TL_DTYPES[k_dtype], **PDL_LAUNCH[pdl])
     if _use_token_kernel(t, hq, block):  # same variant as qk_norm_rope: same reductions, same bits
         _qk_norm_rope_store_token_kernel[(t,)](
             *args, HQ=hq, HKV=hkv, HQB=triton.next_power_of_2(hq), HKB=triton.next_power_of_2(hkv), **meta,

@@ -16,21 +16,14 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-COMPILE_THREADS_ENV = "GRAPHLINE_COMPILE_THREADS"
-
-
-def compile_threads() -> int:
-    """Threads warm-ups compile on: `GRAPHLINE_COMPILE_THREADS` (>= 1), else up to 8 of the host's cores."""
-    raw = os.environ.get(COMPILE_THREADS_ENV)
-    if raw is None:
+def compile_threads(requested: int | None = None) -> int:
+    """Threads warm-ups compile on: `requested` (`KernelOptions.compile_threads`, >= 1), else up to 8 of this
+    host's cores."""
+    if requested is None:
         return max(1, min(8, os.cpu_count() or 1))
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{COMPILE_THREADS_ENV}={raw!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"{COMPILE_THREADS_ENV}={value} must be >= 1")
-    return value
+    if requested < 1:
+        raise ValueError(f"compile threads (GRAPHLINE_COMPILE_THREADS) must be >= 1, got {requested}")
+    return requested
 
 
 def prime_kernel_caches(modules: Iterable[ModuleType], device: torch.device) -> int:

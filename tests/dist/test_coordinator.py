@@ -228,8 +228,11 @@ def test_submit_ahead_rejects_bad_references_and_misuse(dp2):
     assert coord.collect(idle) == [None, None]  # a drained step where every DP rank was idle
 
 
-def test_polling_driver_gives_the_same_tokens_and_learns_step_shapes(dp2, reference, monkeypatch):
-    monkeypatch.setenv("GRAPHLINE_DRIVER_POLL_S", "0.002")  # CPU ranks block by default: force the polling wait
+def test_polling_driver_gives_the_same_tokens_and_learns_step_shapes(dp2, reference):
+    from actors.options import DriverOptions
+
+    cfg = dp2.cfg
+    dp2.cfg = dataclasses.replace(cfg, driver=DriverOptions(poll_s=0.002))  # CPU ranks block by default: poll
     dp2._switch_step_path("pipe")
     try:
         assert dp2._stepper.poll_s == 0.002
@@ -238,7 +241,7 @@ def test_polling_driver_gives_the_same_tokens_and_learns_step_shapes(dp2, refere
         assert shapes and all(0.0 < s < 20.0 for s in shapes.values())
         assert {k[0] for k in shapes} == {"local"} and any(k[4] == ((1, 1), (1, 1)) for k in shapes)
     finally:
-        monkeypatch.delenv("GRAPHLINE_DRIVER_POLL_S")
+        dp2.cfg = cfg
         dp2._switch_step_path("pipe")
     assert dp2._stepper.poll_s == 0.0
 
@@ -311,5 +314,25 @@ def test_failed_startup_capture_aborts_every_rank(cache):
             assert kinds[-1] == "capture_aborted" and "capture_failed" in kinds
         with pytest.raises(CoordinatorStateError):
             c.step([None])
+    finally:
+        c.shutdown()
+
+
+def test_ranks_with_different_options_fail_before_any_collective(cache):
+    """Every rank cross-checks its kernel and communication options over the gloo control group right after it
+    exists (`RankGroups.init`), before any other group or collective: rank 1 holding other kernel options (the
+    worker's test override) stops the start-up with an error naming each field and the ranks."""
+    from modeling.ops.options import KernelOptions
+
+    cache.close()
+    c = Coordinator(DeploymentConfig(runtime=runtime_cfg("qwen3-tiny"), tp=2, collective_timeout_s=10,
+                                     step_timeout_s=10))
+    c._test_faults = {1: {"kernels_override": KernelOptions(pdl="0", gemv=False)}}
+    try:
+        with pytest.raises(RankFailureError, match=r"start-up failed: .*OptionsMismatchError: the ranks hold "
+                                                   r"different options.*kernels\.gemv: rank 0 True; rank 1 False \| "
+                                                   r"kernels\.pdl: rank 0 'early'; rank 1 '0'"):
+            c.start(progress=False)
+        assert c.status()["state"] == "failed"
     finally:
         c.shutdown()

@@ -126,10 +126,7 @@ def _fake_deep_ep() -> types.ModuleType:
 
 
 def _worker(rank, topo, rv, counts, out_q):
-    import os
-
     torch.set_num_threads(1)
-    os.environ["GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK"] = str(CAP)
     sys.modules["deep_ep"] = fake = _fake_deep_ep()
     try:
         from modeling.config import get_preset
@@ -138,7 +135,10 @@ def _worker(rank, topo, rv, counts, out_q):
         from parallel.groups import RankGroups
 
         cfg = get_preset("qwen3-moe-tiny").with_dtype(torch.bfloat16)
-        groups = RankGroups(topo, rank, torch.device("cpu"), timeout_s=30)
+        from parallel.options import CommOptions
+
+        groups = RankGroups(topo, rank, torch.device("cpu"), timeout_s=30,
+                            options=CommOptions(deepep_max_tokens_per_rank=CAP))
         groups.init(rv)
         ctx = groups.build_context("deepep", cfg, max_decode_tokens=CAP)
         d = ctx.ep_dispatcher

@@ -260,7 +260,9 @@ def _run_checks(rank: int, ports: tuple[int, int]) -> dict[str, Any]:
     # way the model-hinted probe and the decode calls launch it: neither compiles another variant
     warm_up_compile(HIDDEN, torch.bfloat16, rank, WORLD, DEFAULT_MAX_BYTES)
     compiled = _compiled_variants(_ar_push_add_rms_norm_kernel, rank)
-    g = RankGroups(Topology.of(tp=WORLD), rank, device, timeout_s=60, tp_allreduce="auto",
+    from parallel.options import CommOptions
+
+    g = RankGroups(Topology.of(tp=WORLD), rank, device, timeout_s=60, options=CommOptions(tp_allreduce="auto"),
                    fused_probe=(HIDDEN, torch.bfloat16))
     g.init(Rendezvous("127.0.0.1", ports[0]))
     res["impl"] = g.tp_allreduce_info()
@@ -277,7 +279,7 @@ def _run_checks(rank: int, ports: tuple[int, int]) -> dict[str, Any]:
     tp = g.tp_group
     g.destroy()
     res["destroy_unregisters"] = comm.fast_all_reduce(tp) is None
-    g2 = RankGroups(Topology.of(tp=WORLD), rank, device, timeout_s=60, tp_allreduce="nccl")
+    g2 = RankGroups(Topology.of(tp=WORLD), rank, device, timeout_s=60, options=CommOptions(tp_allreduce="nccl"))
     g2.init(Rendezvous("127.0.0.1", ports[1]))
     res["nccl_mode"] = {"impl": g2.tp_allreduce_impl, "registered": comm.fast_all_reduce(g2.tp_group) is not None}
     g2.destroy()

@@ -9,9 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from actors.environment import options_from_environ
 from parallel import comm
-from parallel.groups import GroupsError, RankGroups, serve_rendezvous, tp_allreduce_mode
-from parallel.symm_allreduce import SymmMemAllReduce, SymmMemError, try_create_for_group
+from parallel.groups import RankGroups, serve_rendezvous
+from parallel.options import CommOptions, CommOptionsError, options_record
+from parallel.symm_allreduce import SymmMemAllReduce, SymmMemError
+from parallel.symm_setup import try_create_for_group
 from parallel.topology import Topology
 
 
@@ -117,35 +120,51 @@ def test_symm_create_declines_cleanly_on_cpu(gloo_world_one):
         SymmMemAllReduce(gloo_world_one, torch.device("cpu"))
 
 
-def test_tp_allreduce_mode_parsing(monkeypatch):
-    monkeypatch.delenv("GRAPHLINE_TP_ALLREDUCE", raising=False)
-    assert tp_allreduce_mode() == "auto"
-    assert tp_allreduce_mode(" NCCL ") == "nccl"
-    monkeypatch.setenv("GRAPHLINE_TP_ALLREDUCE", "symm")
-    assert tp_allreduce_mode() == "symm"
-    assert tp_allreduce_mode("auto") == "auto"  # the argument wins over the environment
-    monkeypatch.setenv("GRAPHLINE_TP_ALLREDUCE", "fast")
-    with pytest.raises(GroupsError, match="GRAPHLINE_TP_ALLREDUCE"):
-        tp_allreduce_mode()
-    with pytest.raises(GroupsError):
-        RankGroups(Topology.of(tp=1), 0, torch.device("cpu"), 30.0)
+def test_tp_allreduce_mode_parsing():
+    assert options_from_environ({}).comm.tp_allreduce == "auto"
+    assert options_from_environ({"GRAPHLINE_TP_ALLREDUCE": " NCCL "}).comm.tp_allreduce == "nccl"
+    assert options_from_environ({"GRAPHLINE_TP_ALLREDUCE": "symm"}).comm.tp_allreduce == "symm"
+    with pytest.raises(CommOptionsError, match="GRAPHLINE_TP_ALLREDUCE"):
+        options_from_environ({"GRAPHLINE_TP_ALLREDUCE": "fast"})
+    with pytest.raises(CommOptionsError, match="GRAPHLINE_TP_ALLREDUCE='fast': expected one of auto, nccl, symm"):
+        CommOptions(tp_allreduce="fast")
+    assert RankGroups(Topology.of(tp=1), 0, torch.device("cpu"), 30.0, CommOptions(tp_allreduce="nccl")
+                      ).tp_allreduce_mode == "nccl"
 
 
-def test_bad_fused_kind_is_refused_before_any_group(monkeypatch):
-    monkeypatch.setenv("GRAPHLINE_TP_FUSED_KIND", "sideways")
+def test_bad_fused_kind_is_refused_before_any_group():
     with pytest.raises(ValueError, match="GRAPHLINE_TP_FUSED_KIND='sideways'"):
-        RankGroups(Topology.of(tp=2), 0, torch.device("cpu"), 30.0)
+        options_from_environ({"GRAPHLINE_TP_FUSED_KIND": "sideways"})
     assert not dist.is_initialized()
-    monkeypatch.setenv("GRAPHLINE_TP_FUSED_KIND", "pull")
-    assert RankGroups(Topology.of(tp=2), 0, torch.device("cpu"), 30.0).tp_fused_kind == "pull"
+    comm_opts = options_from_environ({"GRAPHLINE_TP_FUSED_KIND": "pull"}).comm
+    assert RankGroups(Topology.of(tp=2), 0, torch.device("cpu"), 30.0, comm_opts).tp_fused_kind == "pull"
+    with pytest.raises(ValueError, match="fused all-reduce kind 'sideways'"):
+        try_create_for_group(None, torch.device("cpu"), fused_kind="sideways")
 
 
-def test_rank_groups_records_the_tp_allreduce(monkeypatch):
+def test_comm_options_from_the_environment():
+    opts = options_from_environ({"GRAPHLINE_TP_FUSED_NORM": "0", "GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK": "64"}).comm
+    assert opts == CommOptions(tp_fused_norm=False, deepep_max_tokens_per_rank=64)
+    for name, raw in (("GRAPHLINE_TP_FUSED_NORM", "off"), ("GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK", "many"),
+                      ("GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK", "0")):
+        with pytest.raises(ValueError, match=name):
+            options_from_environ({name: raw})
+
+
+def test_one_rank_cross_checks_and_mismatches_name_field_and_ranks():
+    from parallel.options import describe_mismatch
+
+    a = options_record(comm=CommOptions())
+    b = options_record(comm=CommOptions(tp_fused_kind="pull"))
+    assert describe_mismatch([a, a]) == []
+    assert describe_mismatch([a, b, b]) == ["comm.tp_fused_kind: rank 0 'push'; ranks 1, 2 'pull'"]
+
+
+def test_rank_groups_records_the_tp_allreduce():
     if dist.is_initialized():
         pytest.skip("torch.distributed already initialised in this process")
-    monkeypatch.setenv("GRAPHLINE_TP_ALLREDUCE", "symm")  # tp == 1: nothing to require
     store, rv = serve_rendezvous(1, 30.0, host="127.0.0.1")
-    groups = RankGroups(Topology.of(tp=1), 0, torch.device("cpu"), 30.0)
+    groups = RankGroups(Topology.of(tp=1), 0, torch.device("cpu"), 30.0, CommOptions(tp_allreduce="symm"))
     groups.init(rv, store=store)
     try:
         info = groups.tp_allreduce_info()

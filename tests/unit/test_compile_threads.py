@@ -1,29 +1,37 @@
-"""Kernel warm-up plumbing on the CPU: `GRAPHLINE_COMPILE_THREADS` (bad values name the variable), calls that
-really run side by side, failures raised after every call ended, and the one-thread path in order."""
+"""Kernel warm-up plumbing on the CPU: the compile-thread count (`KernelOptions.compile_threads`, from
+`GRAPHLINE_COMPILE_THREADS`; bad values name the variable), calls that really run side by side, failures raised
+after every call ended, and the one-thread path in order."""
 import os
 import threading
 
 import pytest
 import torch
 
+from actors.environment import options_from_environ
+from modeling.ops.options import KernelOptions
 from modeling.ops.warm_up import compile_threads, run_side_by_side
 
 
-def test_default_uses_up_to_eight_cores(monkeypatch):
-    monkeypatch.delenv("GRAPHLINE_COMPILE_THREADS", raising=False)
-    assert compile_threads() == max(1, min(8, os.cpu_count() or 1))
+def test_default_uses_up_to_eight_cores():
+    assert options_from_environ({}).kernels.compile_threads is None
+    assert compile_threads() == compile_threads(None) == max(1, min(8, os.cpu_count() or 1))
 
 
-def test_variable_sets_the_count(monkeypatch):
-    monkeypatch.setenv("GRAPHLINE_COMPILE_THREADS", "3")
-    assert compile_threads() == 3
+def test_variable_sets_the_count():
+    n = options_from_environ({"GRAPHLINE_COMPILE_THREADS": "3"}).kernels.compile_threads
+    assert n == 3 and compile_threads(n) == 3
 
 
 @pytest.mark.parametrize("raw", ["0", "-2", "four", ""])
-def test_bad_values_are_refused_by_name(monkeypatch, raw):
-    monkeypatch.setenv("GRAPHLINE_COMPILE_THREADS", raw)
+def test_bad_values_are_refused_by_name(raw):
     with pytest.raises(ValueError, match="GRAPHLINE_COMPILE_THREADS"):
-        compile_threads()
+        options_from_environ({"GRAPHLINE_COMPILE_THREADS": raw})
+
+
+@pytest.mark.parametrize("value", [0, -2, True, 2.0])
+def test_bad_option_values_are_refused_by_name(value):
+    with pytest.raises(ValueError, match="GRAPHLINE_COMPILE_THREADS"):
+        KernelOptions(compile_threads=value)
 
 
 def test_calls_run_side_by_side_in_the_callers_inference_mode():

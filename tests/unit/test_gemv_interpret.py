@@ -63,6 +63,14 @@ for m in (1, 2, 3):
         "gated_err": (a.float() - silu_and_mul(F.linear(normed, w)).float()).abs().max().item(),
         "gated_shape": list(a.shape), "sum_equal": torch.equal(s, summed), "stream_is_x": s0 is x,
         "rms_err": (b.float() - F.linear(rms_norm(x, nw, 1e-6), w).float()).abs().max().item()}
+# gemv=False (KernelOptions.gemv): the same operators without the GEMV (F.linear and the norm kernels on the CPU)
+x, r = torch.randn(1, 128, generator=g).half(), torch.randn(1, 128, generator=g).half()
+y = triton_gemm.linear(x, w, gemv=False)
+a, s = triton_gemm.norm_linear(x, r, nw, 1e-6, w, gemv=False)
+normed, summed = add_rms_norm(x, r, nw, 1e-6)
+out["gemv off"] = {"linear_err": (y.float() - F.linear(x.float(), w.float())).abs().max().item(),
+                   "norm_err": (a.float() - F.linear(normed, w).float()).abs().max().item(),
+                   "stream_equal": torch.equal(s, summed)}
 try:
     triton_gemm.norm_linear(x, r, nw, 1e-6, w[:95], gated=True)
     out["odd_gated"] = "no error"
@@ -123,15 +131,19 @@ def test_config_table_and_heuristic():
         assert gv.default_config(512, k, True).block_n <= cfg.block_n
 
 
-def test_gemv_switch_parses_strictly(monkeypatch):
-    from modeling.ops import triton_gemv as gv
+def test_gemv_switch_parses_strictly():
+    from actors.environment import options_from_environ
+    from modeling.ops.options import GEMV_ENV, KernelOptions
 
-    monkeypatch.delenv(gv.GEMV_ENV, raising=False)
-    assert gv.gemv_enabled()
-    monkeypatch.setenv(gv.GEMV_ENV, "0")
-    assert not gv.gemv_enabled()
-    monkeypatch.setenv(gv.GEMV_ENV, " 1 ")
-    assert gv.gemv_enabled()
-    monkeypatch.setenv(gv.GEMV_ENV, "yes")
+    assert options_from_environ({}).kernels.gemv
+    assert not options_from_environ({GEMV_ENV: "0"}).kernels.gemv
+    assert options_from_environ({GEMV_ENV: " 1 "}).kernels.gemv
     with pytest.raises(ValueError, match="GRAPHLINE_GEMV='yes'.*use 1.*or 0"):
-        gv.gemv_enabled()
+        options_from_environ({GEMV_ENV: "yes"})
+    with pytest.raises(ValueError, match="gemv"):
+        KernelOptions(gemv=1)
+
+
+def test_gemv_off_takes_the_other_kernels(results):
+    r = results["gemv off"]
+    assert r["linear_err"] < 2e-3 and r["norm_err"] < 4e-3 and r["stream_equal"]

@@ -1,0 +1,42 @@
+"""`KernelOptions`: how a rank's operators launch (PDL, the decode GEMV, the decode attention's combine, compile
+threads). Built once on the driver (`actors.environment.options_from_environ` reads the `GRAPHLINE_*` variables)
+and sent to every rank inside `actors.rank.RuntimeConfig.kernels`; `modeling.ops.get_kernel_ops` binds them into
+the `KernelOps` a model calls, so no launch reads anything process-wide. Torch- and Triton-free."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+PDL_ENV = "GRAPHLINE_PDL"
+GEMV_ENV = "GRAPHLINE_GEMV"
+DECODE_SINGLE_LAUNCH_ENV = "GRAPHLINE_DECODE_SINGLE_LAUNCH"
+COMPILE_THREADS_ENV = "GRAPHLINE_COMPILE_THREADS"
+PDL_CHOICES = ("0", "1", "early")
+
+
+class KernelOptionsError(ValueError):
+    """A kernel option (or the variable it came from) has a value outside its choices."""
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """pdl: programmatic dependent launch on sm_90+ (`modeling.ops.pdl`): "0" off, "1", or "early" (the default).
+    gemv: the decode GEMV at 1-2 rows and the model's norm-first layout with it (`modeling.ops.triton_gemv`).
+    decode_single_launch: split-KV decode attention combines its splits in the split kernel (False: two launches).
+    compile_threads: threads compiling Triton variants at start-up; None: up to 8 of the rank's host cores."""
+
+    pdl: str = "early"
+    gemv: bool = True
+    decode_single_launch: bool = True
+    compile_threads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.pdl not in PDL_CHOICES:
+            raise KernelOptionsError(f"{PDL_ENV}={self.pdl!r}: use 0 (off), 1 (trigger after the wait) or early "
+                                     "(the default)")
+        for name, env in (("gemv", GEMV_ENV), ("decode_single_launch", DECODE_SINGLE_LAUNCH_ENV)):
+            if not isinstance(getattr(self, name), bool):
+                raise KernelOptionsError(f"{name} ({env}) must be a bool, got {getattr(self, name)!r}")
+        n = self.compile_threads
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise KernelOptionsError(f"{COMPILE_THREADS_ENV}={n!r} must be an integer >= 1")

@@ -1,0 +1,95 @@
+"""The option objects and their one reader: every `GRAPHLINE_*` variable parses into `KernelOptions`, `CommOptions`
+or `DriverOptions` (bad values name the variable and the choices), the options are frozen and validated
+themselves, they travel inside the configs, and `get_kernel_ops` binds the kernel options into the Triton
+`KernelOps` once (checked here without a GPU: the device queries are stubbed)."""
+import dataclasses
+
+import pytest
+import torch
+
+from actors.coordinator import DeploymentConfig
+from actors.environment import OPTION_VARIABLES, options_from_environ
+from actors.options import DriverOptions, DriverOptionsError
+from actors.rank import RuntimeConfig
+from modeling.ops.options import KernelOptions
+from parallel.options import CommOptions
+
+
+def test_defaults_without_any_variable():
+    opts = options_from_environ({})
+    assert opts == (KernelOptions(), CommOptions(), DriverOptions())
+    assert RuntimeConfig().kernels == KernelOptions()
+    assert DeploymentConfig().comm == CommOptions() and DeploymentConfig().driver == DriverOptions()
+
+
+def test_every_variable_reaches_its_field():
+    env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0",
+           "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_TP_ALLREDUCE": "symm", "GRAPHLINE_TP_FUSED_KIND": "pull",
+           "GRAPHLINE_TP_FUSED_NORM": "0", "GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK": "128",
+           "GRAPHLINE_STEP_PATH": "plain", "GRAPHLINE_DRIVER_POLL_S": "0.001", "GRAPHLINE_STEP_TRACE": "1",
+           "GRAPHLINE_STEP_PROFILE": "/tmp/prof"}
+    assert set(env) == set(OPTION_VARIABLES)
+    k, c, d = options_from_environ(env)
+    assert k == KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=2)
+    assert c == CommOptions(tp_allreduce="symm", tp_fused_kind="pull", tp_fused_norm=False,
+                            deepep_max_tokens_per_rank=128)
+    assert d == DriverOptions(step_path="plain", poll_s=0.001, step_trace=True, step_profile="/tmp/prof")
+
+
+@pytest.mark.parametrize("name,raw,match", [
+    ("GRAPHLINE_PDL", "on", r"GRAPHLINE_PDL='on': use 0 \(off\), 1 .* or early"),
+    ("GRAPHLINE_DECODE_SINGLE_LAUNCH", "yes", r"GRAPHLINE_DECODE_SINGLE_LAUNCH='yes': use 1 .* or 0"),
+    ("GRAPHLINE_STEP_PATH", "fast", r"GRAPHLINE_STEP_PATH must be one of .*'fast'"),
+    ("GRAPHLINE_DRIVER_POLL_S", "soon", r"GRAPHLINE_DRIVER_POLL_S='soon'"),
+    ("GRAPHLINE_DRIVER_POLL_S", "-1", r"GRAPHLINE_DRIVER_POLL_S=-1.0 must be a number of seconds >= 0"),
+    ("GRAPHLINE_STEP_TRACE", "true", r"GRAPHLINE_STEP_TRACE='true': use 1 .* or 0"),
+])
+def test_a_bad_variable_is_named_with_its_choices(name, raw, match):
+    with pytest.raises(ValueError, match=match):
+        options_from_environ({name: raw})
+
+
+def test_empty_overrides_mean_unset():
+    d = options_from_environ({"GRAPHLINE_STEP_PATH": "", "GRAPHLINE_DRIVER_POLL_S": "", "GRAPHLINE_STEP_PROFILE": ""})
+    assert d.driver == DriverOptions()
+
+
+def test_options_are_frozen_and_checked():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        KernelOptions().pdl = "0"
+    with pytest.raises(DriverOptionsError, match="GRAPHLINE_STEP_PATH"):
+        DriverOptions(step_path="bogus")
+    with pytest.raises(ValueError, match="GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK"):
+        CommOptions(deepep_max_tokens_per_rank=0)
+
+
+def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
+    pytest.importorskip("triton", reason="the Triton backend's modules need triton")
+    from modeling.ops import get_kernel_ops, pdl, triton_attention, triton_gemm
+
+    monkeypatch.setattr(pdl, "_INTERPRETED", False)
+    monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: True)
+    monkeypatch.setattr(pdl, "_device_has_pdl", lambda index: True)  # an sm_90 stand-in: nothing is launched
+    dev = torch.device("cuda", 0)
+    ops = get_kernel_ops(dev, "triton")
+    assert ops.options == KernelOptions() and ops.prologue_norm_max_tokens == 2
+    assert ops.linear.func is triton_gemm.linear and ops.linear.keywords == {"pdl": 2, "gemv": True}
+    assert ops.norm_linear.keywords == {"pdl": 2, "gemv": True}
+    assert ops.decode_attention.keywords == {"pdl": 2, "single_launch": True}
+    assert ops.warm_up_attention.func is triton_attention.warm_up_attention
+    assert ops.warm_up_attention.keywords == {"threads": None, "pdl": 2, "single_launch": True}
+    opts = KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=3)
+    ops = get_kernel_ops(dev, "triton", opts)
+    assert ops.options == opts and ops.prologue_norm_max_tokens == 0
+    assert ops.linear.keywords == {"pdl": 1, "gemv": False}
+    assert ops.silu_and_mul.keywords == ops.rms_norm.keywords == {"pdl": 1}
+    assert ops.decode_attention.keywords == {"pdl": 1, "single_launch": False}
+    assert ops.warm_up_attention.keywords == {"threads": 3, "pdl": 1, "single_launch": False}
+    assert get_kernel_ops(dev, "triton", KernelOptions(pdl="0")).linear.keywords["pdl"] == 0
+
+
+def test_the_torch_backend_keeps_the_options_it_was_given():
+    from modeling.ops import get_kernel_ops
+
+    opts = KernelOptions(gemv=False)
+    assert get_kernel_ops("cpu", "auto", opts).options == opts
