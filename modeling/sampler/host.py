@@ -160,11 +160,10 @@ class HostBatch:
             self._check(name, (a == -1) | ((a >= 0) & (a < hi)), f"-1 (unused) or a token id in [0, {hi})")
         self._check("pen_counts", self.pen_counts >= 0, ">= 0")
         for name in ("bias_ids", "pen_ids"):  # read-modify-write on the device: one entry per id and row
-            a = getattr(self, name)
-            for i in range(n):
-                used = a[i][a[i] >= 0]
-                if np.unique(used).size != used.size:
-                    raise SamplerParamError(f"row {i}: {name}: duplicate token ids")
+            s = np.sort(getattr(self, name), axis=1)
+            dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(axis=1)
+            if dup.any():
+                raise SamplerParamError(f"row {int(np.flatnonzero(dup)[0])}: {name}: duplicate token ids")
 
     def _check(self, name: str, ok: np.ndarray, what: str) -> None:
         bad = np.flatnonzero(~np.asarray(ok).reshape(ok.shape[0], -1).all(axis=1)) if ok.ndim else []

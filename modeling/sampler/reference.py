@@ -1,7 +1,7 @@
 """The torch path of the sampler (CPU logits; it also runs on CUDA tensors): the specification the Triton
 kernels match bitwise for tokens. Whole-row tensor ops per vocabulary shard, the same collectives as the
-kernels' launcher. Exact selection without sorting: 3-level radix select (11 / 11 / 10 bits) over int64
-histograms built with scatter_add (integer sums: deterministic on every device)."""
+kernels' launcher. Exact selection without sorting: radix select over int64 histograms built
+with scatter_add (integer sums: deterministic on every device)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,21 +14,12 @@ from .collectives import ShardGroup
 from .host import SamplerVariant
 from .params import SamplerParams
 
-LEVELS = ((21, 11), (10, 11), (0, 10))  # (shift, width) of the radix digits, most significant first
+# (shift, width) of the radix digits, most significant first. The kernels use 11 / 11 / 10 bits; the threshold
+# found does not depend on the digit layout, and 4-bit digits keep the torch path's histograms [B, 16].
+LEVELS = tuple((28 - 4 * i, 4) for i in range(8))
 
 
 @dataclass
-class SampleOutput:
-    """tokens int64 `[B]`; chosen_logprob fp32 `[B]` (raw log_softmax of the chosen token); top_ids int64
-    `[B, N]` and top_logprobs fp32 `[B, N]` (the N most probable tokens of the raw logits, descending, lower
-    id first on ties). On the logits' device; under TP identical on every rank."""
-
-    tokens: torch.Tensor
-    chosen_logprob: torch.Tensor
-    top_ids: torch.Tensor
-    top_logprobs: torch.Tensor
-
-
 def _local(ids: torch.Tensor, voff: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     loc = ids.to(torch.int64) - voff
     ok = (ids >= 0) & (loc >= 0) & (loc < width)
