@@ -20,6 +20,17 @@ LEVELS = tuple((28 - 4 * i, 4) for i in range(8))
 
 
 @dataclass
+class SampleOutput:
+    """tokens int64 `[B]`; chosen_logprob fp32 `[B]` (raw log_softmax of the chosen token); top_ids int64
+    `[B, N]` and top_logprobs fp32 `[B, N]` (the N most probable tokens of the raw logits, descending, lower
+    id first on ties). On the logits' device; under TP identical on every rank."""
+
+    tokens: torch.Tensor
+    chosen_logprob: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
 def _local(ids: torch.Tensor, voff: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     loc = ids.to(torch.int64) - voff
     ok = (ids >= 0) & (loc >= 0) & (loc < width)
@@ -74,7 +85,7 @@ def sample_torch(logits: torch.Tensor, p: SamplerParams, variant: SamplerVariant
     dev = logits.device
     raw = logits.float()
     x = processed_logits(raw, p, vocab_offset) if variant.processed else raw
-    t, greedy = p.temperature[:b], p.temperature[:b] == 0
+    greedy = p.temperature[:b] == 0
     z = x * p.inv_temperature[:b, None]
 
     raw_max = raw.amax(1)
