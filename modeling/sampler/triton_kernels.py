@@ -46,6 +46,13 @@ def _find(hptr, NB: tl.constexpr, need, parent, IMPLICIT0: tl.constexpr):
 
 
 @triton.jit
+def _hist(digits, mask, NB: tl.constexpr):
+    """Counts int32 `[NB]` of the int32 digits where mask (masked ones are counted in bin 0, then taken off)."""
+    h = tl.histogram(tl.where(mask, digits, 0), NB)
+    return h - tl.where(tl.arange(0, NB) == 0, tl.sum((mask == 0).to(tl.int32)), 0)
+
+
+@triton.jit
 def _row_zmax(parts, row, B, C, NT, NPP2: tl.constexpr):
     """Max of the processed, tempered logits over every chunk of every rank (partials `[NT, B, C, 4]`)."""
     i = tl.arange(0, NPP2)
@@ -170,7 +177,7 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, cands, hist, B, V,
             z = raw * invt
         zmax = tl.maximum(zmax, tl.max(z))
         if TOPK:
-            hacc += tl.histogram((okey(z) >> 21).to(tl.int32), 2048, mask=tl.where(topk_on, msk, False))
+            hacc += _hist((okey(z) >> 21).to(tl.int32), tl.where(topk_on, msk, False), 2048)
         if N > 0:
             run = _merge_top(run, tl.where(msk, pack(raw, offs + voff), SENTINEL), N, NP2)
     pbase = parts + (row * C + c) * 4
@@ -218,7 +225,7 @@ def topk_level_kernel(logits, sl, work, sw, recf, reci, rs, st, hist, B, V, CH, 
             msk = offs < V
             key = okey(_load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED))
             inb = msk & ((key >> SHIFT_IN) == prefix)
-            hacc += tl.histogram(((key >> SHIFT_D) & DMASK).to(tl.int32), 2048, mask=inb)
+            hacc += _hist(((key >> SHIFT_D) & DMASK).to(tl.int32), inb, 2048)
         ar = tl.arange(0, 2048)
         tl.atomic_add(hist + ((LEVEL - 1) * B + row) * HS + ar, hacc.to(tl.int64), mask=hacc > 0)
 
