@@ -19,6 +19,7 @@ import numpy as np
 
 TEMPERATURE_EPS = 1e-5  # below it a row is greedy (vLLM's _SAMPLING_EPS)
 TOP_P_ONE = 1 << 24  # top_p fixed point: round(top_p * 2^24)
+TOP_K_FAST = 128  # top-k up to this k takes the per-chunk candidate path on the device
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias value
 
 
@@ -58,18 +59,24 @@ class SamplerVariant:
     whose `HostBatch.variant()` it `covers`; rows that do not use a stage pass through it unchanged.
 
     processed: logit bias, banned ids or penalties (an fp32 copy of the logits is patched first);
-    top_k: the 3-level count select; top_p: the 3-level fixed-point mass select."""
+    top_k: top-k with k <= TOP_K_FAST (per-chunk candidates); large_top_k: larger k too (a 3-level radix
+    select); top_p: the 3-level radix select weighted by fixed-point probability mass."""
 
     processed: bool = False
     top_k: bool = False
     top_p: bool = False
+    large_top_k: bool = False
+
+    def __post_init__(self) -> None:
+        if self.large_top_k and not self.top_k:
+            raise SamplerParamError("SamplerVariant: large_top_k needs top_k")
 
     def covers(self, other: "SamplerVariant") -> bool:
         return all(getattr(self, f.name) or not getattr(other, f.name) for f in fields(self))
 
     @classmethod
     def full(cls) -> "SamplerVariant":
-        return cls(True, True, True)
+        return cls(True, True, True, True)
 
 
 def _f32(x: float) -> np.float32:
@@ -177,7 +184,8 @@ class HostBatch:
         sampled = self.temperature > 0
         processed = bool((self.bias_ids >= 0).any() or (self.ban_ids >= 0).any() or (self.pen_ids >= 0).any())
         return SamplerVariant(processed=processed, top_k=bool((sampled & (self.top_k > 0)).any()),
-                              top_p=bool((sampled & (self.top_p_fixed > 0)).any()))
+                              top_p=bool((sampled & (self.top_p_fixed > 0)).any()),
+                              large_top_k=bool((sampled & (self.top_k > TOP_K_FAST)).any()))
 
     # ---- construction from Python values -------------------------------------------------------------------
     @classmethod

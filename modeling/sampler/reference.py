@@ -111,8 +111,8 @@ def sample_torch(logits: torch.Tensor, p: SamplerParams, variant: SamplerVariant
         q = nx.mass(z, m, allowed)
         total = group.sum_(q.sum(1))
         target = nx.top_p_target(total, p.top_p_fixed[:b])
-        q_t = radix_select(q, q, target, on & (total > 0), group)
-        allowed = allowed & (q >= q_t.unsqueeze(1))
+        key_p = radix_select(keys, q, target, on & (total > 0), group)
+        allowed = allowed & (keys >= key_p.unsqueeze(1))
 
     gid = torch.arange(vocab_offset, vocab_offset + v, dtype=torch.int64, device=dev).unsqueeze(0)
     noise = nx.gumbel(p.seed[:b], p.position[:b], vocab_offset, v)

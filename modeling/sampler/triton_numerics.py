@@ -4,8 +4,8 @@ device (and the CPU interpreter) rounds exactly as the torch reference does."""
 import triton
 import triton.language as tl
 
-SENTINEL: tl.constexpr = -9223372036854775807
-KEY_NEG_INF: tl.constexpr = 8388607
+SENTINEL = tl.constexpr(-9223372036854775807)
+KEY_NEG_INF = tl.constexpr(8388607)
 
 
 @triton.jit

@@ -35,11 +35,12 @@ def rows(v):
             RowSpec(temperature=1.1, top_p=0.8, seed=9, logit_bias={v - 1: 8.0, 2: -3.0}, banned_ids=[0, 5],
                     repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2,
                     prompt_token_ids=[9, 10, v - 2], output_token_ids=[10, 10, v - 2]),
-            RowSpec(logit_bias={17: 20.0}, banned_ids=[3])]
+            RowSpec(logit_bias={17: 20.0}, banned_ids=[3]), RowSpec(temperature=1.0, top_k=300, seed=10),
+            RowSpec(temperature=0.9, top_k=250, top_p=0.9, seed=11)]
 
 
-def params(v, device="cpu"):
-    r = rows(v)
+def params(v, device="cpu", name=None):
+    r = rows_for(v, name) if name else rows(v)
     p = SamplerParams(len(r), device, **CAPS)
     p.load(HostBatch.from_rows(r, vocab_size=v, **CAPS))
     return p
@@ -59,8 +60,14 @@ def compare(a, b):
             "top_lp_err": float((a.top_logprobs - b.top_logprobs).abs().max()) if a.top_ids.numel() else 0.0}
 
 
-VARIANTS = {"plain": SamplerVariant(), "top_k": SamplerVariant(top_k=True), "top_p": SamplerVariant(top_p=True),
-            "full": SamplerVariant.full(), "processed": SamplerVariant(processed=True)}
+VARIANTS = {"plain": SamplerVariant(), "top_k": SamplerVariant(top_k=True, large_top_k=True),
+            "top_p": SamplerVariant(top_p=True), "full": SamplerVariant.full(),
+            "processed": SamplerVariant(processed=True), "small_k": SamplerVariant(top_k=True, top_p=True)}
+
+
+def rows_for(v, name):
+    r = rows(v)
+    return [x for x in r if x.top_k <= 128] if name == "small_k" else r
 
 
 def rank_main(rank, init, q):
@@ -77,11 +84,12 @@ def rank_main(rank, init, q):
 if __name__ == "__main__":
     out = {}
     for v, dtype, n, names in ((1000, torch.float32, 5, list(VARIANTS)), (3001, torch.bfloat16, 3, ["full", "top_p"]),
-                               (777, torch.float32, 0, ["full"])):
+                               (777, torch.float32, 0, ["full"]), (1500, torch.float32, 0, ["small_k"])):
         x = logits_for(v, dtype)
         for name in names:
-            a = sample(x, params(v), num_logprobs=n, variant=VARIANTS[name], backend="triton")
-            b = sample(x, params(v), num_logprobs=n, variant=VARIANTS[name], backend="torch")
+            xs = x[: len(rows_for(v, name))]
+            a = sample(xs, params(v, name=name), num_logprobs=n, variant=VARIANTS[name], backend="triton")
+            b = sample(xs, params(v, name=name), num_logprobs=n, variant=VARIANTS[name], backend="torch")
             out[f"{v} {dtype} {name}"] = compare(a, b)
     # one shard at an offset that is not a multiple of 4 (the noise tile realigns to global ids)
     x = logits_for(V_TP, torch.float32)[:, SPLIT:]
@@ -113,7 +121,7 @@ def results() -> dict:
 
 def test_kernel_tokens_equal_the_torch_path_bitwise(results):
     cases = {k: r for k, r in results.items() if k != "tp"}
-    assert len(cases) == 9
+    assert len(cases) == 11
     for name, r in cases.items():
         assert r["equal"], (name, r)
         assert r["top_equal"] and r["lp_err"] < 1e-5 and r["top_lp_err"] < 1e-5, (name, r)
