@@ -5,7 +5,8 @@
 Per batch size (default 1, 8, 64, 256) and bf16 logits `[B, vocab]` (default 151936, Qwen3), microseconds per
 call inside one CUDA graph of `--calls` back-to-back calls (CUDA events over `--replays` replays): greedy
 `argmax`, and the sampler with every row at temperature 1 plus top_p 0.9 / top_k 50 / min_p 0.1 / top-5 raw
-logprobs / nothing else / temperature 0 (the sampler's greedy), each in the smallest variant that serves it.
+logprobs / nothing else / temperature 0 (the sampler's greedy) / penalties and a logit bias, each in the
+smallest variant that serves it.
 Prints the ratio to argmax and the added microseconds; the JSON holds every number.
 """
 from __future__ import annotations
@@ -26,6 +27,9 @@ CASES: dict[str, tuple[dict, SamplerVariant, int]] = {
     "T=1": ({"temperature": 1.0}, SamplerVariant(), 0),
     "T=0 (sampler)": ({"temperature": 0.0}, SamplerVariant(), 0),
     "T=1 top_k=50 top_p=0.9": ({"temperature": 1.0, "top_k": 50, "top_p": 0.9}, SamplerVariant(top_k=True, top_p=True), 0),
+    "T=1 penalties+bias": ({"temperature": 1.0, "repetition_penalty": 1.1, "frequency_penalty": 0.2,
+                            "prompt_token_ids": tuple(range(100, 140)), "output_token_ids": tuple(range(7, 20)),
+                            "logit_bias": {5: 2.0}}, SamplerVariant(processed=True), 0),
 }
 
 
