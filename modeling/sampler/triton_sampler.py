@@ -85,8 +85,8 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
         cands = group.gather(cands)
     if variant.top_k:
         kc = group.gather(kc)
-        tk.topk_fast_kernel[(b,)](recf, reci, rs, kc, st, b, c, nt, KF=kf, CB=min(4096, _pow2(nt * c * kf)),
-                                  num_warps=8, enable_fp_fusion=False)  # one program per row: wide steps
+        tk.topk_fast_kernel[(b,)](recf, reci, rs, kc, st, b, c, nt, KF=kf, CB=min(1024, _pow2(nt * c * kf)),
+                                  **_OPTS)
     if variant.large_top_k:
         group.sum_(hist[0])
         for level in (2, 3):
