@@ -1,0 +1,167 @@
+"""The device-side sampling parameter block: preallocated tensors of `max_batch` rows at fixed addresses, filled
+by one host-to-device copy per step from a pinned staging buffer, so a captured graph reads them by address.
+
+Layout (both sections row-major, one record per row, so the first `n` rows are one contiguous copy):
+- scalars: `[max_batch, 64]` bytes; fp32 at 4-byte columns `F_*`, int32 `top_k` at column `I_TOP_K`, int64 at
+  8-byte columns `Q_*` (the kernels index the record through fp32 / int32 / int64 views of it).
+- lists: `[max_batch, W]` int32 (fp32 views for `bias_vals`), W = 2 * max_bias + max_ban + 2 * max_penalty_tokens:
+  bias ids, bias values, banned ids, penalised ids, their output counts; -1 = unused id.
+
+Lifetime and streams: `stage(host)` writes the pinned mirror (it waits for the previous upload's copy to finish
+first, a host wait only when the copy is still in flight); `upload(rows, lists)` enqueues the copy on the current
+stream, so kernels launched after it on that stream (or a graph replayed on it) see the new values. Rows past
+the staged batch are reset to harmless defaults (greedy, no lists). The list section is copied only when
+`lists=True` (a step whose variant is `processed`); stale lists are never read by unprocessed variants.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .host import HostBatch, SamplerParamError
+
+REC_BYTES = 64
+# 4-byte columns of the scalar record
+F_TEMPERATURE, F_INV_T, F_TOP_P, F_MIN_P, F_LOG_MIN_P, F_PRESENCE, F_FREQUENCY, F_REPETITION, F_INV_REP = range(9)
+I_TOP_K = 9
+# 8-byte columns of the scalar record
+Q_SEED, Q_POSITION, Q_TOP_P_FIXED = 5, 6, 7
+
+_F_COLS = {"temperature": F_TEMPERATURE, "inv_temperature": F_INV_T, "top_p": F_TOP_P, "min_p": F_MIN_P,
+           "log_min_p": F_LOG_MIN_P, "presence": F_PRESENCE, "frequency": F_FREQUENCY, "repetition": F_REPETITION,
+           "inv_repetition": F_INV_REP}
+_Q_COLS = {"seed": Q_SEED, "position": Q_POSITION, "top_p_fixed": Q_TOP_P_FIXED}
+_DEFAULTS_F = {"temperature": 0.0, "inv_temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "log_min_p": -np.inf,
+               "presence": 0.0, "frequency": 0.0, "repetition": 1.0, "inv_repetition": 1.0}
+
+
+class ListLayout:
+    """Column offsets (int32 units) of the per-row list record."""
+
+    def __init__(self, max_bias: int, max_ban: int, max_penalty_tokens: int) -> None:
+        if min(max_bias, max_ban, max_penalty_tokens) < 1:
+            raise SamplerParamError("max_bias, max_ban and max_penalty_tokens must be >= 1")
+        self.max_bias, self.max_ban, self.max_pen = max_bias, max_ban, max_penalty_tokens
+        self.bias_ids = 0
+        self.bias_vals = max_bias
+        self.ban_ids = 2 * max_bias
+        self.pen_ids = 2 * max_bias + max_ban
+        self.pen_counts = self.pen_ids + max_penalty_tokens
+        self.width = self.pen_counts + max_penalty_tokens
+
+
+def _default_lists(layout: ListLayout) -> np.ndarray:
+    row = np.zeros(layout.width, np.int32)
+    row[layout.bias_ids: layout.bias_vals] = -1
+    row[layout.ban_ids: layout.pen_counts] = -1
+    return row
+
+
+class SamplerParams:
+    """Device parameter block. Views (all `[max_batch]` or `[max_batch, W]`, strided into the records):
+    temperature, inv_temperature, top_p, min_p, log_min_p, presence, frequency, repetition, inv_repetition
+    (fp32), top_k (int32), seed, position, top_p_fixed (int64); bias_ids, ban_ids, pen_ids, pen_counts (int32),
+    bias_vals (fp32). `scalars` / `lists` are the raw device records the kernels take."""
+
+    def __init__(self, max_batch: int, device: torch.device | str, *, max_bias: int = 32, max_ban: int = 8,
+                 max_penalty_tokens: int = 2048) -> None:
+        if max_batch < 1:
+            raise SamplerParamError(f"max_batch must be >= 1, got {max_batch}")
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self.layout = ListLayout(max_bias, max_ban, max_penalty_tokens)
+        pin = self.device.type == "cuda"
+        self._host_scalars = torch.zeros((max_batch, REC_BYTES), dtype=torch.uint8, pin_memory=pin)
+        self._host_lists = torch.zeros((max_batch, self.layout.width), dtype=torch.int32, pin_memory=pin)
+        self.scalars = torch.zeros((max_batch, REC_BYTES), dtype=torch.uint8, device=self.device)
+        self.lists = torch.zeros((max_batch, self.layout.width), dtype=torch.int32, device=self.device)
+        self._hs_np = self._host_scalars.numpy()
+        self._hl_np = self._host_lists.numpy()
+        self._default_lists = _default_lists(self.layout)
+        self._staged = 0  # rows written by the last stage()
+        self._dirty = max_batch  # rows [0, _dirty) may hold non-default values in the mirror
+        self._copied: Optional[torch.cuda.Event] = None
+        self._reset_rows(0, max_batch)
+        self.upload(max_batch, lists=True)
+        self._bind_views()
+
+    # ---- views --------------------------------------------------------------------------------------------
+    def _bind_views(self) -> None:
+        f = self.scalars.view(torch.float32)
+        q = self.scalars.view(torch.int64)
+        for name, col in _F_COLS.items():
+            setattr(self, name, f[:, col])
+        self.top_k = self.scalars.view(torch.int32)[:, I_TOP_K]
+        for name, col in _Q_COLS.items():
+            setattr(self, name, q[:, col])
+        lay, li = self.layout, self.lists
+        self.bias_ids = li[:, lay.bias_ids: lay.bias_vals]
+        self.bias_vals = li.view(torch.float32)[:, lay.bias_vals: lay.ban_ids]
+        self.ban_ids = li[:, lay.ban_ids: lay.pen_ids]
+        self.pen_ids = li[:, lay.pen_ids: lay.pen_counts]
+        self.pen_counts = li[:, lay.pen_counts: lay.width]
+
+    # ---- host side ----------------------------------------------------------------------------------------
+    def _wait_copy(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+    def _reset_rows(self, lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        f = self._hs_np.view(np.float32)
+        q = self._hs_np.view(np.int64)
+        self._hs_np[lo:hi] = 0
+        for name, col in _F_COLS.items():
+            f[lo:hi, col] = _DEFAULTS_F[name]
+        self._hl_np[lo:hi] = self._default_lists
+
+    def stage(self, host: HostBatch) -> None:
+        """Write `host` (n <= max_batch rows) into the pinned mirror; rows [n, max_batch) become defaults."""
+        n = host.n
+        if n > self.max_batch:
+            raise SamplerParamError(f"batch of {n} rows exceeds max_batch {self.max_batch}")
+        lay = self.layout
+        widths = {"bias_ids": lay.max_bias, "ban_ids": lay.max_ban, "pen_ids": lay.max_pen}
+        for name, w in widths.items():
+            if getattr(host, name).shape[1] > w:
+                raise SamplerParamError(f"{name}: {getattr(host, name).shape[1]} columns exceed the block's {w}")
+        self._wait_copy()
+        f = self._hs_np.view(np.float32)
+        q = self._hs_np.view(np.int64)
+        for name, col in _F_COLS.items():
+            f[:n, col] = getattr(host, name)
+        self._hs_np.view(np.int32)[:n, I_TOP_K] = host.top_k
+        for name, col in _Q_COLS.items():
+            q[:n, col] = getattr(host, name)
+        hl, hlf = self._hl_np, self._hl_np.view(np.float32)
+        hl[:n] = self._default_lists
+        hl[:n, lay.bias_ids: lay.bias_ids + host.bias_ids.shape[1]] = host.bias_ids
+        hlf[:n, lay.bias_vals: lay.bias_vals + host.bias_vals.shape[1]] = host.bias_vals
+        hl[:n, lay.ban_ids: lay.ban_ids + host.ban_ids.shape[1]] = host.ban_ids
+        hl[:n, lay.pen_ids: lay.pen_ids + host.pen_ids.shape[1]] = host.pen_ids
+        hl[:n, lay.pen_counts: lay.pen_counts + host.pen_counts.shape[1]] = host.pen_counts
+        self._reset_rows(n, self._dirty)
+        self._dirty = n
+        self._staged = n
+
+    def upload(self, rows: Optional[int] = None, *, lists: bool = True) -> None:
+        """Copy rows [0, rows) (default: max_batch) of the mirror to the device on the current stream."""
+        rows = self.max_batch if rows is None else rows
+        if not 0 < rows <= self.max_batch:
+            raise SamplerParamError(f"rows must be in [1, {self.max_batch}], got {rows}")
+        nb = self.device.type == "cuda"
+        self.scalars[:rows].copy_(self._host_scalars[:rows], non_blocking=nb)
+        if lists:
+            self.lists[:rows].copy_(self._host_lists[:rows], non_blocking=nb)
+        if nb:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def load(self, host: HostBatch, rows: Optional[int] = None) -> None:
+        """`stage(host)` then `upload(rows or max_batch)`, copying the lists only when the batch needs them."""
+        self.stage(host)
+        self.upload(rows, lists=host.variant().processed or rows is None)

@@ -1,0 +1,112 @@
+"""Launcher of the Triton sampler (CUDA logits; the tests also run it under TRITON_INTERPRET=1 on CPU).
+
+Stages per call, each a `(B, C)` grid over chunks of the vocabulary shard unless noted; TP collectives between:
+
+  [processed]  copy (logits -> fp32 work) + patch (grid B: bias, bans, penalties)     1 pass (write)
+  stats        raw max / sum-exp, max z, top-N raw candidates, each chunk's k largest z
+               (k <= 128), top-k level-1 counts (larger k)                            1 pass   gather, sum
+  [top_k]      grid B: the k-th largest z from the chunks' candidates                 -        (gather above)
+  [large_top_k] top-k levels 2, 3 (rows with k > 128)                                2 passes  sum each
+  [top_p]      top-p levels 1, 2, 3 (key of z, weighted by fixed-point mass)          3 passes  sum each
+  sample       Gumbel-max over the allowed set, per chunk                            1 pass    gather
+  finish       grid B: token, chosen logprob, top-N                                  -
+
+So 2 passes over the logits for temperature / min-p / greedy / top-k (k <= 128) batches, 5 with top-p, +2 with
+larger k, +1 when processed. All buffers are allocated per call (inside a capture: from the graph's pool, so the
+outputs stay valid until the next replay). No host synchronisation.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import triton_kernels as tk
+from .collectives import ShardGroup
+from .host import TOP_K_FAST, SamplerVariant
+from .params import I_TOP_K, SamplerParams  # noqa: F401  (record layout shared with triton_kernels)
+from .reference import SampleOutput
+
+BLOCK = 1024  # elements per inner step (tests lower it under the interpreter)
+MAX_CHUNK = 16384
+TARGET_PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
+NUM_WARPS = 4
+_OPTS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def chunking(batch: int, width: int) -> tuple[int, int]:
+    """(chunk size, chunks per row): a multiple of BLOCK, enough programs to fill the GPU at small batches.
+    Depends only on (batch, width), so every TP rank passing the same shard_width chunks alike."""
+    want = max(1, -(-TARGET_PROGRAMS // batch))
+    ch = max(BLOCK, min(MAX_CHUNK, width // want))
+    ch = 1 << (ch.bit_length() - 1)  # round down to a power of two (>= BLOCK, itself one)
+    ch = max(ch, BLOCK)
+    return ch, -(-width // ch)
+
+
+def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVariant, n: int, voff: int,
+                  group: ShardGroup, shard_width: int) -> SampleOutput:
+    b, v = logits.shape
+    dev = logits.device
+    ch, c = chunking(b, max(shard_width, v))
+    nt = group.size
+    npp2 = _pow2(nt * c)
+    np2 = max(2, _pow2(n)) if n else 2
+    grid = (b, c)
+    recf, reci, recq = p.scalars.view(torch.float32), p.scalars.view(torch.int32), p.scalars.view(torch.int64)
+    rs, rsq = recf.stride(0), recq.stride(0)
+    sl = logits.stride(0)
+    work, sw = logits, sl
+    if variant.processed:
+        work = torch.empty((b, v), dtype=torch.float32, device=dev)
+        sw = work.stride(0)
+        tk.copy_kernel[grid](logits, sl, work, sw, v, ch, BLOCK=BLOCK, **_OPTS)
+        lay = p.layout
+        tk.patch_kernel[(b,)](work, sw, recf, rs, p.lists, p.lists.view(torch.float32), p.lists.stride(0), v, voff,
+                              OFF_BI=lay.bias_ids, OFF_BV=lay.bias_vals, OFF_BAN=lay.ban_ids, OFF_PI=lay.pen_ids,
+                              OFF_PC=lay.pen_counts, MB=lay.max_bias, MBP2=_pow2(lay.max_bias), MBAN=lay.max_ban,
+                              MBANP2=_pow2(lay.max_ban), MP=lay.max_pen, PB=min(1024, _pow2(lay.max_pen)), **_OPTS)
+    need_hist = variant.large_top_k or variant.top_p
+    hist = (torch.zeros if need_hist else torch.empty)((6 if need_hist else 1, b, tk.HS), dtype=torch.int64,
+                                                        device=dev)
+    st = torch.empty((6, b, 4), dtype=torch.int64, device=dev)
+    parts = torch.empty((b, c, 4), dtype=torch.float32, device=dev)
+    cands = torch.empty((b, c, np2) if n else (1,), dtype=torch.int64, device=dev)
+    kf = TOP_K_FAST if variant.top_k else 2
+    kc = torch.empty((b, c, kf) if variant.top_k else (1,), dtype=torch.int64, device=dev)
+    common = (logits, sl, work, sw)
+    flags = {"PROCESSED": variant.processed}
+    tk.stats_kernel[grid](*common, recf, reci, rs, parts, cands, kc, hist, b, v, ch, c, voff, BLOCK=BLOCK, N=n,
+                          NP2=np2, KF=kf, FASTK=variant.top_k, TOPK_LARGE=variant.large_top_k, **flags, **_OPTS)
+    parts = group.gather(parts)
+    if n:
+        cands = group.gather(cands)
+    if variant.top_k:
+        kc = group.gather(kc)
+        tk.topk_fast_kernel[(b,)](recf, reci, rs, kc, st, b, c, nt, KF=kf, CB=min(1024, _pow2(nt * c * kf)),
+                                  **_OPTS)
+    if variant.large_top_k:
+        group.sum_(hist[0])
+        for level in (2, 3):
+            tk.topk_level_kernel[grid](*common, recf, reci, rs, st, hist, b, v, ch, kf, LEVEL=level, BLOCK=BLOCK,
+                                       **flags, **_OPTS)
+            group.sum_(hist[level - 1])
+    sel = {"HAS_TOPK": variant.top_k, "TOPK_LARGE": variant.large_top_k}
+    if variant.top_p:
+        for level in (1, 2, 3):
+            tk.topp_level_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, hist, b, v, ch, c, nt, kf,
+                                       LEVEL=level, BLOCK=BLOCK, **flags, **sel, NPP2=npp2, **_OPTS)
+            group.sum_(hist[level + 2])
+    best = torch.empty((b, c, 2), dtype=torch.int64, device=dev)
+    tk.sample_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, hist, best, b, v, ch, c, nt, voff, kf,
+                           BLOCK=BLOCK, **flags, **sel, HAS_TOPP=variant.top_p, NPP2=npp2, **_OPTS)
+    best = group.gather(best)
+    tokens = torch.empty((b,), dtype=torch.int64, device=dev)
+    chosen = torch.empty((b,), dtype=torch.float32, device=dev)
+    top_ids = torch.empty((b, max(n, 1)), dtype=torch.int64, device=dev)  # no empty tensors into a launch
+    top_lp = torch.empty((b, max(n, 1)), dtype=torch.float32, device=dev)
+    tk.finish_kernel[(b,)](parts, cands, best, tokens, chosen, top_ids, top_lp, b, c, nt, N=n, NP2=np2, NPP2=npp2,
+                           CB=min(1024, max(16, _pow2(nt * c * np2))), **_OPTS)
+    return SampleOutput(tokens, chosen, top_ids[:, :n], top_lp[:, :n])
