@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from actors.armed import ArmedDecode
-from actors.batch import BatchError, StepBatch
+from actors.batch import BatchError, SampledTokens, StepBatch, StepLogprobs
+from actors.step_sampler import StepSampler
 from graphrunner.capture import end_capture, end_capture_quietly
 from graphrunner.config import GraphRunnerConfig
 from graphrunner.runner import CUDAGraphRunner
@@ -33,7 +34,6 @@ from modeling.loader import init_random, load_checkpoint
 from modeling.ops import get_kernel_ops
 from modeling.ops.options import KernelOptions
 from modeling.qwen3 import Qwen3ForCausalLM
-from modeling.sampling import SamplingParams, sample
 from parallel.context import ParallelContext
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -142,11 +142,12 @@ class PendingTokens:
     a copy and then hands the pinned buffer and its event back to `recycle` (the rank's free list) for a later
     step, so `result()` is the only reader of `host`."""
 
-    __slots__ = ("host", "event", "multi", "_recycle", "_out")
+    __slots__ = ("host", "event", "multi", "_recycle", "_out", "logprobs")
 
     def __init__(self, host: Optional[torch.Tensor], event: Any = None, multi: bool = False,
-                 recycle: Optional[list] = None):
+                 recycle: Optional[list] = None, logprobs: Optional[tuple] = None):
         self.host, self.event, self.multi, self._recycle, self._out = host, event, multi, recycle, None
+        self.logprobs = logprobs  # host (chosen, top ids, top logprobs) when the step returns logprobs
 
     def ready(self) -> bool:
         """Whether `result()` returns without waiting for the device."""
@@ -160,6 +161,10 @@ class PendingTokens:
             self.event.synchronize()
         out = self.host.numpy()
         self._out = out.T.copy() if self.multi else out.copy()
+        if self.logprobs is not None:
+            chosen, ids, lps = (t.numpy() for t in self.logprobs)
+            self._out = SampledTokens(self._out, StepLogprobs(chosen.astype(np.float32).copy(),
+                                                              ids.astype(np.int32), lps.astype(np.float32).copy()))
         if self._recycle is not None:
             self._recycle.append((self.host, self.event))
             self._recycle = None
@@ -232,6 +237,9 @@ class RankRuntime:
         self._last_lane: Optional[_DecodeLane] = None  # the lane of the latest step, if one served it
         self._last_host_ids = False  # whether the latest step's token ids all came from the host
         self._armer: Optional[ArmedDecode] = None  # made by `build_runner` where arming is allowed
+        self._sampler: Optional[StepSampler] = None  # the batched sampler of sampled rows, made at first use
+        # (chosen, top ids, top logprobs) device tensors of the step being launched, when its batch asks for them
+        self._step_logprobs: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self._thread = threading.local()  # `.bound`: this thread's current stream is `self.stream` (`bind_stream`)
 
     def on_stream(self):
@@ -455,7 +463,8 @@ class RankRuntime:
         lane = None
         if validated and num_steps == 1 and batch is not None:
             lane = self._lanes.get((batch.batch_size, batch.num_tokens, global_decode, batch_bucket, token_bucket))
-            if lane is not None and (self.logits_observer is not None or batch.temperature.any()):
+            if lane is not None and (self.logits_observer is not None or batch.temperature.any()
+                                     or batch.extras is not None):
                 lane = None
         armer = self._armer
         if armer is not None and armer.armed:
@@ -484,9 +493,12 @@ class RankRuntime:
                 self.check_batch(batch)
                 batch.check_multi_step(num_steps, self.cfg.block_size)
             ids, ids_dev = self._resolve_ids(batch.token_ids)
+            self._step_logprobs = None
             if num_steps == 1:
                 tokens = self._step_tokens(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket)
                 self._last_tokens = tokens
+                if self._step_logprobs is not None:
+                    return self._read_back(tokens, multi=False, logprobs=self._step_logprobs)
             else:
                 tokens = self._multi_step_tokens(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket,
                                                  num_steps)
@@ -537,7 +549,17 @@ class RankRuntime:
             armer.cancel()
             self._sync()
 
-    def _read_back(self, tokens: torch.Tensor, multi: bool) -> PendingTokens:
+    def _read_back(self, tokens: torch.Tensor, multi: bool, logprobs: Optional[tuple] = None) -> PendingTokens:
+        if logprobs is not None:  # rarer steps: fresh pinned buffers, no free list
+            nb = tokens.device.type == "cuda"
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=nb) for t in (tokens, *logprobs)]
+            for h, t in zip(host, (tokens, *logprobs)):
+                h.copy_(t, non_blocking=nb)
+            event = None
+            if nb:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return PendingTokens(host[0], event, multi, logprobs=tuple(host[1:]))
         if tokens.device.type != "cuda":
             return PendingTokens(tokens.contiguous(), None, multi)
         free = self._read_back_free.setdefault(tuple(tokens.shape), [])
@@ -604,7 +626,7 @@ class RankRuntime:
         step = ForwardStep(ids_t if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta,
                            global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
         hidden = self.runner(step)
-        sampled = bool(batch.temperature.any())
+        sampled = bool(batch.temperature.any()) or batch.extras is not None
         logits, greedy = self._eager_head(hidden, meta.last_token_index, sampled)
         return self._sample(logits, batch) if sampled else greedy
 
@@ -627,7 +649,7 @@ class RankRuntime:
         ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.cfg.block_size)
         step = ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta,
                            global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
-        sampled = bool(batch.temperature.any())
+        sampled = bool(batch.temperature.any()) or batch.extras is not None
         launched = self._decode_graph_step(step, need_logits=sampled)
         if launched is None:
             return None
@@ -727,10 +749,12 @@ class RankRuntime:
         return tokens
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        params = [SamplingParams(float(t), int(k), float(p), None if s < 0 else int(s))
-                  for t, k, p, s in zip(batch.temperature, batch.top_k, batch.top_p, batch.seeds)]
-        positions = (batch.num_history + batch.q_seqlens).tolist()
-        return sample(logits, params, positions)
+        """The batched sampler over fp32 logits `[n, V]` (`actors.step_sampler`); the step's logprobs, when its
+        batch asks for them, wait in `_step_logprobs` for the read-back."""
+        if self._sampler is None:
+            self._sampler = StepSampler(self.device, self.model_config.vocab_size, self.cfg.max_model_len)
+        tokens, self._step_logprobs = self._sampler.sample(logits, batch)
+        return tokens
 
     def reset(self) -> None:
         """Drop every graph and plan (the runner's reset also runs its hooks, e.g. DeepEP teardown) and this

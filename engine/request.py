@@ -58,7 +58,7 @@ class Request:
              request_id: Optional[str] = None) -> "Request":
         """Build a request from loose inputs; type and range errors become `RequestError` (nothing is validated
         against the model here: see `validate_request`). `sampling` may be a legacy
-        `modeling.sampling.SamplingParams` (converted field by field)."""
+        object with the same attributes (converted field by field)."""
         if isinstance(prompt_token_ids, np.ndarray):
             prompt_token_ids = prompt_token_ids.tolist() if prompt_token_ids.ndim == 1 else None
         if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
@@ -174,6 +174,8 @@ class RequestOutput:
     stopped_on_token: bool = False
     # when the request asked for logprobs: per token of `new_token_ids`, (its logprob, top ids, top logprobs)
     new_logprobs: Optional[list[tuple[float, list[int], list[float]]]] = None
+    # every generated token's entry, in the final output only (like `token_ids`)
+    logprobs: Optional[list[tuple[float, list[int], list[float]]]] = None
 
     @property
     def num_prompt_tokens(self) -> int:

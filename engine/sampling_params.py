@@ -43,8 +43,10 @@ LOGIT_BIAS_MAX = 100.0
 LOGIT_BIAS_MAX_ENTRIES = 300
 LOGPROBS_MAX = 20
 
-# Fields the sampler on the ranks applies today (the step arrays carry temperature, top_k, top_p, seed).
-ENGINE_APPLIES: frozenset[str] = frozenset({"temperature", "top_k", "top_p", "seed"})
+# Fields the sampler on the ranks applies (`modeling.sampler`: temperature, top_k, top_p, seed in the step arrays,
+# the rest in `actors.batch.SamplerExtras`; min_tokens as banned stop ids until the request has that many tokens).
+ENGINE_APPLIES: frozenset[str] = frozenset({"temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty",
+                                            "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"})
 # Fields handled outside the sampler: ignore_eos by whoever builds the stop token ids (the HTTP layer leaves
 # EOS out), logprobs accepted with null values until the sampler returns them.
 HANDLED_OUTSIDE: frozenset[str] = frozenset({"ignore_eos", "logprobs"})
@@ -187,7 +189,7 @@ class SamplingParams:
     @classmethod
     def coerce(cls, sp: Any) -> "SamplingParams":
         """`sp` itself, or a `SamplingParams` built from any object with the same attributes (the legacy
-        `modeling.sampling.SamplingParams` while its callers move over); fields it lacks keep their defaults."""
+        object with these attributes); fields it lacks keep their defaults."""
         if isinstance(sp, cls):
             return sp
         if sp is None or not all(hasattr(sp, k) for k in ("temperature", "top_k", "top_p", "seed")):

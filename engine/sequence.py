@@ -91,7 +91,8 @@ class Sequence:
         return RequestOutput(req.request_id, req.prompt_token_ids, new, self.token_ids[self.prompt_len:] if done else [],
                              self._emitted, done, self.finish_reason, req.arrival_time, self.first_token_time,
                              self.last_token_time if done else None, self.num_preemptions, self.error,
-                             done and self.stopped_on_token, lps)
+                             done and self.stopped_on_token, lps,
+                             list(self.logprobs) if done and lps is not None else None)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "

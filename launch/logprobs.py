@@ -31,8 +31,15 @@ def completion_logprobs(tokenizer: Any, token_ids: Sequence[int], entries: Seque
         offsets.append(offset)
         offset += len(s)
     return {"tokens": toks, "token_logprobs": [e[0] for e in entries],
-            "top_logprobs": [{token_text(tokenizer, i): lp for i, lp in zip(e[1], e[2])} for e in entries],
-            "text_offset": offsets}
+            "top_logprobs": [_top(tokenizer, e) for e in entries], "text_offset": offsets}
+
+
+def _top(tokenizer: Any, entry: Entry) -> dict:
+    """{token text: logprob}, best first; tokens whose texts coincide keep the best one's value."""
+    out: dict[str, float] = {}
+    for i, lp in zip(entry[1], entry[2]):
+        out.setdefault(token_text(tokenizer, i), lp)
+    return out
 
 
 def chat_logprobs(tokenizer: Any, token_ids: Sequence[int], entries: Sequence[Entry]) -> dict:

@@ -1,7 +1,7 @@
 """Single-process generation on one model: the yardstick for tests and the `demo` job.
 
 Runs eagerly (no graph runner): one batched prefill of all prompts, then one batched
-decode step per new token, on a paged KV cache it owns.
+greedy decode step per new token, on a paged KV cache it owns.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 
 from modeling.attn_metadata import SequenceSlice, build_step
 from modeling.kv_cache import BlockAllocator, CacheCapacityError, KVCacheSpec, PagedKVCache
-from modeling.sampling import SamplingParams, sample
 
 
 class TokenIdError(ValueError):
@@ -39,15 +38,13 @@ def generate(
     model,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int = 16,
-    sampling: Optional[SamplingParams] = None,
     block_size: int = 64,
     num_blocks: Optional[int] = None,
     kv_cache: Optional[PagedKVCache] = None,
 ) -> GenerationResult:
-    """Generate `max_new_tokens` tokens after each prompt. Raises before touching the cache when a
+    """Generate `max_new_tokens` greedy tokens after each prompt. Raises before touching the cache when a
     prompt is invalid or the sequences cannot fit."""
     cfg = model.config
-    sampling = sampling or SamplingParams()
     for i, p in enumerate(prompts):
         validate_prompt(p, cfg.vocab_size, i)
     if max_new_tokens < 1:
@@ -70,13 +67,12 @@ def generate(
     seqs = [list(p) for p in prompts]
     timings: list[float] = []
     slices = [SequenceSlice(list(p), 0, t) for p, t in zip(prompts, tables)]
-    params = [sampling] * len(prompts)
     for step in range(max_new_tokens):
         t0 = time.perf_counter()
         ids, pos, meta = build_step(slices, block_size, model.device, width)
         hidden = model(ids, pos, kv_cache.layers, meta)
         logits = model.compute_logits(hidden, meta.last_token_index)
-        nxt = sample(logits, params, [len(s) for s in seqs]).tolist()
+        nxt = logits.argmax(dim=-1).tolist()
         timings.append(time.perf_counter() - t0)
         for s, t in zip(seqs, nxt):
             s.append(t)

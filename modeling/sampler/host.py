@@ -280,3 +280,40 @@ def _row_lists(i: int, r: RowSpec, lists: dict, vocab: int) -> None:
         _fail(i, "prompt_token_ids/output_token_ids", f"at most {cap} distinct penalised ids", int(pen.size))
     lists["pen_ids"][i, : pen.size] = pen
     lists["pen_counts"][i, : uniq.size] = counts
+
+
+def host_batch_from_arrays(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, seed: np.ndarray,
+                           position: np.ndarray, *, vocab_size: int, min_p: Optional[np.ndarray] = None,
+                           penalties: Optional[np.ndarray] = None, bias_ids: Optional[np.ndarray] = None,
+                           bias_vals: Optional[np.ndarray] = None, ban_ids: Optional[np.ndarray] = None,
+                           pen_ids: Optional[np.ndarray] = None, pen_counts: Optional[np.ndarray] = None) -> HostBatch:
+    """A `HostBatch` from a step's arrays (`[n]` scalars, `[n, W]` lists with -1 = unused), the derived fields
+    computed vectorised as `from_rows` computes them one row at a time: temperatures below `TEMPERATURE_EPS` are
+    greedy, top_k 0 or >= vocab is off, seeds are taken modulo 2^64 as int64. Validated (`SamplerParamError`)."""
+    n = int(temperature.shape[0])
+    t = np.asarray(temperature, np.float32)
+    t = np.where(t < TEMPERATURE_EPS, np.float32(0), t).astype(np.float32)
+    k = np.asarray(top_k).astype(np.int64)
+    p = np.asarray(top_p, np.float32)
+    fixed = np.maximum(1, np.rint(p.astype(np.float64) * TOP_P_ONE)).astype(np.int64)
+    mp = np.zeros(n, np.float32) if min_p is None else np.asarray(min_p, np.float32)
+    pen = np.tile(np.array([0.0, 0.0, 1.0], np.float32), (n, 1)) if penalties is None else \
+        np.asarray(penalties, np.float32)
+    with np.errstate(divide="ignore"):
+        log_mp = np.where(mp > 0, np.log(np.maximum(mp, np.float32(1e-38))), -np.inf).astype(np.float32)
+
+    def lists(a: Optional[np.ndarray], dtype, fill) -> np.ndarray:
+        return np.full((n, 1), fill, dtype) if a is None else np.ascontiguousarray(a, dtype)
+
+    return HostBatch(
+        temperature=t, inv_temperature=np.where(t > 0, np.float32(1) / np.maximum(t, np.float32(1e-30)),
+                                                np.float32(1)).astype(np.float32),
+        top_k=np.where((k < 0) | (k >= vocab_size), 0, k).astype(np.int32), top_p=p,
+        top_p_fixed=np.where(fixed >= TOP_P_ONE, 0, fixed).astype(np.int64), min_p=mp, log_min_p=log_mp,
+        seed=np.asarray(seed).astype(np.int64), position=np.asarray(position).astype(np.int64),
+        presence=np.ascontiguousarray(pen[:, 0]), frequency=np.ascontiguousarray(pen[:, 1]),
+        repetition=np.ascontiguousarray(pen[:, 2]),
+        inv_repetition=(np.float32(1) / pen[:, 2]).astype(np.float32),
+        bias_ids=lists(bias_ids, np.int32, -1), bias_vals=lists(bias_vals, np.float32, 0.0),
+        ban_ids=lists(ban_ids, np.int32, -1), pen_ids=lists(pen_ids, np.int32, -1),
+        pen_counts=lists(pen_counts, np.int32, 0), vocab_size=vocab_size)

@@ -336,3 +336,38 @@ def test_ranks_with_different_options_fail_before_any_collective(cache):
         assert c.status()["state"] == "failed"
     finally:
         c.shutdown()
+
+
+def test_tp2_sampled_rows_draw_the_same_token_on_both_ranks_and_equal_one_rank(tp2, reference):
+    """Seeded sampling (temperature, top-p, top-k, penalties, logprobs) under TP=2: both ranks hold the same
+    tokens (the driver's seeds, counter-based noise), equal to one rank's."""
+    import ray
+
+    from actors.batch import SampledTokens, SamplerExtras
+
+    coord, _ = tp2
+    b = StepBatch.from_sequences([[1, 2, 3, 4], [9, 8, 7]], [0, 0], [[44], [45]], temperature=[1.0, 0.7],
+                                 top_k=[0, 40], top_p=[0.9, 1.0], seeds=[123, 2**62 + 7])
+    outs = coord.step([b])[0]
+
+    def last(actor) -> list:
+        return actor.runtime._last_tokens.tolist()
+
+    per_rank = ray.get([w.__ray_call__.remote(last) for w in coord._ranks.workers], timeout=60)
+    assert per_rank[0] == per_rank[1] == outs.tolist() == reference.execute(b).tolist()
+    ex = SamplerExtras(min_p=np.array([0.05, 0.0], np.float32), penalties=np.array([[0.5, 0.2, 1.3], [0, 0, 1]],
+                                                                                     np.float32),
+                       bias_ids=np.array([[5], [-1]], np.int32), bias_vals=np.array([[3.0], [0.0]], np.float32),
+                       ban_ids=np.array([[-1], [2]], np.int32), pen_ids=np.array([[1, 2, 3, 4], [-1, -1, -1, -1]],
+                                                                                 np.int32),
+                       pen_counts=np.zeros((2, 4), np.int32), num_logprobs=3)
+    b2 = StepBatch.from_sequences([[1, 2, 3, 4], [9, 8, 7]], [0, 0], [[46], [47]], temperature=[1.0, 0.0],
+                                  seeds=[5, -1])
+    b2.extras = ex
+    got = coord.step([b2])[0]
+    want = reference.execute(b2)
+    assert isinstance(got, SampledTokens) and isinstance(want, SampledTokens)
+    per_rank = ray.get([w.__ray_call__.remote(last) for w in coord._ranks.workers], timeout=60)
+    assert per_rank[0] == per_rank[1] == got.tokens.tolist() == want.tokens.tolist()
+    np.testing.assert_allclose(got.logprobs.chosen, want.logprobs.chosen, atol=1e-4)
+    assert got.logprobs.top_ids.tolist() == want.logprobs.top_ids.tolist()

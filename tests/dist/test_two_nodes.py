@@ -103,7 +103,7 @@ def test_cpu_ranks_import_no_gpu_kernel_module(tp2_across):
     def gpu_modules(_actor) -> list[str]:
         import sys
 
-        return sorted(m for m in sys.modules if m == "triton" or m.startswith(("triton.", "modeling.ops.triton_")))
+        return sorted(m for m in sys.modules if m == "triton" or m.startswith(("triton.", "modeling.ops.triton_", "modeling.sampler.triton_")))
 
     coord = tp2_across
     assert ray.get([w.__ray_call__.remote(gpu_modules) for w in coord._ranks.workers], timeout=60) == [[], []]

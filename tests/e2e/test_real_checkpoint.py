@@ -126,3 +126,41 @@ def test_a_moe_checkpoint_serves_transformers_tokens(tmp_path):
     finally:
         s.stop()
     assert out.choices[0].model_extra["token_ids"] == want
+
+
+def test_logprobs_in_the_openai_shapes(srv, ckpt):
+    d, tok, ids, greedy, gen = ckpt
+    c = _client(srv)
+    out = c.completions.create(model=d.name, prompt=ids, max_tokens=6, temperature=0, logprobs=3,
+                               extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert out.choices[0].model_extra["token_ids"] == greedy[:6]
+    assert lp.tokens == [tok.decode([t]) for t in greedy[:6]] and len(lp.token_logprobs) == 6
+    # keyed by token text (the OpenAI shape): byte tokens that decode alike share a key
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    # greedy: the chosen token is the most probable one, and its logprob is the top one
+    assert all(max(top.values()) == pytest.approx(chosen, abs=1e-5) for top, chosen in
+               zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(6)]
+    streamed = list(c.completions.create(model=d.name, prompt=ids, max_tokens=6, temperature=0, logprobs=3,
+                                         stream=True, extra_body={"ignore_eos": True}))
+    assert [v for ch in streamed if ch.choices and ch.choices[0].logprobs
+            for v in ch.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    chat = c.chat.completions.create(model=d.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                     temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(x.top_logprobs) == 2 and x.logprob <= 0 for x in content)
+    assert all(x.logprob == pytest.approx(x.top_logprobs[0].logprob, abs=1e-5) for x in content)  # greedy
+
+
+def test_penalties_bias_and_min_p_are_applied(srv, ckpt):
+    d, tok, ids, greedy, gen = ckpt
+    c = _client(srv)
+    kw = dict(model=d.name, prompt=ids, max_tokens=8, temperature=0)
+    forced = c.completions.create(**kw, logit_bias={str(greedy[0] + 1): 100},
+                                  extra_body={"ignore_eos": True}).choices[0].model_extra["token_ids"]
+    assert forced == [greedy[0] + 1] * 8
+    rep = c.completions.create(**kw, extra_body={"ignore_eos": True, "repetition_penalty": 2.0})
+    assert rep.choices[0].model_extra["token_ids"] != greedy[:8] or len(set(greedy[:8])) == 8
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(**kw, extra_body={"min_p": 2})

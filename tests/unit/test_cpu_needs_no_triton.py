@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_ONLY = ("modeling.ops.triton_", "modeling.ops.pdl", "parallel.symm_fused")
+GPU_ONLY = ("modeling.ops.triton_", "modeling.ops.pdl", "parallel.symm_fused", "modeling.sampler.triton_")
 
 _CHILD = r"""
 import importlib, importlib.abc, pkgutil, sys

@@ -95,11 +95,7 @@ FAILURES = [
     ("seed negative", CMPL, {"prompt": [1], "seed": -1}, 400, "seed", "invalid_value"),
     ("seed bool", CHAT, {"messages": MSG, "seed": False}, 400, "seed", "invalid_type"),
     ("presence out of range", CMPL, {"prompt": [1], "presence_penalty": 3}, 400, "presence_penalty", "invalid_value"),
-    ("presence in range", CMPL, {"prompt": [1], "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported"),
-    ("frequency in range", CHAT, {"messages": MSG, "frequency_penalty": -1}, 400, "frequency_penalty", "unsupported"),
     ("repetition 0", CMPL, {"prompt": [1], "repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value"),
-    ("repetition in range", CMPL, {"prompt": [1], "repetition_penalty": 1.2}, 400, "repetition_penalty",
-     "unsupported"),
     ("min_p out of range", CMPL, {"prompt": [1], "min_p": 2}, 400, "min_p", "invalid_value"),
     ("min_tokens negative", CMPL, {"prompt": [1], "min_tokens": -1}, 400, "min_tokens", "invalid_value"),
     ("logit_bias too many", CMPL, {"prompt": [1], "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias",
@@ -107,7 +103,6 @@ FAILURES = [
     ("logit_bias value", CMPL, {"prompt": [1], "logit_bias": {"1": 500}}, 400, "logit_bias", "invalid_value"),
     ("logit_bias key", CMPL, {"prompt": [1], "logit_bias": {"x": 1}}, 400, "logit_bias", "invalid_type"),
     ("logit_bias list", CMPL, {"prompt": [1], "logit_bias": [1, 2]}, 400, "logit_bias", "invalid_type"),
-    ("logit_bias in range", CMPL, {"prompt": [1], "logit_bias": {"1": 5}}, 400, "logit_bias", "unsupported"),
     ("ignore_eos int", CMPL, {"prompt": [1], "ignore_eos": 1}, 400, "ignore_eos", "invalid_type"),
     ("logprobs 21", CMPL, {"prompt": [1], "logprobs": 21}, 400, "logprobs", "invalid_value"),
     ("logprobs bool (completions)", CMPL, {"prompt": [1], "logprobs": True}, 400, "logprobs", "invalid_type"),
@@ -247,12 +242,13 @@ def test_openai_defaults_and_eos(ctx):
 def test_generation_defaults_apply_when_omitted_and_yield_to_explicit_values(tok):
     d = GenerationDefaults({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 5,
                             "repetition_penalty": 1.1, "eos_token_id": [2, 0], "do_sample": True, "bos_token_id": 1})
-    assert d.in_force() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 5, "eos_token_id": [2, 0]}
-    assert d.ignored == {"repetition_penalty": 1.1, "do_sample": True, "bos_token_id": 1}
+    assert d.in_force() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_tokens": 5,
+                            "eos_token_id": [2, 0]}
+    assert d.ignored == {"do_sample": True, "bos_token_id": 1}
     c = ParseContext(("tiny",), tok, 512, 128, 0, d, d.eos_token_ids)
     req = CMPL({"prompt": [1]}, c)
     assert (req.sampling.temperature, req.sampling.top_p, req.sampling.top_k, req.max_tokens) == (0.6, 0.95, 20, [5])
-    assert req.sampling.repetition_penalty == 1.0  # not applied by the engine: not in force
+    assert req.sampling.repetition_penalty == 1.1  # applied by the sampler: in force
     req = CMPL({"prompt": [1], "temperature": 0, "top_k": 0, "top_p": None, "max_tokens": 9}, c)
     assert (req.sampling.temperature, req.sampling.top_p, req.sampling.top_k, req.max_tokens) == (0.0, 0.95, 0, [9])
     assert CHAT({"messages": MSG}, c).max_tokens == [5]
@@ -314,3 +310,12 @@ def test_good_bodies():
     deep = json.dumps([[[[[[1]]]]]]).encode()
     assert parse_json_body(deep, J, LIMITS) == [[[[[[1]]]]]]
     assert parse_json_body('{"t": "Café 🙂"}'.encode(), J, LIMITS) == {"t": "Café 🙂"}
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 0.5), ("frequency_penalty", -1),
+                                          ("repetition_penalty", 1.2), ("logit_bias", {"1": 5}), ("min_p", 0.1),
+                                          ("min_tokens", 3)])
+def test_every_sampling_field_is_accepted_and_carried(ctx, field, value):
+    req = CMPL({"prompt": [1], field: value, "max_tokens": 4}, ctx)
+    got = getattr(req.sampling, field)
+    assert got == ((1, 5.0),) if field == "logit_bias" else got == value

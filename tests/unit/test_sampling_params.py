@@ -102,17 +102,18 @@ def test_replace_validates_again():
         sp.replace(seed=-4)
 
 
-def test_unapplied_lists_non_default_fields_the_sampler_ignores():
+def test_the_sampler_applies_every_field():
     assert SamplingParams(temperature=0.3, top_k=3, top_p=0.9, seed=1, logprobs=5, ignore_eos=True).unapplied() == ()
-    sp = SamplingParams(presence_penalty=0.5, min_p=0.1, logit_bias={"1": 2}, min_tokens=3, repetition_penalty=1.0)
-    assert set(sp.unapplied()) == {"presence_penalty", "min_p", "logit_bias", "min_tokens"}
-    assert ENGINE_APPLIES <= set(FIELDS) and DEFAULTS["repetition_penalty"] == 1.0
+    sp = SamplingParams(presence_penalty=0.5, min_p=0.1, logit_bias={"1": 2}, min_tokens=3, repetition_penalty=1.5,
+                        frequency_penalty=-0.5)
+    assert sp.unapplied() == ()
+    assert ENGINE_APPLIES | {"ignore_eos", "logprobs"} == set(FIELDS) and DEFAULTS["repetition_penalty"] == 1.0
 
 
-def test_legacy_modeling_class_is_coerced():
-    from modeling.sampling import SamplingParams as Legacy
+def test_an_object_with_the_fields_is_coerced():
+    from types import SimpleNamespace
 
-    sp = SamplingParams.coerce(Legacy(0.8, 40, 0.9, 1234))
+    sp = SamplingParams.coerce(SimpleNamespace(temperature=0.8, top_k=40, top_p=0.9, seed=1234))
     assert sp == SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1234)
     assert SamplingParams.coerce(sp) is sp
     with pytest.raises(RequestError):
