@@ -16,6 +16,7 @@ The round submitted ahead is the next `step()`'s round.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -26,7 +27,7 @@ from actors.batch import BatchError
 from engine.executor import executor_max_model_len
 from engine.recovery import EngineRecovery, EngineStepError, RoundRejectedError
 from engine.request import FinishReason, ModelLimits, Request, RequestError, RequestOutput, validate_request
-from engine.samples import check_samples_fit, sample_requests
+from engine.samples import check_samples_fit, max_sample_tokens, sample_requests
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence as Seq
 from engine.sampling_params import SamplingParams
@@ -133,12 +134,17 @@ class LLMEngine(EngineRecovery):
         self.counters["prompt_tokens"] += len(request.prompt_token_ids)
         return request.request_id
 
-    def make_samples(self, request: Request, n: int) -> list[Request]:
+    def make_samples(self, request: Request, n: int, fit_max_tokens: bool = False) -> list[Request]:
         """The n requests of n samples of `request`'s prompt (`engine.samples`), checked to fit one DP rank's KV
-        cache together (`RequestError` naming `n`); add each with `add_request`, the first first."""
-        reqs = sample_requests(request, n)
-        check_samples_fit(request, n, self.limits, self.sched_config.enable_prefix_caching)
-        return reqs
+        cache together (`RequestError` naming `n`); `fit_max_tokens` first lowers max_tokens to what n samples can
+        hold (for a max_tokens the client did not set). Add each with `add_request`, the first first."""
+        shared = self.sched_config.enable_prefix_caching
+        if fit_max_tokens and n > 1:
+            room = max_sample_tokens(len(request.prompt_token_ids), n, self.limits, shared)
+            if room >= 1 and (request.max_tokens is None or request.max_tokens > room):
+                request = dataclasses.replace(request, max_tokens=room)
+        check_samples_fit(request, n, self.limits, shared)
+        return sample_requests(request, n)
 
     def _place(self, seq: Seq) -> int:
         """The DP rank whose prefix cache holds the longest run of `seq`'s full blocks; tie: the least loaded."""

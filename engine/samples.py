@@ -58,6 +58,17 @@ def blocks_for_samples(prompt_len: int, max_tokens: int, n: int, block_size: int
     return common + n * (total - common)
 
 
+def max_sample_tokens(prompt_len: int, n: int, limits: ModelLimits, shared: bool) -> int:
+    """The largest max_tokens with which n samples of a prompt of `prompt_len` tokens fit one DP rank's KV cache
+    together (and max_model_len); 0 when none does."""
+    bs, cap = limits.block_size, limits.max_blocks_per_request
+    common = (prompt_len - 1) // bs if shared and n > 1 else 0
+    if cap < common:
+        return 0
+    per_sample = common + (cap - common) // n  # blocks of each sample's table
+    return max(0, min(bs * per_sample, limits.max_model_len) - prompt_len)
+
+
 def check_samples_fit(base: Request, n: int, limits: ModelLimits, shared: bool) -> None:
     """Raise `RequestError` (param `n`) when n samples of `base` cannot all hold their blocks on one DP rank."""
     p = len(base.prompt_token_ids)
