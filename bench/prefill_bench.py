@@ -262,7 +262,8 @@ def print_table(r: dict) -> None:
     if "throughput" in r:
         x = r["throughput"]
         rows.append((f"throughput {s['tput_requests']} x ({s['tput_prompt']} + {s['output']}), cache on no hits vs "
-                     "off", f"{x['cache_on_no_hits_output_tok_s']} out tok/s", f"{x['cache_off_output_tok_s']} out tok/s"))
+                     "off", f"{x['cache_on_no_hits_output_tok_s']} out tok/s",
+                     f"{x['cache_off_output_tok_s']} out tok/s"))
     if "clients" in r:
         c, u = r["clients"]["chunked"], r["clients"]["unchunked"]
         for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("tpot_p99_ms", "TPOT p99"),

@@ -69,7 +69,7 @@ class StepInfo:
     """What one engine step did (for metrics): seconds in the executor, phase per DP rank, token counts."""
 
     seconds: float
-    kinds: list[Optional[str]]  # "prefill" / "decode" / "mixed" (decode rows + prefill chunks) / None (idle) per DP rank
+    kinds: list[Optional[str]]  # per DP rank: "prefill", "decode", "mixed" (decode rows + chunks), None (idle)
     num_tokens: int
     num_seqs: int
     num_steps: int = 1  # decode steps the round ran (multi-step decode)
