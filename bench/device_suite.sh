@@ -30,6 +30,7 @@ benches)
     timeout 110 python3 bench/serve_bench.py --model qwen3-0.6b --server-arg=--decode-steps=$k --out "$out/serve_bench_steps$k.json" 2>&1 | grep -v "\[server\]" | tee "$out/serve_bench_steps$k.log" | tail -6
   done
   timeout 110 python3 bench/serve_bench.py --model qwen3-0.6b --server-arg=--armed-decode-wait-ms=0 --out "$out/serve_bench_unarmed.json" 2>&1 | grep -v "\[server\]" | tee "$out/serve_bench_unarmed.log" | tail -6
+  timeout 400 python3 -m bench.prefill_bench --model qwen3-0.6b --out "$out/prefill_bench.json" 2>&1 | quiet | tee "$out/prefill_bench.log" | tail -16
   timeout 110 python3 bench/serve_bench.py --model qwen3-0.6b --server-arg=--overlap --out "$out/serve_bench_overlap.json" 2>&1 | grep -v "\[server\]" | tee "$out/serve_bench_overlap.log" | tail -6
   ;;
 esac

@@ -173,6 +173,10 @@ class AsyncLLMEngine(EngineStatus):
                      request_id: Optional[str] = None) -> Request:
         return self.engine.make_request(prompt_token_ids, sampling, max_tokens, stop_token_ids, request_id)
 
+    def make_samples(self, request: Request, n: int, fit_max_tokens: bool = False) -> list[Request]:
+        """The n requests of n samples of `request`'s prompt (`LLMEngine.make_samples`); submit them in order."""
+        return self.engine.make_samples(request, n, fit_max_tokens)
+
     def submit(self, request: Request) -> RequestStream:
         """Queue a validated request; raises `RequestError` (bad request) or `EngineFailedError` (dead)."""
         from engine.request import validate_request

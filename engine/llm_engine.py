@@ -1,9 +1,11 @@
 """`LLMEngine`: one scheduler per DP rank driving one executor, synchronously.
 
 `add_request` validates (raising `RequestError` before anything is scheduled) and places
-the request on the least loaded DP rank; `step()` schedules every DP rank, runs one
-executor step for all of them (`None` for idle ranks) and returns the progress of every
-request that advanced or finished. Not thread-safe: `AsyncLLMEngine` owns it from one thread.
+the request on the DP rank whose prefix cache holds the longest run of its prompt's full
+blocks (tie: the least loaded; a sample of `n > 1` goes to its parent's rank); `step()`
+schedules every DP rank, runs one executor step for all of them (`None` for idle ranks) and
+returns the progress of every request that advanced or finished. Not thread-safe:
+`AsyncLLMEngine` owns it from one thread.
 
 Overlap (`EngineConfig.overlap`, with an executor that has `submit` / `collect`): after a
 decode round is submitted, the next decode round is scheduled ahead and submitted too
@@ -14,6 +16,7 @@ The round submitted ahead is the next `step()`'s round.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -22,15 +25,25 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from actors.batch import BatchError
 from engine.executor import executor_max_model_len
+from engine.recovery import EngineRecovery, EngineStepError, RoundRejectedError
 from engine.request import FinishReason, ModelLimits, Request, RequestError, RequestOutput, validate_request
+from engine.samples import check_samples_fit, max_sample_tokens, sample_requests
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence as Seq
 from engine.sampling_params import SamplingParams
 
+# Tokens per step per DP rank when EngineConfig.max_num_batched_tokens is None and chunked prefill is on: a mixed
+# step of 2048 tokens keeps a GPU's GEMMs compute-bound while a decode row waits at most one such step, and fits
+# the default piecewise buckets (up to 4096). `graphline serve` uses 512 on CPU.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """max_num_seqs / max_num_batched_tokens per DP rank; max_model_len None = the executor's; decode_steps:
+    """max_num_seqs / max_num_batched_tokens per DP rank (None: `DEFAULT_MAX_NUM_BATCHED_TOKENS` with chunked
+    prefill, else max(max_model_len, 2048)); enable_chunked_prefill: split prompts over steps, mixed with decode rows
+    (in force when the budget is below max_model_len); enable_prefix_caching: reuse cached full KV blocks of earlier
+    prompts (`engine.block_manager`); max_model_len None = the executor's; decode_steps:
     multi-step decode (decode steps per scheduling round while every running sequence is greedy); overlap:
     scheduling ahead (see the module docstring; off by default), used when the executor can submit ahead, for
     rounds of at most `overlap_max_seqs` sequences. Measured on an H200 (`bench/serve_bench.py`): TPOT at
@@ -47,6 +60,8 @@ class EngineConfig:
     # generation stops at these unless a request sets ignore_eos: the checkpoint's EOS ids (generation_config.json,
     # else config.json); None = the executor's model config's
     eos_token_ids: Optional[tuple[int, ...]] = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -54,7 +69,7 @@ class StepInfo:
     """What one engine step did (for metrics): seconds in the executor, phase per DP rank, token counts."""
 
     seconds: float
-    kinds: list[Optional[str]]  # "prefill" / "decode" / None (idle) per DP rank
+    kinds: list[Optional[str]]  # per DP rank: "prefill", "decode", "mixed" (decode rows + chunks), None (idle)
     num_tokens: int
     num_seqs: int
     num_steps: int = 1  # decode steps the round ran (multi-step decode)
@@ -65,16 +80,18 @@ class StepInfo:
         return ks.pop() if len(ks) == 1 else "mixed"
 
 
-class LLMEngine:
+class LLMEngine(EngineRecovery):
     def __init__(self, executor: Any, config: EngineConfig = EngineConfig()):
         self.executor = executor
         self.config = config
         mcfg = executor.model_config
         max_len = config.max_model_len or executor_max_model_len(executor) or mcfg.max_position_embeddings
         self.limits = ModelLimits(mcfg.vocab_size, int(max_len), int(executor.block_size), int(executor.num_kv_blocks))
-        budget = config.max_num_batched_tokens or max(self.limits.max_model_len, 2048)
+        budget = config.max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill else max(self.limits.max_model_len, 2048))
         self.sched_config = SchedulerConfig(config.max_num_seqs, budget, self.limits.max_model_len,
-                                            config.watermark_blocks, config.decode_steps)
+                                            config.watermark_blocks, config.decode_steps,
+                                            config.enable_chunked_prefill, config.enable_prefix_caching)
         self.schedulers = [Scheduler(self.sched_config, self.limits.num_kv_blocks, self.limits.block_size)
                            for _ in range(int(executor.dp_size))]
         eos = config.eos_token_ids if config.eos_token_ids is not None else getattr(mcfg, "eos_token_ids", ())
@@ -106,19 +123,41 @@ class LLMEngine:
         validate_request(request, self.limits)
         if request.request_id in self._seqs:
             raise RequestError(f"request id {request.request_id!r} is already in flight", "request_id")
-        rank = min(range(len(self.schedulers)), key=lambda r: self._load(r))
-        seq = Seq(request, rank)
+        seq = Seq(request)
+        parent = self._seqs.get(request.parent_id) if request.parent_id is not None else None
+        seq.dp_rank = parent.dp_rank if parent is not None else self._place(seq)
         if self.eos_token_ids and not request.sampling.ignore_eos:
             seq.stop_ids = request.stop_token_ids | self.eos_token_ids
         self._seqs[request.request_id] = seq
-        self.schedulers[rank].add(seq)
+        self.schedulers[seq.dp_rank].add(seq, after=parent)
         self.counters["requests_added"] += 1
         self.counters["prompt_tokens"] += len(request.prompt_token_ids)
         return request.request_id
 
+    def make_samples(self, request: Request, n: int, fit_max_tokens: bool = False) -> list[Request]:
+        """The n requests of n samples of `request`'s prompt (`engine.samples`), checked to fit one DP rank's KV
+        cache together (`RequestError` naming `n`); `fit_max_tokens` first lowers max_tokens to what n samples can
+        hold (for a max_tokens the client did not set). Add each with `add_request`, the first first."""
+        shared = self.sched_config.enable_prefix_caching
+        if fit_max_tokens and n > 1:
+            room = max_sample_tokens(len(request.prompt_token_ids), n, self.limits, shared)
+            if room >= 1 and (request.max_tokens is None or request.max_tokens > room):
+                request = dataclasses.replace(request, max_tokens=room)
+        check_samples_fit(request, n, self.limits, shared)
+        return sample_requests(request, n)
+
+    def _place(self, seq: Seq) -> int:
+        """The DP rank whose prefix cache holds the longest run of `seq`'s full blocks; tie: the least loaded."""
+        ranks = range(len(self.schedulers))
+        if len(self.schedulers) == 1:
+            return 0
+        if not self.sched_config.enable_prefix_caching:
+            return min(ranks, key=self._load)
+        return min(ranks, key=lambda r: (-self.schedulers[r].cached_prefix_blocks(seq), self._load(r)))
+
     def _load(self, rank: int) -> tuple[int, int]:
         s = self.schedulers[rank]
-        return len(s.waiting) + len(s.running), -s.allocator.num_free
+        return len(s.waiting) + len(s.running) + s.num_held, -s.blocks.num_free
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         seq = self._seqs.pop(request_id, None)
@@ -161,8 +200,7 @@ class LLMEngine:
         outputs.extend(self._apply(scheduled, results))
         self.counters["steps"] += 1
         if self.on_step is not None:
-            self.on_step(StepInfo(seconds, [None if b is None else ("prefill" if b.is_prefill else "decode")
-                                            for b in scheduled],
+            self.on_step(StepInfo(seconds, [None if b is None else b.kind for b in scheduled],
                                   sum(b.num_tokens for b in scheduled if b is not None),
                                   sum(len(b.seqs) for b in scheduled if b is not None), steps))
         return outputs
@@ -193,60 +231,6 @@ class LLMEngine:
             return RoundRejectedError(scheduled, f"{type(exc).__name__}: {exc}")
         self.counters["executor_failures"] += 1
         return EngineStepError(f"executor step failed: {type(exc).__name__}: {exc}")
-
-    def fail_rejected(self, err: "RoundRejectedError") -> list[RequestOutput]:
-        """After a `RoundRejectedError`: find the sequences whose own rows the executor rejects (each checked alone)
-        and finish them with an error; every other sequence of the round is scheduled again by the next step.
-        When no single row is at fault, every sequence of the rejected DP batch fails (no rank is rebuilt)."""
-        culprits = []
-        for d, b in enumerate(err.scheduled):
-            if b is None:
-                continue
-            bad = [seq for seq in b.seqs if not seq.is_finished and not self._row_runs(d, seq)]
-            culprits.extend(bad or [seq for seq in b.seqs if not seq.is_finished])
-        outs = []
-        for seq in culprits:
-            sched = self.schedulers[seq.dp_rank]
-            if seq in sched.running:
-                sched.running.remove(seq)
-            seq.error = "the request could not be run by the model executor"
-            sched._finish(seq, FinishReason.ERROR)
-            if self._seqs.pop(seq.request_id, None) is not None:
-                self.counters["requests_failed"] += 1
-                outs.append(seq.take_output())
-        return outs
-
-    def _row_runs(self, dp_rank: int, seq: Seq) -> bool:
-        """Whether the executor accepts a batch of `seq` alone, as the scheduler would build it now."""
-        check = getattr(self.executor, "check_batch", None)
-        batch = self.schedulers[dp_rank].build_alone(seq)
-        try:
-            if check is not None:
-                check(dp_rank, batch)
-            else:
-                batch.validate(self.limits.vocab_size, self.limits.block_size)
-        except (BatchError, ValueError):
-            return False
-        return True
-
-    def requeue_after_failure(self) -> list[RequestOutput]:
-        """The executor failed mid-round: every running sequence goes back to its scheduler's waiting queue to be
-        recomputed after `rebuild()` (its stream continues with no token lost or repeated). A sequence that was
-        already requeued once after a failure fails instead; their outputs are returned."""
-        self._ahead = None
-        outs = []
-        for s in self.schedulers:
-            for seq in s.requeue_after_failure():
-                seq.num_failures += 1
-                if seq.num_failures > 1:
-                    s.waiting.remove(seq)
-                    seq.error = "the request failed: the model executor failed twice while it ran"
-                    s._finish(seq, FinishReason.ERROR)
-                    if self._seqs.pop(seq.request_id, None) is not None:
-                        self.counters["requests_failed"] += 1
-                        outs.append(seq.take_output())
-        self.counters["requests_requeued"] += sum(len(s.waiting) for s in self.schedulers)
-        return outs
 
     def _submit_ahead(self, scheduled: list[Optional[ScheduledBatch]]) -> None:
         """Schedule and submit the decode round after `scheduled` (every active DP rank, or none)."""
@@ -290,6 +274,8 @@ class LLMEngine:
             for seq in s.update(b, toks, now):
                 if seq.is_finished and seq.finish_reason is FinishReason.ABORT:
                     continue  # reported by abort()
+                if not seq.is_finished and not seq.has_new_output:
+                    continue  # an intermediate prefill chunk: nothing to report
                 out = seq.take_output()
                 if seq.is_finished:
                     if self._seqs.pop(seq.request_id, None) is None:
@@ -299,63 +285,28 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        """Finish every in-flight request with an error (after an executor failure)."""
-        self._ahead = None
-        outs = []
-        for s in self.schedulers:
-            for seq in s.fail_all(message):
-                outs.append(seq.take_output())
-        self.counters["requests_failed"] += len(outs)
-        self._seqs.clear()
-        return outs
-
-    def reset(self, recapture: bool = True, num_kv_blocks: Optional[int] = None,
-              reload_weights: bool = False) -> dict:
-        """Preempt every running sequence (they are recomputed afterwards with identical output), reset and
-        re-capture every rank, resize the block pools if the KV cache changed. Call between steps only."""
-        self._finish_ahead()  # the round in flight completes first; its outputs go out with the next step
-        preempted = sum(s.preempt_all() for s in self.schedulers)
-        out = dict(self.executor.reset(recapture=recapture, num_kv_blocks=num_kv_blocks,
-                                       reload_weights=reload_weights) or {})
-        n = int(self.executor.num_kv_blocks)
-        if n != self.limits.num_kv_blocks:
-            self.limits = ModelLimits(self.limits.vocab_size, self.limits.max_model_len, self.limits.block_size, n)
-            for s in self.schedulers:
-                s.reset_blocks(n)
-            too_big = [seq for s in self.schedulers for seq in s.waiting if _needs(seq, self.limits)]
-            for seq in too_big:
-                self.schedulers[seq.dp_rank].waiting.remove(seq)
-                seq.error = "the KV cache shrank below what this request needs"
-                self.schedulers[seq.dp_rank]._finish(seq, FinishReason.ERROR)
-                self._seqs.pop(seq.request_id, None)
-                self._pending.append(seq.take_output())
-                self.counters["requests_failed"] += 1
-        self.counters["resets"] += 1
-        out["preempted"] = preempted
-        return out
-
-    def rebuild(self) -> None:
-        """Restart the executor after a failure (every request has been failed, no block is held)."""
-        if hasattr(self.executor, "rebuild"):
-            self.executor.rebuild()
-        n = int(self.executor.num_kv_blocks)
-        self.limits = ModelLimits(self.limits.vocab_size, self.limits.max_model_len, self.limits.block_size, n)
-        for s in self.schedulers:
-            s.reset_blocks(n)
-
     def stats(self) -> dict:
         ranks = [s.stats() for s in self.schedulers]
+        caches = [r["prefix_cache"] for r in ranks]
+        queries, hits = sum(c["queries"] for c in caches), sum(c["hits"] for c in caches)
         return {
             "dp_ranks": ranks,
             "waiting": sum(r["waiting"] for r in ranks),
             "running": sum(r["running"] for r in ranks),
             "preemptions": sum(r["preemptions"] for r in ranks),
+            "prefill_chunks": sum(r["prefill_chunks"] for r in ranks),
+            "prefix_cache": {"enabled": self.sched_config.enable_prefix_caching, "queries": queries, "hits": hits,
+                             "hit_rate": hits / queries if queries else 0.0,
+                             "cached_blocks": sum(c["cached_blocks"] for c in caches),
+                             "evictions": sum(c["evictions"] for c in caches)},
+            "chunked_prefill": self.sched_config.chunked,
             "overlap": self._overlap,
             "limits": {"vocab_size": self.limits.vocab_size, "max_model_len": self.limits.max_model_len,
                        "block_size": self.limits.block_size, "num_kv_blocks": self.limits.num_kv_blocks,
                        "max_num_seqs": self.sched_config.max_num_seqs,
-                       "max_num_batched_tokens": self.sched_config.max_num_batched_tokens},
+                       "max_num_batched_tokens": self.sched_config.max_num_batched_tokens,
+                       "enable_chunked_prefill": self.sched_config.enable_chunked_prefill,
+                       "enable_prefix_caching": self.sched_config.enable_prefix_caching},
             **self.counters,
         }
 
@@ -377,23 +328,3 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
-
-
-class EngineStepError(RuntimeError):
-    """The executor failed during a step (a rank died or timed out): requeue the in-flight requests
-    (`LLMEngine.requeue_after_failure`), then `rebuild()`."""
-
-
-class RoundRejectedError(RuntimeError):
-    """The executor refused a round before any rank ran it (a batch check failed); it still serves.
-    `LLMEngine.fail_rejected` fails the requests at fault alone."""
-
-    def __init__(self, scheduled: list, message: str):
-        super().__init__(message)
-        self.scheduled = scheduled
-
-
-def _needs(seq: Seq, limits: ModelLimits) -> bool:
-    req = seq.request
-    total = len(req.prompt_token_ids) + (req.max_tokens or limits.max_model_len - len(req.prompt_token_ids))
-    return -(-total // limits.block_size) > limits.max_blocks_per_request

@@ -43,7 +43,8 @@ class Request:
     """prompt_token_ids: the prompt; max_tokens None = generate until max_model_len (else 1 .. 2**31-1).
     stop_token_ids: generation ends when one is sampled (it is the last output token, counted, its text not
     returned; at most `MAX_STOP_TOKEN_IDS`); the engine adds the model's EOS ids unless `sampling.ignore_eos`.
-    sampling: `engine.sampling_params.SamplingParams`."""
+    sampling: `engine.sampling_params.SamplingParams`. parent_id: another sample of the same prompt (`n > 1`,
+    `engine.samples`): this request waits until that one has computed the prompt, then shares its cached blocks."""
 
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
@@ -51,6 +52,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     request_id: str = field(default_factory=new_request_id)
     arrival_time: float = field(default_factory=time.monotonic)
+    parent_id: Optional[str] = None
 
     @staticmethod
     def make(prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,

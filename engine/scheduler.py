@@ -1,20 +1,26 @@
-"""Continuous batching for one DP rank: FCFS admission, decode of every running sequence,
-paged KV blocks, preemption by recompute.
+"""Continuous batching for one DP rank: FCFS admission, chunked prefill mixed with decode, paged KV blocks with
+prefix caching, preemption by recompute.
 
-Policy per step (vLLM-v0 style, prefill and decode are separate steps):
-1. If the head of the waiting queue fits (sequence slots, token budget, free blocks),
-   admit waiting sequences in FCFS order while they fit and run one prefill step for them.
-2. Otherwise decode every running sequence; a sequence that needs a new block and finds
-   none preempts the newest running sequence (possibly itself): its blocks are freed and
-   it goes back to the front of the waiting queue to be recomputed from its prompt and
-   generated tokens. Sampling is position-keyed, so the output is unchanged.
-3. Scheduling ahead (`schedule_ahead`): while a decode round is in flight and nobody
-   waits, the next decode round of the same sequences is built before the in-flight
-   round's tokens are known: its token ids refer to them (`actors.batch.prev_token`), so
-   the executor can start it as soon as the device is free. A sequence certain to finish
-   (max_tokens, max_model_len) is left out; one that stops on a stop token rides along and
-   its extra token is dropped. Blocks of a sequence that finishes while a round that
-   writes them is in flight are freed only after that round.
+Each step (`schedule`) plans its rows with the chunked or the phased policy (`engine.chunking`), builds one
+`StepBatch`, and `update` applies the sampled tokens:
+- a row whose chunk ends before the sequence's last token drops its sampled token (it only wrote K/V);
+- every other row appends its token(s) and checks the stop conditions;
+- full blocks whose K/V the step completed are registered in the prefix cache (`engine.block_manager`);
+- a sequence that finishes releases its block references (cached blocks stay cached until evicted).
+
+A sequence that needs a new block and finds none preempts the newest running sequence (possibly itself): its
+references are dropped and it goes back to the front of the waiting queue to be recomputed from its prompt and
+generated tokens (from the prefix cache where its blocks are still cached). Sampling is position-keyed, so the
+output is unchanged.
+
+Samples of one prompt (`n > 1`): a sample added with `after=parent` waits, held, until the parent has computed
+its prompt, then goes to the front of the waiting queue and reuses the parent's cached full blocks.
+
+Scheduling ahead (`schedule_ahead`): while a pure decode round is in flight and nobody waits, the next decode
+round of the same sequences is built before the in-flight round's tokens are known: its token ids refer to them
+(`actors.batch.prev_token`). A sequence certain to finish (max_tokens, max_model_len) is left out; one that stops
+on a stop token rides along and its extra token is dropped. Blocks of a sequence that finishes while a round
+that writes them is in flight are released only after that round.
 """
 from __future__ import annotations
 
@@ -26,10 +32,11 @@ from typing import Optional
 import numpy as np
 
 from actors.batch import SampledTokens, StepBatch, prev_token
+from engine.block_manager import BlockManager, chain_hashes
+from engine.chunking import StepPlanner
 from engine.request import FinishReason, Request
-from engine.sampling_rows import build_extras, needs_extras
 from engine.sequence import Sequence, SeqStatus
-from engine.blocks import BlockAllocator
+from engine.step_batch import build_batch
 
 
 class SchedulerError(RuntimeError):
@@ -38,18 +45,20 @@ class SchedulerError(RuntimeError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """max_num_seqs: running sequences per DP rank (decode batch); max_num_batched_tokens: tokens of one
-    prefill step (a single longer sequence is still admitted alone); watermark_blocks: free blocks kept
-    back when admitting next to running sequences (damps admit/preempt ping-pong); decode_steps: decode
-    steps per scheduling round when every running sequence is greedy (multi-step decode: the ranks feed
-    each step's tokens to the next on the device; blocks for the extra tokens are reserved up front, and
-    tokens past a sequence's stop are discarded)."""
+    """max_num_seqs: running sequences per DP rank; max_num_batched_tokens: tokens of one step (chunked: decode
+    rows plus prefill chunks; phased: one prefill step, a single longer sequence still admitted alone);
+    watermark_blocks: free blocks kept back when admitting next to running sequences (damps admit/preempt
+    ping-pong); decode_steps: decode steps per scheduling round when every running sequence is greedy (multi-step
+    decode); enable_chunked_prefill: the chunked policy (`engine.chunking`), in force when the budget is below
+    max_model_len; enable_prefix_caching: reuse cached full blocks (`engine.block_manager`)."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     max_model_len: int = 4096
     watermark_blocks: int = 1
     decode_steps: int = 1
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps"):
@@ -58,36 +67,86 @@ class SchedulerConfig:
         if self.watermark_blocks < 0:
             raise ValueError("watermark_blocks must be >= 0")
 
+    @property
+    def chunked(self) -> bool:
+        """Chunked prefill is in force: on, and a prompt can be longer than one step's budget."""
+        return self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len
+
 
 @dataclass
 class ScheduledBatch:
-    """The sequences of one step, in batch order, and their `StepBatch`."""
+    """The rows of one step, in batch order, and their `StepBatch`. is_prefill: some row computes a prefill chunk
+    (a mixed step when decode rows come with it), so the step runs in the prefill phase and only once."""
 
     seqs: list[Sequence]
     batch: StepBatch
     is_prefill: bool
     num_steps: int = 1
+    num_decode_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
         return self.batch.num_tokens
 
+    @property
+    def kind(self) -> str:
+        """"decode", "prefill" (prefill chunks only) or "mixed" (decode rows and prefill chunks)."""
+        if not self.is_prefill:
+            return "decode"
+        return "mixed" if self.num_decode_rows else "prefill"
 
-class Scheduler:
+
+class Scheduler(StepPlanner):
     def __init__(self, cfg: SchedulerConfig, num_kv_blocks: int, block_size: int):
         self.cfg = cfg
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_kv_blocks)
+        self.blocks = BlockManager(num_kv_blocks, block_size, cfg.enable_prefix_caching)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_chunks = 0  # intermediate prefill chunks (their sampled token dropped)
+        self._held: dict[str, list[Sequence]] = {}  # parent request id -> samples waiting for its prompt
         self._in_flight: Optional[ScheduledBatch] = None
         self._ahead: Optional[ScheduledBatch] = None  # the round scheduled ahead of `_in_flight`
 
+    @property
+    def allocator(self) -> BlockManager:
+        """The block manager (the name of the earlier allocator; `num_free` counts free plus evictable blocks)."""
+        return self.blocks
+
     # ---- queue management
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, after: Optional[Sequence] = None) -> None:
+        """Queue `seq`; with `after` (another sample of the same prompt, in flight here), hold it until `after`
+        has computed its prompt, so that it reuses its cached blocks."""
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if after is not None and not after.prefilled and not after.is_finished:
+            self._held.setdefault(after.request_id, []).append(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _release_held(self, parent: Sequence) -> None:
+        for seq in reversed(self._held.pop(parent.request_id, ())):
+            self.waiting.appendleft(seq)
+
+    @property
+    def num_held(self) -> int:
+        return sum(map(len, self._held.values()))
+
+    def queued(self) -> list[Sequence]:
+        """Every sequence not running: waiting, or held for its parent's prompt."""
+        return [*self.waiting, *(s for group in self._held.values() for s in group)]
+
+    def remove_queued(self, seq: Sequence) -> None:
+        """Take a waiting or held sequence out of its queue (the caller finishes it)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            return
+        for parent, group in self._held.items():
+            if seq in group:
+                group.remove(seq)
+                if not group:
+                    del self._held[parent]
+                return
 
     def abort(self, request_id: str) -> Optional[Sequence]:
         """Remove a request wherever it is; returns its finished sequence (None if unknown)."""
@@ -95,10 +154,17 @@ class Scheduler:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
                 return self._finish(seq, FinishReason.ABORT)
+        for parent, held in self._held.items():
+            for seq in held:
+                if seq.request_id == request_id:
+                    held.remove(seq)
+                    if not held:
+                        del self._held[parent]
+                    return self._finish(seq, FinishReason.ABORT)
         for seq in self.running:
             if seq.request_id == request_id:
                 self.running.remove(seq)
-                # a round in flight still writes its blocks: they are freed when that round is updated
+                # a round in flight still writes its blocks: they are released when that round is updated
                 return self._finish(seq, FinishReason.ABORT, free=not self._in_any_round(seq))
         return None
 
@@ -106,7 +172,7 @@ class Scheduler:
         return any(r is not None and any(s is seq for s in r.seqs) for r in (self._in_flight, self._ahead))
 
     def preempt_all(self) -> int:
-        """Return every running sequence to the waiting queue (blocks freed, recompute later). Used by resets."""
+        """Return every running sequence to the waiting queue (references dropped, recompute later). Resets."""
         n = len(self.running)
         while self.running:
             self._preempt(self.running.pop())
@@ -123,35 +189,33 @@ class Scheduler:
         return seqs
 
     def reset_blocks(self, num_kv_blocks: int) -> None:
-        """Rebuild the allocator (after a KV cache resize); only when no sequence holds blocks."""
+        """A new, empty block manager (the KV contents are gone: reset, resize, rebuild); only when no sequence
+        holds blocks. The prefix-cache counters carry on (they are cumulative)."""
         if self.running or any(s.block_table for s in self.waiting):
             raise SchedulerError("reset_blocks with sequences holding blocks; preempt_all first")
-        self.allocator = BlockAllocator(num_kv_blocks)
+        old = self.blocks
+        self.blocks = BlockManager(num_kv_blocks, self.block_size, self.cfg.enable_prefix_caching)
+        self.blocks.queries, self.blocks.hits, self.blocks.evictions = old.queries, old.hits, old.evictions
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._held)
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    def cached_prefix_blocks(self, seq: Sequence) -> int:
+        """How many of `seq`'s leading full blocks this rank's prefix cache holds (for DP placement)."""
+        return len(self._cached_prefix(seq))
 
     # ---- one step
     def schedule(self) -> Optional[ScheduledBatch]:
         if self._in_flight is not None:
             raise SchedulerError("schedule() called twice without update()")
-        admitted = self._admit()
-        if not admitted:
-            self._reserve_decode_blocks()
-            if not self.running:  # everything was preempted (or nothing ran): admit from a freed cache
-                admitted = self._admit()
-                if not admitted:
-                    return None
-        if admitted:
-            self.running.extend(admitted)
-            sched = ScheduledBatch(admitted, self._build(admitted), True)
-        else:
-            steps = self._lookahead_steps()
-            sched = ScheduledBatch(list(self.running), self._build(self.running), False, steps)
+        seqs, hist, q = self._plan_chunked() if self.cfg.chunked else self._plan_phased()
+        if not seqs:
+            return None
+        num_decode = sum(1 for s in seqs if s.prefilled)
+        prefill = num_decode < len(seqs)
+        steps = 1 if prefill else self._lookahead_steps(seqs)
+        sched = ScheduledBatch(seqs, build_batch(seqs, hist, q), prefill, steps, num_decode)
         self._in_flight = sched
         return sched
 
@@ -161,7 +225,7 @@ class Scheduler:
         continues, or the blocks it needs are not free (never preempts). Updated after `prev`."""
         if prev is not self._in_flight or self._ahead is not None:
             raise SchedulerError("schedule_ahead() needs the in-flight round and none scheduled ahead of it")
-        if prev.is_prefill or prev.num_steps != 1 or self.waiting or prev.batch.extras is not None:
+        if prev.is_prefill or prev.num_steps != 1 or self.waiting or self._held or prev.batch.extras is not None:
             return None  # rows with sampler extras (penalties, bans, logprobs) need their last token first
         in_prev = {id(s) for s in prev.seqs}
         if any(id(s) not in in_prev for s in self.running):
@@ -179,13 +243,13 @@ class Scheduler:
             return None
         # `prev` appends one token (position num_tokens); this round stores it and samples the next
         need = [max(0, self.blocks_for(s.num_tokens + 1) - len(s.block_table)) for s in cont]
-        if sum(need) > self.allocator.num_free:
+        if sum(need) > self.blocks.num_free:
             return None
         for seq, n in zip(cont, need):
             if n:
-                seq.block_table.extend(self.allocator.allocate(n))
-        batch = self._build(cont, tokens=[prev_token(r) for r in rows], hist=[s.num_tokens for s in cont])
-        self._ahead = ScheduledBatch(cont, batch, False, 1)
+                seq.block_table.extend(self.blocks.allocate(n))
+        batch = build_batch(cont, [s.num_tokens for s in cont], [1] * len(cont), tokens=[prev_token(r) for r in rows])
+        self._ahead = ScheduledBatch(cont, batch, False, 1, len(cont))
         return self._ahead
 
     def cancel_ahead(self) -> None:
@@ -193,113 +257,16 @@ class Scheduler:
         sequences, which need them for their next round anyway)."""
         self._ahead = None
 
-    def _lookahead_steps(self) -> int:
-        """Decode steps for this round (multi-step decode): up to `decode_steps` when every running sequence
-        is greedy, capped by max_model_len and by the largest remaining max_tokens; the blocks the extra
-        tokens need are allocated now (fewer steps when they are short; never preempts for them)."""
-        k = self.cfg.decode_steps
-        run = self.running
-        if k <= 1 or not run or any(s.sampling_row[0] > 0 or needs_extras(s) for s in run):
-            return 1
-        k = min(k, min(self.cfg.max_model_len - s.num_tokens for s in run))
-        left = [s.request.max_tokens - s.num_output_tokens for s in run if s.request.max_tokens is not None]
-        if len(left) == len(run):
-            k = min(k, max(left))
-        while k > 1:
-            need = [max(0, self.blocks_for(s.num_tokens + k - 1) - len(s.block_table)) for s in run]
-            if sum(need) <= self.allocator.num_free:
-                for s, n in zip(run, need):
-                    if n:
-                        s.block_table.extend(self.allocator.allocate(n))
-                return k
-            k //= 2
-        return 1
-
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        budget = self.cfg.max_num_batched_tokens
-        while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
-            n = seq.num_new_tokens
-            if admitted and n > budget:
-                break
-            need = self.blocks_for(seq.num_tokens) - len(seq.block_table)
-            keep = self.cfg.watermark_blocks if (self.running or admitted) else 0
-            if need + keep > self.allocator.num_free:
-                break
-            seq.block_table.extend(self.allocator.allocate(need))
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            admitted.append(seq)
-            budget -= n
-        return admitted
-
-    def _reserve_decode_blocks(self) -> None:
-        i = 0
-        bs = self.block_size
-        while i < len(self.running):
-            seq = self.running[i]
-            if len(seq.token_ids) <= len(seq.block_table) * bs:  # fast path: room in the last block
-                i += 1
-                continue
-            need = self.blocks_for(seq.num_tokens) - len(seq.block_table)
-            while need > self.allocator.num_free:
-                victim = self.running.pop()
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                if need:
-                    seq.block_table.extend(self.allocator.allocate(need))
-                i += 1
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
-        seq.num_computed = 0
-        seq.num_preemptions += 1
-        seq.status = SeqStatus.WAITING
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-
-    def _build(self, seqs: list[Sequence], tokens: Optional[list[int]] = None,
-               hist: Optional[list[int]] = None) -> StepBatch:
-        """The step batch of `seqs`: their unfed tokens, or (ahead) one given token id each at position `hist`."""
-        n = len(seqs)
-        tables_lists = [s.block_table for s in seqs]
-        width = max(map(len, tables_lists))
-        tables = np.zeros((n, width), dtype=np.int32)
-        for i, bt in enumerate(tables_lists):
-            tables[i, : len(bt)] = bt
-        if tokens is not None:
-            q = np.ones(n, dtype=np.int32)
-        else:
-            hist = [s.num_computed for s in seqs]
-            if all(len(s.token_ids) - h == 1 for s, h in zip(seqs, hist)):  # decode: one new token each
-                tokens = [s.token_ids[-1] for s in seqs]
-                q = np.ones(n, dtype=np.int32)
-            else:
-                tokens = [t for s, h in zip(seqs, hist) for t in s.token_ids[h:]]
-                q = np.array([len(s.token_ids) - h for s, h in zip(seqs, hist)], dtype=np.int32)
-        rows = [s.sampling_row for s in seqs]
-        greedy = all(r == (0.0, 0, 1.0, -1) for r in rows) and not any(needs_extras(s) for s in seqs)
-        return StepBatch(
-            token_ids=np.array(tokens, dtype=np.int64), q_seqlens=q, num_history=np.array(hist, dtype=np.int32),
-            block_tables=tables,
-            temperature=np.zeros(n, np.float32) if greedy else np.array([r[0] for r in rows], dtype=np.float32),
-            top_k=np.zeros(n, np.int32) if greedy else np.array([r[1] for r in rows], dtype=np.int32),
-            top_p=np.ones(n, np.float32) if greedy else np.array([r[2] for r in rows], dtype=np.float32),
-            seeds=np.full(n, -1, np.int64) if greedy else np.array([r[3] for r in rows], dtype=np.int64),
-            extras=None if greedy else build_extras(seqs),
-        )
-
     def build_alone(self, seq: Sequence) -> StepBatch:
         """The step batch of `seq` alone, from its host tokens (to check one sequence's rows by themselves)."""
-        return self._build([seq])
+        n = seq.num_tokens - seq.num_computed
+        if self.cfg.chunked:
+            n = min(n, self.cfg.max_num_batched_tokens)
+        return build_batch([seq], [seq.num_computed], [max(1, n)])
 
     def update(self, sched: ScheduledBatch, next_tokens: np.ndarray, now: Optional[float] = None) -> list[Sequence]:
         """Apply one round's sampled tokens (int64 `[B]`, or `[B, num_steps]` for multi-step decode, applied in
-        order until a sequence finishes); returns the sequences of the round (finished ones freed)."""
+        order until a sequence finishes); returns the sequences of the round (finished ones released)."""
         if sched is not self._in_flight:
             raise SchedulerError("update() for a batch that is not in flight")
         self._in_flight, self._ahead = self._ahead, None  # the round scheduled ahead is now the one in flight
@@ -313,12 +280,18 @@ class Scheduler:
             raise SchedulerError(f"tokens of shape {tuple(np.shape(next_tokens))} for {len(sched.seqs)} sequences "
                                  f"and {sched.num_steps} steps")
         now = time.monotonic() if now is None else now
+        ends = (sched.batch.num_history + sched.batch.q_seqlens).tolist() if sched.is_prefill else None
         finished = False
         max_len = self.cfg.max_model_len
         for i, (seq, row) in enumerate(zip(sched.seqs, toks.tolist())):
             if seq.status is SeqStatus.FINISHED:  # stopped or aborted while this round ran: its token is dropped
                 if not self._in_any_round(seq):
                     self._release(seq)
+                continue
+            if ends is not None and ends[i] < seq.num_tokens:  # an intermediate chunk: K/V written, token dropped
+                seq.num_computed = ends[i]
+                self.num_chunks += 1
+                self._register(seq)
                 continue
             if logprobs is not None and seq.request.sampling.logprobs is not None:
                 n = seq.request.sampling.logprobs
@@ -340,6 +313,11 @@ class Scheduler:
                     seq.finish_reason = FinishReason.LENGTH
                     break
             seq.num_computed = seq.num_tokens - 1  # every token but the newest has its K/V in the cache
+            self._register(seq)
+            if not seq.prefilled:
+                seq.prefilled = True
+                if self._held:
+                    self._release_held(seq)
             if seq.finish_reason is not None:
                 finished = True
         if finished:
@@ -352,6 +330,18 @@ class Scheduler:
             self.running = keep
         return sched.seqs
 
+    def _register(self, seq: Sequence) -> None:
+        """Register the full blocks whose K/V is now complete (all positions < num_computed) in the prefix cache."""
+        bm = self.blocks
+        k = seq.num_computed // self.block_size
+        if k <= seq.num_registered or not bm.enable_caching:
+            return
+        keys = chain_hashes(seq.token_ids, self.block_size, k, seq.block_hashes)
+        table = seq.block_table
+        for j in range(seq.num_registered, k):
+            bm.register(table[j], keys[j])
+        seq.num_registered = k
+
     def cancel(self, sched: ScheduledBatch) -> None:
         """Forget an in-flight batch whose step failed (its sequences are then failed by the engine)."""
         if sched is self._in_flight:
@@ -361,33 +351,54 @@ class Scheduler:
     def fail_all(self, message: str) -> list[Sequence]:
         """Finish every sequence with an error (the executor failed); returns them."""
         self._in_flight = self._ahead = None
+        held = [s for group in self._held.values() for s in group]
+        self._held = {}
         out = []
-        for seq in list(self.running) + list(self.waiting):
+        for seq in list(self.running) + list(self.waiting) + held:
             seq.error = message
             out.append(self._finish(seq, FinishReason.ERROR))
         self.running, self.waiting = [], collections.deque()
         return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_computed = 0
+        seq.prefilled = False
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason, free: bool = True) -> Sequence:
         if free:
             self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        if self._held:
+            self._release_held(seq)  # its samples compute their prompt themselves (from the cache if they can)
         return seq
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:
-            self.allocator.free(seq.block_table)
+            self.blocks.free(seq.block_table)
             seq.block_table = []
+        seq.num_registered = 0
 
     def stats(self) -> dict:
+        bm = self.blocks
+        usable = max(1, bm.num_blocks - 1)
         return {
-            "waiting": len(self.waiting),
+            "waiting": len(self.waiting) + self.num_held,
             "running": len(self.running),
-            "free_kv_blocks": self.allocator.num_free,
-            "num_kv_blocks": self.allocator.num_blocks,
-            "kv_usage": 1.0 - self.allocator.num_free / max(1, self.allocator.num_blocks - 1),
+            "free_kv_blocks": bm.num_free,  # free + cached blocks nobody references
+            "num_kv_blocks": bm.num_blocks,
+            "kv_usage": bm.num_referenced / usable,
+            "referenced_kv_blocks": bm.num_referenced,
+            "shared_kv_blocks": bm.num_shared,  # referenced by two or more sequences (a shared prefix)
             "preemptions": self.num_preemptions,
+            "prefill_chunks": self.num_chunks,
+            "chunked_prefill": self.cfg.chunked,
+            "prefix_cache": bm.stats(),
         }
 
 

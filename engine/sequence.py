@@ -1,9 +1,14 @@
 """`Sequence`: the scheduler's mutable state of one request (tokens, KV blocks, status).
 
 Invariant: positions [0, num_computed) of `token_ids` have their K/V in the blocks of
-`block_table`; a step feeds `token_ids[num_computed:]` and samples the token at position
-`len(token_ids)`. Preemption by recompute frees the blocks and sets `num_computed` to 0,
-so the prompt and every generated token are fed again as one prefill.
+`block_table`; a step feeds a chunk `token_ids[num_computed:num_computed + q]` and samples the
+token at position `num_computed + q`, which is kept only when the chunk reaches the end of
+`token_ids` (the last chunk of a prefill, or a decode row). Admission sets `num_computed` to the
+tokens found in the prefix cache (whole blocks, at least one token left to compute). Preemption
+by recompute drops the blocks and sets `num_computed` to 0, so the prompt and every generated
+token are fed again (from the prefix cache where their blocks are still cached).
+`block_hashes[j]` is the prefix-cache key of full block j (`engine.block_manager`); the first
+`num_registered` blocks of the table are registered in the cache.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ class SeqStatus(str, enum.Enum):
 class Sequence:
     __slots__ = ("request", "token_ids", "prompt_len", "block_table", "num_computed", "status", "finish_reason",
                  "num_preemptions", "first_token_time", "last_token_time", "_emitted", "dp_rank", "error",
-                 "sampling_row", "num_failures", "stop_ids", "stopped_on_token", "logprobs", "_emitted_logprobs")
+                 "sampling_row", "num_failures", "stop_ids", "stopped_on_token", "logprobs", "_emitted_logprobs",
+                 "block_hashes", "num_registered", "prefilled", "num_cached_tokens")
 
     def __init__(self, request: Request, dp_rank: int = 0):
         self.request = request
@@ -45,6 +51,10 @@ class Sequence:
         # per generated token when the request asked for logprobs: (chosen logprob, top ids, top logprobs)
         self.logprobs: list[tuple[float, list[int], list[float]]] = []
         self._emitted_logprobs = 0
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of the full blocks computed so far (tokens only grow)
+        self.num_registered = 0  # leading blocks of block_table registered in the prefix cache
+        self.prefilled = False  # the prompt (and, after a preemption, the generated tokens) is computed
+        self.num_cached_tokens = 0  # tokens served from the prefix cache at the last admission
         sp = request.sampling
         # (temperature, top_k, top_p, seed): this sequence's row of a step's sampling arrays. An unseeded sampled
         # request gets its seed here, once, on the driver: every rank that samples it draws the same token, and a
@@ -72,6 +82,11 @@ class Sequence:
     def num_new_tokens(self) -> int:
         """Tokens the next step feeds (the whole sequence after a preemption, else one)."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def has_new_output(self) -> bool:
+        """Generated tokens not yet reported by `take_output`."""
+        return self.num_tokens - self.prompt_len > self._emitted
 
     @property
     def is_finished(self) -> bool:

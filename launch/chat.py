@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from engine.errors import RequestError
 from engine.sampling_params import LOGPROBS_MAX, check_bool, check_int
-from launch.protocol import (ApiError, GenerationRequest, ParseContext, _single_choice, _unsupported, check_text,
-                             parse_common, parse_max_tokens, parse_model, require_object, usage)
+from launch.protocol import (ApiError, GenerationRequest, ParseContext, _unsupported, check_text, choices_usage,
+                             parse_common, parse_max_tokens, parse_model, parse_n, require_object)
 
 ROLES = ("system", "user", "assistant")
 # Arguments of apply_chat_template (and names a template reads from its own context): never from a request.
@@ -126,7 +126,7 @@ def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
 def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     body = require_object(body)
     parse_model(body, ctx)
-    _single_choice(body)
+    n = parse_n(body)
     for key in ("tools", "functions"):
         _unsupported(body, key, ([],), "(tool calling)")
     _unsupported(body, "tool_choice", ("none",), "(tool calling)")
@@ -163,17 +163,20 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
                            "context_length_exceeded")
     max_tokens = parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), ctx.defaults.max_tokens, [prompt],
                                   ctx)
-    return parse_common(body, ctx, [prompt], (top_n or 0) if want else None, max_tokens)
+    return parse_common(body, ctx, [prompt], (top_n or 0) if want else None, max_tokens, n,
+                        ("max_completion_tokens", "max_tokens"))
 
 
 # ---- shapes
-def chat_response(rid: str, model: str, created: int, c, logprobs: Optional[dict] = None) -> dict:
-    """c: the finished `launch.outputs.ChoiceState`; logprobs: its `{"content": [...]}` (None: not asked)."""
+def chat_response(rid: str, model: str, created: int, choices: list, logprobs: Optional[list] = None) -> dict:
+    """choices: the finished `launch.outputs.ChoiceState`s (the n samples of the conversation); logprobs: their
+    `{"content": [...]}` objects (None: not asked)."""
+    lps = logprobs or [None] * len(choices)
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                     "finish_reason": c.finish_reason}],
-        "usage": usage(c.num_prompt_tokens, len(c.token_ids)),
+        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                     "finish_reason": c.finish_reason} for c, lp in zip(choices, lps)],
+        "usage": choices_usage(choices, len(choices)),
     }
 
 

@@ -1,6 +1,7 @@
-"""Generation over HTTP: one engine request per prompt, their outputs turned into OpenAI choices as tokens
-arrive (`launch.outputs.ChoiceState`: text, stop strings, counts), answered whole or streamed as server-sent
-events. A choice ended by a stop string aborts its engine request; so does a client that goes away."""
+"""Generation over HTTP: one engine request per choice (n per prompt: the samples of a prompt share its KV blocks,
+`engine.samples`), their outputs turned into OpenAI choices as tokens arrive (`launch.outputs.ChoiceState`: text,
+stop strings, counts), answered whole or streamed as server-sent events. A choice ended by a stop string aborts
+its engine request; so does a client that goes away."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,8 @@ from engine.async_engine import AsyncLLMEngine
 from launch.chat import chat_delta, chat_response
 from launch.logprobs import chat_logprobs, completion_logprobs
 from launch.outputs import ChoiceState
-from launch.protocol import ApiError, GenerationRequest, choice, completion_response, now_s, stream_chunk, usage
+from launch.protocol import (ApiError, GenerationRequest, choice, choices_usage, completion_response, now_s,
+                             stream_chunk)
 
 ENGINE_FAILED = "the engine failed while serving this request; retry it"
 
@@ -55,10 +57,10 @@ class Shape:
             return chat_delta(c.index, text, reason, logprobs=lp) if text or reason or lp else None
         return choice(c.index, text, tokens, reason, lp) if text or tokens or reason else None
 
-    def response(self, rid: str, model: str, created: int, choices: list[ChoiceState]) -> dict:
+    def response(self, rid: str, model: str, created: int, choices: list[ChoiceState], n: int) -> dict:
         lps = [self._logprobs(c, c.token_ids, c.logprobs or [], 0) for c in choices]
-        return chat_response(rid, model, created, choices[0], lps[0]) if self.chat else \
-            completion_response(rid, model, created, choices, lps)
+        return chat_response(rid, model, created, choices, lps) if self.chat else \
+            completion_response(rid, model, created, choices, n, lps)
 
 
 
@@ -73,10 +75,11 @@ def _feed(c: ChoiceState, outs: list) -> tuple[str, list[int]]:
 
 async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, greq: GenerationRequest, rid: str,
                    shape: Shape) -> web.StreamResponse:
-    """Submit one request per prompt and answer with the finished choices, or stream them (SSE)."""
-    reqs = [eng.make_request(p, greq.sampling, mt, greq.stop_token_ids)
-            for p, mt in zip(greq.prompts, greq.max_tokens)]
-    choices = [ChoiceState(i, len(p), tokenizer, greq.stop) for i, p in enumerate(greq.prompts)]
+    """Submit one request per choice (n per prompt) and answer with the finished choices, or stream them (SSE)."""
+    reqs = [r for p, mt in zip(greq.prompts, greq.max_tokens)
+            for r in eng.make_samples(eng.make_request(p, greq.sampling, mt, greq.stop_token_ids), greq.n,
+                                      fit_max_tokens=not greq.max_tokens_given)]
+    choices = [ChoiceState(i, len(greq.prompts[i // greq.n]), tokenizer, greq.stop) for i in range(len(reqs))]
     created = now_s()
     if greq.stream:
         return await _stream(request, eng, greq, reqs, choices, rid, created, shape)
@@ -89,7 +92,7 @@ async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, gr
         for s in streams:
             if not s.finished:
                 eng.abort(s.request_id)  # a stop string matched (or the client left): free its blocks
-    return web.json_response(shape.response(rid, greq.model, created, choices))
+    return web.json_response(shape.response(rid, greq.model, created, choices, greq.n))
 
 
 async def _consume(eng: AsyncLLMEngine, stream, c: ChoiceState) -> None:
@@ -145,8 +148,7 @@ async def _stream(request: web.Request, eng: AsyncLLMEngine, greq: GenerationReq
         else:
             await _stream_many(eng, streams, choices, shape, out)
         if greq.include_usage:
-            done = [c for c in choices if c.done]
-            await out.choices([], usage(sum(c.num_prompt_tokens for c in done), sum(len(c.token_ids) for c in done)))
+            await out.choices([], choices_usage([c for c in choices if c.done], greq.n))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     finally:

@@ -3,7 +3,8 @@
 Two sources: engine events observed directly (step latency, time to first token, time per
 output token, requests, resets, rank failures) and the latest `/status` document, turned
 into metric families at scrape time (per-rank steps per path, eager reasons, capture
-seconds, graph pool / bridge bytes, padded vs real tokens, queues, KV blocks).
+seconds, graph pool / bridge bytes, padded vs real tokens, queues, KV blocks, prefix cache
+hits / queries / blocks / evictions, shared blocks, prefill chunks).
 """
 from __future__ import annotations
 
@@ -104,14 +105,34 @@ class _StatusCollector:
         free = fam(GaugeMetricFamily, "graphline_kv_blocks_free", "Free KV blocks per DP rank", ["dp_rank"])
         total = fam(GaugeMetricFamily, "graphline_kv_blocks", "KV blocks per DP rank", ["dp_rank"])
         pre = fam(CounterMetricFamily, "graphline_preemptions", "Preemptions (recompute) per DP rank", ["dp_rank"])
+        hits = fam(CounterMetricFamily, "graphline_prefix_cache_hits",
+                   "Prompt tokens served from the prefix cache per DP rank (recomputes after preemption included)",
+                   ["dp_rank"])
+        queries = fam(CounterMetricFamily, "graphline_prefix_cache_queries",
+                      "Prompt tokens looked up in the prefix cache per DP rank (hit rate = hits / queries)", ["dp_rank"])
+        cached = fam(GaugeMetricFamily, "graphline_prefix_cache_blocks",
+                     "KV blocks registered in the prefix cache per DP rank (referenced or evictable)", ["dp_rank"])
+        evicted = fam(CounterMetricFamily, "graphline_prefix_cache_evictions",
+                      "Cached KV blocks evicted (LRU) to make room, per DP rank", ["dp_rank"])
+        shared = fam(GaugeMetricFamily, "graphline_kv_blocks_shared",
+                     "KV blocks referenced by two or more sequences (shared prefixes, n > 1) per DP rank", ["dp_rank"])
+        chunks = fam(CounterMetricFamily, "graphline_prefill_chunks",
+                     "Intermediate prefill chunks (chunked prefill) per DP rank", ["dp_rank"])
         for i, d in enumerate(eng.get("dp_ranks", [])):
             waiting.add_metric([str(i)], d["waiting"])
             running.add_metric([str(i)], d["running"])
             free.add_metric([str(i)], d["free_kv_blocks"])
             total.add_metric([str(i)], d["num_kv_blocks"])
             pre.add_metric([str(i)], d["preemptions"])
+            pc = d.get("prefix_cache") or {}
+            hits.add_metric([str(i)], float(pc.get("hits", 0)))
+            queries.add_metric([str(i)], float(pc.get("queries", 0)))
+            cached.add_metric([str(i)], float(pc.get("cached_blocks", 0)))
+            evicted.add_metric([str(i)], float(pc.get("evictions", 0)))
+            shared.add_metric([str(i)], float(d.get("shared_kv_blocks", 0)))
+            chunks.add_metric([str(i)], float(d.get("prefill_chunks", 0)))
         yield from (steps, eager, real, padded, waste, cap, capb, graphs, pool, bridge, static, resets, up, kv, mem,
-                    lane, armed, waiting, running, free, total, pre)
+                    lane, armed, waiting, running, free, total, pre, hits, queries, cached, evicted, shared, chunks)
 
 
 class ServerMetrics(EngineObserver):

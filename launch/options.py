@@ -40,7 +40,15 @@ def add_model_args(p: argparse.ArgumentParser, executor_default: str = "ray") ->
     c.add_argument("--max-model-len", type=int, default=4096, help="longest sequence (prompt + output)")
     c.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per DP rank "
                    "(default: --max-decode-batch, so every decode batch has a graph)")
-    c.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per prefill step per DP rank")
+    c.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step per DP rank: decode rows plus prefill chunks (default 2048 on "
+                        "GPUs, 512 on CPU, at most --pcg-max-tokens so mixed steps replay a captured plan); a budget "
+                        ">= --max-model-len never splits a prompt")
+    c.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill whole prompts in steps of their own (no decode rows alongside) instead of splitting "
+                        "them into chunks that share steps with decoding requests")
+    c.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV blocks of earlier prompts with the same prefix (automatic prefix caching)")
     c.add_argument("--overlap", action="store_true",
                    help="schedule and submit the next decode round while the current one runs (lower time per "
                         "output token at low concurrency; see docs/benchmarks.md for its tail-latency caveat)")
@@ -173,6 +181,20 @@ def start_executor(executor: Any, args: argparse.Namespace) -> dict:
     return dict(executor.start(progress=not args.no_progress) or {})
 
 
+GPU_BATCHED_TOKENS, CPU_BATCHED_TOKENS = 2048, 512  # chunked-prefill step budgets (see --max-num-batched-tokens)
+
+
+def default_batched_tokens(args: argparse.Namespace) -> int:
+    """--max-num-batched-tokens, else 2048 on GPUs / 512 on CPU, capped by the largest piecewise bucket (a mixed
+    step above it would run eagerly)."""
+    if args.max_num_batched_tokens is not None:
+        if args.max_num_batched_tokens < 1:
+            raise LaunchError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
+        return args.max_num_batched_tokens
+    budget = CPU_BATCHED_TOKENS if _on_cpu(args) else GPU_BATCHED_TOKENS
+    return min(budget, args.pcg_max_tokens) if args.pcg_max_tokens else budget
+
+
 def engine_config(args: argparse.Namespace, eos_token_ids: Optional[Sequence[int]] = None):
     """The engine's configuration; `eos_token_ids`: where generation stops unless a request sets ignore_eos."""
     from engine.llm_engine import EngineConfig
@@ -181,8 +203,12 @@ def engine_config(args: argparse.Namespace, eos_token_ids: Optional[Sequence[int
     seqs = args.max_num_seqs or (args.max_decode_batch if args.max_decode_batch > 0 else 256)
     if args.decode_steps < 1:
         raise SystemExit(f"--decode-steps must be >= 1, got {args.decode_steps}")
-    return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    chunked = not getattr(args, "no_chunked_prefill", False)
+    return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=default_batched_tokens(args) if chunked else
+                        args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, decode_steps=args.decode_steps,
+                        enable_chunked_prefill=chunked,
+                        enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
                         overlap=bool(getattr(args, "overlap", False)),
                         overlap_max_seqs=getattr(args, "overlap_max_seqs", 32),
                         eos_token_ids=None if eos_token_ids is None else tuple(eos_token_ids))
@@ -238,4 +264,6 @@ def deployment_summary(args: argparse.Namespace, kind: str) -> dict:
             "ep_backend": args.ep_backend, "address": args.address, "device": args.device, "eager": args.eager,
             "max_decode_batch": args.max_decode_batch, "pcg_max_tokens": args.pcg_max_tokens,
             "pcg_token_stride": args.pcg_token_stride, "max_model_len": args.max_model_len,
-            "num_kv_blocks": args.num_kv_blocks}
+            "num_kv_blocks": args.num_kv_blocks, "chunked_prefill": not getattr(args, "no_chunked_prefill", False),
+            "prefix_caching": not getattr(args, "no_prefix_caching", False),
+            "max_num_batched_tokens": args.max_num_batched_tokens}

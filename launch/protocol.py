@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from engine.errors import RequestError
 from engine.sampling_params import INT32_MAX, LOGPROBS_MAX, SamplingParams, check_bool, check_int
+from engine.samples import MAX_N
 from launch.defaults import GenerationDefaults
 
 
@@ -62,7 +63,8 @@ class ParseContext:
 
 @dataclass
 class GenerationRequest:
-    """A parsed completion or chat request: one prompt (token ids) per choice."""
+    """A parsed completion or chat request: prompts (token ids), each answered by `n` choices (choice index
+    `prompt_index * n + sample_index`, as OpenAI orders them)."""
 
     model: str
     prompts: list[list[int]]
@@ -72,6 +74,8 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    n: int = 1
+    max_tokens_given: bool = True  # False: max_tokens is the server's default (lowered to fit n samples)
 
 
 # ---- the body
@@ -164,15 +168,20 @@ def parse_model(body: dict, ctx: ParseContext) -> str:
     return model
 
 
-def _single_choice(body: dict) -> None:
-    for key in ("n", "best_of"):
-        v = body.get(key)
-        if v is None:
-            continue
-        n = check_int(key, v, 1, INT32_MAX)
-        if n > 1:
-            raise ApiError(400, f"'{key}' > 1 is not supported yet; send one request per choice", key,
-                           "unsupported")
+def parse_n(body: dict) -> int:
+    """`n` (choices per prompt, 1 to `MAX_N`; the samples share the prompt's KV blocks, `engine.samples`).
+    `best_of` > 1 (server-side ranking of extra samples) is refused."""
+    b = body.get("best_of")
+    if b is not None and check_int("best_of", b, 1, INT32_MAX) > 1:
+        raise ApiError(400, "'best_of' is not supported (the server does not rank samples by log-probability); use "
+                            "'n' for several choices", "best_of", "unsupported")
+    v = body.get("n")
+    if v is None:
+        return 1
+    n = check_int("n", v, 1, INT32_MAX)
+    if n > MAX_N:
+        raise RequestError(f"'n' must be at most {MAX_N}, got {n}", "n", "invalid_value")
+    return n
 
 
 def _unsupported(body: dict, key: str, allowed: tuple, what: str) -> None:
@@ -271,13 +280,14 @@ def parse_stream(body: dict) -> tuple[bool, bool]:
 
 
 def parse_common(body: Any, ctx: ParseContext, prompts: list[list[int]], logprobs: Optional[int],
-                 max_tokens: list[int]) -> GenerationRequest:
-    """The fields completions and chat share, after the endpoint parsed its prompt and token budget."""
+                 max_tokens: list[int], n: int = 1, max_tokens_keys: tuple[str, ...] = ("max_tokens",)
+                 ) -> GenerationRequest:
+    """The fields completions and chat share, after the endpoint parsed its prompt, token budget and `n`."""
     sampling = parse_sampling(body, ctx, logprobs)
     stream, include_usage = parse_stream(body)
     return GenerationRequest(parse_model(body, ctx), prompts, sampling, max_tokens,
                              parse_stop_token_ids(body, ctx, sampling.ignore_eos), parse_stop(body, ctx),
-                             stream, include_usage)
+                             stream, include_usage, n, any(body.get(k) is not None for k in max_tokens_keys))
 
 
 def require_object(body: Any) -> dict:
@@ -335,14 +345,14 @@ def parse_prompts(prompt: Any, ctx: ParseContext) -> list[list[int]]:
 def parse_completion_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     body = require_object(body)
     parse_model(body, ctx)  # an unknown model is a 404 whatever else is wrong
-    _single_choice(body)
+    n = parse_n(body)
     _unsupported(body, "echo", (False,), "= true")
     _unsupported(body, "suffix", ("",), "(insertion)")
     lp = body.get("logprobs")
     logprobs = None if lp is None else check_int("logprobs", lp, 0, LOGPROBS_MAX)
     prompts = parse_prompts(body.get("prompt"), ctx)
     max_tokens = parse_max_tokens(body, ("max_tokens",), ctx.defaults.max_tokens or 16, prompts, ctx)
-    return parse_common(body, ctx, prompts, logprobs, max_tokens)
+    return parse_common(body, ctx, prompts, logprobs, max_tokens, n)
 
 
 def choice(index: int, text: str, token_ids: list[int], finish_reason: Optional[str],
@@ -357,14 +367,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(rid: str, model: str, created: int, choices: list,
+def choices_usage(choices: list, n: int = 1) -> dict:
+    """Usage of a response's choices (`launch.outputs.ChoiceState`): each prompt's tokens once (its n samples share
+    one prefill), every choice's completion tokens."""
+    return usage(sum(c.num_prompt_tokens for c in choices if c.index % n == 0), sum(len(c.token_ids) for c in choices))
+
+
+def completion_response(rid: str, model: str, created: int, choices: list, n: int = 1,
                         logprobs: Optional[list] = None) -> dict:
     """choices: `launch.outputs.ChoiceState`s, finished; logprobs: their `logprobs` objects (None: not asked)."""
     lps = logprobs or [None] * len(choices)
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
         "choices": [choice(c.index, c.text, c.token_ids, c.finish_reason, lp) for c, lp in zip(choices, lps)],
-        "usage": usage(sum(c.num_prompt_tokens for c in choices), sum(len(c.token_ids) for c in choices)),
+        "usage": choices_usage(choices, n),
     }
 
 

@@ -1,5 +1,6 @@
 // graphline operator dashboard: polls /status and renders ranks, plans, capture times, graph memory,
-// path counts, eager reasons, padding waste, resets. No dependencies; DOM built with textContent only.
+// path counts, eager reasons, padding waste, resets, prefix cache and chunked prefill counters.
+// No dependencies; DOM built with textContent only.
 "use strict";
 
 const POLL_MS = 1000;
@@ -144,6 +145,16 @@ function render(st) {
   $("generated").textContent = num(eng.generated_tokens);
   $("steps-total").textContent = num(eng.steps);
   $("preemptions").textContent = num(eng.preemptions);
+  const pc = eng.prefix_cache || {};
+  $("prefix-hit-rate").textContent = pc.enabled === false ? "off" : pct(pc.hit_rate);
+  $("prefix-tokens").textContent = num(pc.hits) + " / " + num(pc.queries) + " prompt tokens";
+  const shared = (eng.dp_ranks || []).reduce((a, d) => a + (d.shared_kv_blocks || 0), 0);
+  $("prefix-blocks").textContent = num(pc.cached_blocks) + " / " + num(shared);
+  $("prefix-evictions").textContent = num(pc.evictions) + " evictions";
+  $("prefill-chunks").textContent = num(eng.prefill_chunks);
+  const lim = eng.limits || {};
+  $("chunk-mode").textContent = eng.chunked_prefill ? "chunked, " + num(lim.max_num_batched_tokens) + " tokens / step"
+    : "whole prompts";
   $("resets-count").textContent = num(st.num_resets ?? eng.resets);
   $("failures-count").textContent = num(Math.max(st.num_failures || 0, eng.executor_failures || 0));
   const dps = eng.dp_ranks || [];

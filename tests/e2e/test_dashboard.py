@@ -76,6 +76,9 @@ def _traffic(url: str) -> None:
                 async with s.post(url + "/v1/completions", json={"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 4,
                                                                   "temperature": 0}) as r:
                     assert r.status == 200
+                async with s.post(url + "/v1/completions", json={"prompt": list(range(100, 140)), "max_tokens": 2,
+                                                                  "temperature": 0}) as r:
+                    assert r.status == 200  # the second time, its two full blocks come from the prefix cache
 
     asyncio.run(main())
 
@@ -101,6 +104,11 @@ def test_dashboard_shows_ranks_and_counters(server, artifacts):
         assert "/" in row["capture-s"] and "B" in row["graph-memory"]
         assert row["up"] if "up" in row else True
     assert "rank 0 decode 8" in dom.by_id["capture-detail"]  # per-bucket capture times
+    hit_rate = dom.by_id["prefix-hit-rate"]
+    assert hit_rate.endswith("%") and float(hit_rate.rstrip(" %")) > 0
+    cached, shared = (int(x.replace(",", "")) for x in dom.by_id["prefix-blocks"].split(" / "))
+    assert cached >= 2 and shared >= 0 and "evictions" in dom.by_id["prefix-evictions"]
+    assert "prompt tokens" in dom.by_id["prefix-tokens"] and dom.by_id["chunk-mode"]
     shot = artifacts / f"dashboard-{server.kind}.png"
     shot.unlink(missing_ok=True)
     chromium(server.url + "/dashboard", f"--screenshot={shot}", "--window-size=1280,900")

@@ -91,7 +91,7 @@ def bad_values(tokenizer: bool) -> dict[str, list]:
         "stop": [5, [1], [""], ["a"] * 5, ["x" * 300], {"s": 1}, [None]] + ([] if tokenizer else ["ok", ["a", "b"]]),
         "stop_token_ids": [5, "1", [1, "x"], [VOCAB], [-1], [1] * 300, [1.0], [True], *[[h] for h in HUGE]],
         "stream": ["yes", 1, [], {}, Raw("NaN")],
-        "n": [2, 0, -1, "1", True, *HUGE],
+        "n": [17, 0, -1, "1", True, *HUGE],
         "best_of": [2, 0, 1.5],
         "echo": [True],
         "suffix": ["x"],

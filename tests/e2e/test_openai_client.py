@@ -61,7 +61,7 @@ def test_completions_with_the_openai_client(server):
 
 @pytest.mark.parametrize("kwargs, param, needle", [
     ({"seed": -1}, "seed", "seed"),
-    ({"n": 2}, "n", "not supported"),
+    ({"n": 17}, "n", "at most 16"),
     ({"best_of": 2}, "best_of", "not supported"),
     ({"temperature": 101}, "temperature", "temperature"),
     ({"max_tokens": 2**40}, "max_tokens", "max_tokens"),

@@ -175,7 +175,8 @@ BAD = [
     ("bad top_p", {"prompt": [1], "top_p": 0}, False, 400, "top_p"),
     ("bad stop ids", {"prompt": [1], "stop_token_ids": [1, "x"]}, False, 400, "stop_token_ids"),
     ("stream wrong type", {"prompt": [1], "stream": "yes"}, False, 400, "stream"),
-    ("n > 1", {"prompt": [1], "n": 2}, False, 400, "not supported"),
+    ("n > 16", {"prompt": [1], "n": 17}, False, 400, "at most 16"),
+    ("best_of > 1", {"prompt": [1], "best_of": 2}, False, 400, "not supported"),
 ]
 
 

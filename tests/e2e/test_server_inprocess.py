@@ -140,6 +140,37 @@ def test_chat_needs_a_tokenizer_with_a_template(executor, tokenizer):
     assert out["no_tokenizer"][0] == 400 and out["no_tokenizer"][1]["error"]["code"] == "no_tokenizer"
 
 
+def test_chat_with_n_seeded_samples_streamed_and_not(executor, tokenizer):
+    """n = 3 chat choices (index 0..2): distinct, reproducible, streamed content equal to the whole response, usage
+    counting the conversation once and every choice's tokens."""
+    import json
+
+    body = {"messages": [{"role": "user", "content": "tell me something"}], "max_completion_tokens": 8,
+            "temperature": 1.0, "seed": 99, "n": 3, "ignore_eos": True}
+
+    async def main():
+        async with serve(executor, tokenizer) as (c, _):
+            whole = [await (await c.post("/v1/chat/completions", json=body)).json() for _ in range(2)]
+            r = await c.post("/v1/chat/completions", json={**body, "stream": True})
+            streamed: dict[int, str] = {}
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    for ch in json.loads(line[6:])["choices"]:
+                        streamed[ch["index"]] = streamed.get(ch["index"], "") + ch["delta"].get("content", "")
+        return whole, streamed
+
+    whole, streamed = run(main())
+    texts = [ch["message"]["content"] for ch in whole[0]["choices"]]
+    assert [ch["index"] for ch in whole[0]["choices"]] == [0, 1, 2]
+    assert texts == [ch["message"]["content"] for ch in whole[1]["choices"]] and len(set(texts)) == 3
+    assert [streamed[i] for i in range(3)] == texts
+    expected = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+    assert whole[0]["usage"] == {"prompt_tokens": len(expected), "completion_tokens": 24, "total_tokens":
+                                 len(expected) + 24}
+
+
 def test_stop_strings_abort_the_request_and_free_its_blocks(executor, tokenizer):
     async def main():
         async with serve(executor, tokenizer) as (c, _):

@@ -60,12 +60,13 @@ FAILURES = [
     ("model wrong type", CMPL, {"model": 5, "prompt": [1]}, 400, "model", "invalid_type"),
     ("unknown model", CMPL, {"model": "gpt-5", "prompt": [1]}, 404, "model", "model_not_found"),
     ("unknown model, chat", CHAT, {"model": "gpt-5", "messages": MSG}, 404, "model", "model_not_found"),
-    ("n > 1", CMPL, {"prompt": [1], "n": 2}, 400, "n", "unsupported"),
+    ("n > 16", CMPL, {"prompt": [1], "n": 17}, 400, "n", "invalid_value"),
     ("best_of > 1", CMPL, {"prompt": [1], "best_of": 3}, 400, "best_of", "unsupported"),
     ("n = 0", CMPL, {"prompt": [1], "n": 0}, 400, "n", "invalid_value"),
     ("n huge", CMPL, {"prompt": [1], "n": 2**70}, 400, "n", "invalid_value"),
     ("n bool", CMPL, {"prompt": [1], "n": True}, 400, "n", "invalid_type"),
-    ("n chat", CHAT, {"messages": MSG, "n": 2}, 400, "n", "unsupported"),
+    ("n chat > 16", CHAT, {"messages": MSG, "n": 17}, 400, "n", "invalid_value"),
+    ("best_of chat", CHAT, {"messages": MSG, "best_of": 2}, 400, "best_of", "unsupported"),
     ("echo", CMPL, {"prompt": [1], "echo": True}, 400, "echo", "unsupported"),
     ("suffix", CMPL, {"prompt": [1], "suffix": "x"}, 400, "suffix", "unsupported"),
     ("missing prompt", CMPL, {}, 400, "prompt", "missing"),
@@ -216,6 +217,15 @@ def test_model_null_means_the_default_and_unknown_fields_are_ignored(ctx):
         assert status == 200, req
         assert req.model == (body.get("model") or "tiny")
     assert CHAT({"model": None, "messages": MSG, "metadata": {"a": "b"}}, ctx).model == "tiny"
+
+
+def test_n_is_carried_and_max_tokens_given_is_recorded(ctx):
+    req = CMPL({"prompt": [[1, 2], [3]], "n": 4, "max_tokens": 5}, ctx)
+    assert req.n == 4 and req.max_tokens == [5, 5] and req.max_tokens_given
+    assert CMPL({"prompt": [1], "n": 16, "best_of": 1}, ctx).n == 16
+    assert not CMPL({"prompt": [1]}, ctx).max_tokens_given and CMPL({"prompt": [1]}, ctx).n == 1
+    chat = CHAT({"messages": MSG, "n": 3, "max_completion_tokens": 4}, ctx)
+    assert chat.n == 3 and chat.max_tokens_given and not CHAT({"messages": MSG, "n": 3}, ctx).max_tokens_given
 
 
 def test_completion_fields_are_carried(ctx, tok):

@@ -21,7 +21,9 @@ def _seq(n_prompt: int, max_tokens: int = 8, **kw) -> Sequence:
 
 
 def test_fcfs_admission_respects_token_budget_and_seq_cap():
-    s = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=20, max_model_len=64), 100, 4)
+    """The phased policy (chunked prefill off): whole prompts, FCFS, within the budget and the sequence cap."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=20, max_model_len=64,
+                                  enable_chunked_prefill=False), 100, 4)
     seqs = [_seq(8), _seq(8), _seq(8), _seq(2), _seq(2)]
     for q in seqs:
         s.add(q)
@@ -38,7 +40,7 @@ def test_fcfs_admission_respects_token_budget_and_seq_cap():
 
 
 def test_single_prompt_larger_than_budget_is_admitted_alone():
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=4, max_model_len=64), 100, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=4, max_model_len=64, enable_chunked_prefill=False), 100, 4)
     a, b = _seq(10), _seq(2)
     s.add(a)
     s.add(b)

@@ -1,0 +1,45 @@
+"""The `StepBatch` of a list of scheduled rows: each row is one sequence's chunk of tokens after its history."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from actors.batch import StepBatch
+from engine.sampling_rows import build_extras, needs_extras
+from engine.sequence import Sequence as Seq
+
+_GREEDY_ROW = (0.0, 0, 1.0, -1)
+
+
+def build_batch(seqs: Sequence[Seq], hist: Sequence[int], q: Sequence[int],
+                tokens: Optional[Sequence[int]] = None) -> StepBatch:
+    """Row i feeds `seqs[i].token_ids[hist[i]:hist[i] + q[i]]` after `hist[i]` cached tokens (or, with `tokens`,
+    one given token id per row, e.g. a previous-step reference, with every q 1). Block tables are the sequences'
+    whole tables (they cover at least hist + q tokens; entries past a table's end are 0).
+
+    Returns token_ids int64 `[sum(q)]`, q_seqlens / num_history int32 `[B]`, block_tables int32 `[B, W]`, and the
+    sampling rows (temperature float32, top_k int32, top_p float32, seeds int64, each `[B]`; the rarer inputs in
+    `extras` when a row needs them, `engine.sampling_rows`)."""
+    n = len(seqs)
+    tables_lists = [s.block_table for s in seqs]
+    width = max(map(len, tables_lists))
+    tables = np.zeros((n, width), dtype=np.int32)
+    for i, bt in enumerate(tables_lists):
+        tables[i, : len(bt)] = bt
+    if tokens is None:
+        if all(x == 1 for x in q):  # decode rows (and one-token chunks): one token each
+            tokens = [s.token_ids[h] for s, h in zip(seqs, hist)]
+        else:
+            tokens = [t for s, h, k in zip(seqs, hist, q) for t in s.token_ids[h:h + k]]
+    rows = [s.sampling_row for s in seqs]
+    greedy = all(r == _GREEDY_ROW for r in rows) and not any(needs_extras(s) for s in seqs)
+    return StepBatch(
+        token_ids=np.array(tokens, dtype=np.int64), q_seqlens=np.array(q, dtype=np.int32),
+        num_history=np.array(hist, dtype=np.int32), block_tables=tables,
+        temperature=np.zeros(n, np.float32) if greedy else np.array([r[0] for r in rows], dtype=np.float32),
+        top_k=np.zeros(n, np.int32) if greedy else np.array([r[1] for r in rows], dtype=np.int32),
+        top_p=np.ones(n, np.float32) if greedy else np.array([r[2] for r in rows], dtype=np.float32),
+        seeds=np.full(n, -1, np.int64) if greedy else np.array([r[3] for r in rows], dtype=np.int64),
+        extras=None if greedy else build_extras(seqs),
+    )
