@@ -22,14 +22,11 @@ of whole uncached remainders; otherwise a decode step of every running sequence.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager, chain_hashes
 from engine.sampling_rows import needs_extras
+from engine.scheduler_config import SchedulerConfig
 from engine.sequence import Sequence, SeqStatus
-
-if TYPE_CHECKING:
-    from engine.scheduler import SchedulerConfig
 
 Rows = tuple[list[Sequence], list[int], list[int]]  # sequences, num_history, q (tokens fed) per row
 
@@ -37,7 +34,7 @@ Rows = tuple[list[Sequence], list[int], list[int]]  # sequences, num_history, q 
 class StepPlanner:
     """Mixin: the attributes below belong to `engine.scheduler.Scheduler`."""
 
-    cfg: "SchedulerConfig"
+    cfg: SchedulerConfig
     block_size: int
     blocks: BlockManager
     waiting: collections.deque[Sequence]

@@ -5,24 +5,27 @@ With expert parallelism (ep > 1) experts are split by index over the EP group an
 token dispatcher from `parallel` moves tokens; otherwise the intermediate dim is split
 over TP and the output summed over the TP group.
 
-Two expert kernels, chosen by the (static) number of tokens, never by data:
-- static (tokens <= `static_max_tokens`): every local expert on every token through
-  two batched GEMMs, weighted by a dense `[N, E_local]` routing matrix. Fixed shapes,
-  no host sync: this is what decode CUDA graphs capture.
-- grouped (more tokens): tokens sorted by expert, one GEMM pair per expert that has
-  tokens (reads expert counts on the host). Used eagerly, inside the MoE eager
-  boundary of piecewise prefill plans.
+Expert paths (`expert_path`, a pure function of the row count, the backend and whether a CUDA
+capture is in progress; never of routing data):
+- routed (the Triton backend, every size: decode buckets, EP-gathered rows, prefill): each
+  token pair runs only its expert (`modeling.ops.triton_moe`: device-side grouping, grouped
+  GEMMs), no host sync, one launch shape per row count: what decode graphs capture. DeepEP's
+  packed low-latency layout goes to its packed variant.
+- static (torch backend, rows <= `static_max_tokens` or inside a capture): every local expert on
+  every token through two batched GEMMs (`moe_ref.experts_static`); no host sync.
+- grouped (torch backend, more rows, eager only): one GEMM pair per expert with tokens; reads the
+  counts on the host (`moe_ref.experts_grouped`), so no captured step may take it.
 """
 from __future__ import annotations
 
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from graphrunner.piecewise import eager_boundary
 from modeling.config import ModelConfig
+from modeling.ops import KernelOps, moe_ref
 from parallel import comm
 from parallel.context import ParallelContext
 from parallel.layers import WeightShapeError
@@ -37,44 +40,35 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
-def _experts_static(x, ids, weights, w13, w2, first_expert: int) -> torch.Tensor:
-    n, e_local = x.shape[0], w13.shape[0]
-    local = ids - first_expert
-    valid = (local >= 0) & (local < e_local)
-    dense = torch.zeros(n, e_local, dtype=torch.float32, device=x.device)
-    dense.scatter_add_(1, local.clamp(0, e_local - 1), torch.where(valid, weights, torch.zeros_like(weights)))
-    h = torch.matmul(x.unsqueeze(0), w13.transpose(1, 2))  # [E, N, 2I]
-    gate, up = h.chunk(2, dim=-1)
-    y = torch.matmul(F.silu(gate) * up, w2.transpose(1, 2))  # [E, N, H]
-    return torch.einsum("enh,ne->nh", y.float(), dense).to(x.dtype)
+_experts_static = moe_ref.experts_static  # the names the dispatcher tests import
+_experts_grouped = moe_ref.experts_grouped
+EXPERT_PATHS = ("routed", "static", "grouped")
+HOST_SYNC_PATHS = frozenset({"grouped"})
 
 
-def _experts_grouped(x, ids, weights, w13, w2, first_expert: int) -> torch.Tensor:
-    n, k = ids.shape
-    e_local = w13.shape[0]
-    out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
-    flat = ids.flatten() - first_expert
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat.clamp(-1, e_local).add(1), minlength=e_local + 2)[1 : e_local + 1].tolist()
-    start = int((flat < 0).sum().item())
-    token_of = order // k
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        sel = order[start : start + c]
-        tok = token_of[start : start + c]
-        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e])
-        out.index_add_(0, tok, y.float() * weights.flatten()[sel].unsqueeze(-1))
-        start += c
-    return out.to(x.dtype)
+def expert_path(rows: int, *, routed: bool, capturing: bool, static_max_tokens: int) -> str:
+    """The expert kernel for `rows` dispatched rows: "routed" whenever the backend has the routed kernel,
+    else "static" inside a capture or up to `static_max_tokens` rows, else "grouped" (host sync: eager only)."""
+    if routed:
+        return "routed"
+    if capturing or rows <= static_max_tokens:
+        return "static"
+    return "grouped"
+
+
+def capture_active(t: torch.Tensor) -> bool:
+    """Whether a CUDA stream capture is recording on t's device now (False on CPU)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class SparseMoeBlock(nn.Module):
     """hidden `[T, H]` -> `[T, H]`. The router runs captured; routing + expert dispatch is an eager
-    boundary under piecewise graphs (`moe_boundary`), because the grouped path reads counts on the host."""
+    boundary under piecewise graphs (`moe_boundary`): the EP dispatchers exchange counts on the host in
+    prefill, and the torch backend's grouped path reads them. `ops`: the backend whose routed-expert kernels
+    (`KernelOps.moe_routed` / `moe_packed`) serve when it has them (None: the torch paths)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, device=None, static_max_tokens: int = 256):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, device=None, static_max_tokens: int = 256,
+                 ops: KernelOps | None = None):
         super().__init__()
         self.ctx = ctx
         self.top_k = cfg.num_experts_per_tok
@@ -103,6 +97,8 @@ class SparseMoeBlock(nn.Module):
                                requires_grad=False)
         self._experts = self.experts
         self.dispatcher = ctx.ep_dispatcher
+        self.routed_kernel = ops.moe_routed if ops is not None else None
+        self.packed_kernel = ops.moe_packed if ops is not None else None
 
     # ---- weight loading: HF per-expert tensors (gate/up/down) or fused [E, ...] tensors
     def load_expert(self, expert: int, which: str, full: torch.Tensor) -> bool:
@@ -136,11 +132,26 @@ class SparseMoeBlock(nn.Module):
         handle = None
         if self.dispatcher is not None:
             hidden, ids, weights, handle = self.dispatcher.dispatch(hidden, ids, weights)
-        fn = _experts_static if hidden.shape[0] <= self.static_max_tokens else _experts_grouped
-        out = fn(hidden, ids, weights, self.w13, self.w2, self.first_expert)
+        out = self.local_experts(hidden, ids, weights, handle)
         if self.dispatcher is not None:
             return self.dispatcher.combine(out, handle)
         return comm.all_reduce(out, self.ctx.tp_group) if self.ctx.tp_size > 1 else out
+
+    def local_experts(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      handle=None) -> torch.Tensor:
+        """This rank's experts on dispatched rows: hidden `[N, H]`, ids int64 `[N, k]` (global, -1 = none), weights
+        fp32 `[N, k]` -> `[N, H]` (not yet combined over ranks). A packed dispatch (`packed_counts` of the
+        handle: DeepEP low latency) goes to the packed kernel where the backend has one."""
+        counts = self.dispatcher.packed_counts(handle) if self.dispatcher is not None else None
+        if counts is not None and self.packed_kernel is not None:
+            x = hidden.view(self.e_local, -1, hidden.shape[-1])
+            return self.packed_kernel(x, counts, self.w13, self.w2).view(hidden.shape)
+        path = expert_path(hidden.shape[0], routed=self.routed_kernel is not None, capturing=capture_active(hidden),
+                           static_max_tokens=self.static_max_tokens)
+        if path == "routed":
+            return self.routed_kernel(hidden, ids, weights, self.w13, self.w2, self.first_expert)
+        fn = _experts_static if path == "static" else _experts_grouped
+        return fn(hidden, ids, weights, self.w13, self.w2, self.first_expert)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._experts(hidden, self.gate(hidden))

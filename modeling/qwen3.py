@@ -29,7 +29,7 @@ class Qwen3DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, idx, ctx, attn, rope, ops, device)
         self.mlp = (
-            SparseMoeBlock(cfg, ctx, device) if cfg.layer_is_moe(idx)
+            SparseMoeBlock(cfg, ctx, device, ops=ops) if cfg.layer_is_moe(idx)
             else Qwen3MLP(cfg.hidden_size, cfg.intermediate_size, ctx, cfg.dtype, ops, device)
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops, device)

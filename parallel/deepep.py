@@ -19,8 +19,9 @@ group all-gathers the combined chunks, as in the all-gather backend's split layo
 Not verified on hardware here: `deep_ep` is not installed on the development or GPU
 machines. The low-latency path hands the expert kernel the packed
 [E_local * cap * ep, H] layout (one id per row, weight 1, combine applies the routing
-weights), which `modeling.moe` computes with its grouped kernel when that exceeds its
-static-token limit (host sync): a packed-layout expert kernel is needed for graphs.
+weights) with its per-expert counts (`packed_counts`), which `modeling.moe` computes with the
+packed routed-expert kernel (`modeling.ops.triton_moe.packed_experts`, capturable); rows past a
+count are left unspecified there, and low-latency combine reads only the received rows.
 """
 from __future__ import annotations
 
@@ -111,6 +112,7 @@ class _Handle:
     padded: int
     ids: Optional[torch.Tensor] = None
     weights: Optional[torch.Tensor] = None
+    counts: Optional[torch.Tensor] = None  # low latency: received rows per local expert, int [E_local]
 
 
 class DeepEPDispatcher(StaticTokensMixin):
@@ -195,7 +197,7 @@ class DeepEPDispatcher(StaticTokensMixin):
             gids = torch.where(valid, torch.arange(e, device=recv.device)[:, None] + self.first_expert,
                                torch.full_like(valid, -1, dtype=torch.int64))
             return (recv.reshape(e * m, h), gids.reshape(-1, 1), valid.float().reshape(-1, 1),
-                    _Handle("low_latency", inner, t, s, i, w))
+                    _Handle("low_latency", inner, t, s, i, w, count))
         self._need_ll_clean = True
         n_rank, n_rdma, n_expert, in_rank, _ = buf.get_dispatch_layout(i, self.num_experts)
         recv_x, recv_ids, recv_w, _, inner, _ = buf.dispatch(
@@ -203,6 +205,9 @@ class DeepEPDispatcher(StaticTokensMixin):
             is_token_in_rank=in_rank, num_tokens_per_expert=n_expert)
         gids = torch.where(recv_ids >= 0, recv_ids + self.first_expert, torch.full_like(recv_ids, -1))
         return recv_x, gids, recv_w, _Handle("normal", inner, t, s)
+
+    def packed_counts(self, handle: _Handle) -> Optional[torch.Tensor]:
+        return handle.counts if handle.mode == "low_latency" else None
 
     def combine(self, out: torch.Tensor, handle: _Handle) -> torch.Tensor:
         buf = self._buffer()

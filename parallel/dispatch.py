@@ -4,6 +4,9 @@ Interface (used by `modeling.moe.SparseMoeBlock`):
     dispatch(hidden [T, H], ids [T, k] int64 (global expert ids), weights [T, k] fp32)
         -> (hidden_all [N, H], ids_all [N, k'], weights_all [N, k'], handle)
     combine(out_all [N, H], handle) -> out [T, H]   (sum over every expert of this rank's tokens)
+    packed_counts(handle) -> None, or int [E_local] on the device when the rows are packed per local expert
+        (`[E_local * cap, H]`, expert e's rows first in its block of cap; DeepEP low latency): the expert kernel
+        may then skip the grouping, and rows past a count are never combined.
 Invalid routing entries carry id -1 and weight 0 (the expert kernels skip them).
 
 `AllGatherDispatcher` (the default, and what CI runs on gloo) has three layouts, chosen

@@ -3,7 +3,7 @@ the per-step static token count (see `parallel.dispatch` for when a step is stat
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -31,6 +31,11 @@ class StaticTokensMixin:
             yield
         finally:
             self._static_n = prev
+
+    def packed_counts(self, handle: Any) -> Optional[torch.Tensor]:
+        """Per-expert row counts of a packed dispatch (`parallel.dispatch` module doc); None: rows carry their own
+        routing."""
+        return None
 
     def _static_size(self, hidden: torch.Tensor) -> Optional[int]:
         t = int(hidden.shape[0])

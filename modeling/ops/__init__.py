@@ -42,6 +42,10 @@ class KernelOps:
     # (k_cache, v_cache, num_q_heads, scale) -> launches: compile every attention variant serving can pick
     warm_up_attention: Callable = lambda k_cache, v_cache, num_q_heads, scale: 0
     options: KernelOptions = field(default_factory=KernelOptions)  # what the functions were bound with
+    # Routed-expert MoE (`triton_moe.routed_experts` / `packed_experts` signatures; capturable at every size), or
+    # None where the backend has none (the MoE block then takes the torch paths of `moe_ref`).
+    moe_routed: Callable | None = None
+    moe_packed: Callable | None = None
 
 
 def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, linear_add_rms_norm: Callable,
@@ -93,7 +97,7 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto",
 
 
 def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
-    from modeling.ops import triton_attention, triton_fused, triton_gemm, triton_gemv
+    from modeling.ops import triton_attention, triton_fused, triton_gemm, triton_gemv, triton_moe
     from modeling.ops.pdl import pdl_mode
 
     pdl, gemv, single = pdl_mode(dev, options.pdl), options.gemv, options.decode_single_launch
@@ -111,4 +115,4 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         prologue_norm_max_tokens=triton_gemv.GEMV_MAX_M if gemv else 0,
         warm_up_attention=bind(triton_attention.warm_up_attention, threads=options.compile_threads, pdl=pdl,
                                single_launch=single),
-        options=options)
+        moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts, options=options)
