@@ -26,28 +26,32 @@ from modeling.attn_metadata import build_step_from_arrays
 from parallel.context import ParallelContext
 
 
-def _decode_batch(rt: RankRuntime, batch: int, context: int) -> StepBatch:
-    """The `_decode_step` inputs as the step batch a rank receives (timing the rank's own decode path)."""
+def _decode_batch(rt: RankRuntime, batch: int, context: int, tokens: np.ndarray | None = None) -> StepBatch:
+    """The `_decode_step` inputs as the step batch a rank receives (timing the rank's own decode path); tokens:
+    int64 `[batch]` ids (default all 7)."""
     bs = rt.cfg.block_size
     per = -(-(context + 1) // bs)
     tables = np.zeros((batch, per), dtype=np.int32)
     nblocks = rt.kv_cache.spec.num_blocks - 1
     for i in range(batch):
         tables[i] = 1 + (np.arange(per) + i * per) % nblocks
-    return StepBatch(token_ids=np.full(batch, 7, dtype=np.int64), q_seqlens=np.ones(batch, np.int32),
+    ids = np.full(batch, 7, dtype=np.int64) if tokens is None else tokens.astype(np.int64)
+    return StepBatch(token_ids=ids, q_seqlens=np.ones(batch, np.int32),
                      num_history=np.full(batch, context, np.int32), block_tables=tables,
                      temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32),
                      top_p=np.ones(batch, np.float32), seeds=np.full(batch, -1, np.int64))
 
 
-def _decode_step(rt: RankRuntime, batch: int, context: int) -> ForwardStep:
+def _decode_step(rt: RankRuntime, batch: int, context: int, tokens: np.ndarray | None = None) -> ForwardStep:
+    """One decode token per sequence after `context` tokens of history; tokens: int64 `[batch]` (default all 7)."""
     bs, width = rt.cfg.block_size, rt.cfg.max_blocks_per_seq
     per = -(-(context + 1) // bs)
     tables = np.zeros((batch, width), dtype=np.int32)
     nblocks = rt.kv_cache.spec.num_blocks - 1
     for i in range(batch):  # sequences share physical blocks when the cache is small: timing only
         tables[i, :per] = 1 + (np.arange(per) + i * per) % nblocks
-    ids, pos, meta = build_step_from_arrays(np.full(batch, 7, dtype=np.int64), np.ones(batch, dtype=np.int32),
+    ids = np.full(batch, 7, dtype=np.int64) if tokens is None else tokens.astype(np.int64)
+    ids, pos, meta = build_step_from_arrays(ids, np.ones(batch, dtype=np.int32),
                                             np.full(batch, context, dtype=np.int32), tables, bs, rt.device)
     return ForwardStep(ids, pos, rt.kv_cache.layers, meta)
 

@@ -247,6 +247,28 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=True, dtype=torch.bfloat16, max_position_embeddings=40960,
     ),
+    # The shapes of the published Qwen3 checkpoints (their config.json values, random weights): the model sweep.
+    "qwen3-1.7b": ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
+        num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, dtype=torch.bfloat16, max_position_embeddings=40960,
+    ),
+    "qwen3-8b": ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, dtype=torch.bfloat16, max_position_embeddings=40960,
+    ),
+    "qwen3-14b": ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_layers=40,
+        num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, dtype=torch.bfloat16, max_position_embeddings=40960,
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, dtype=torch.bfloat16, max_position_embeddings=40960,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    ),
     # A scaled-down Qwen3-30B-A3B shape (128 experts, top-8, head_dim 128) fitting 1-2 GPUs: EP.
     "qwen3-moe-small": ModelConfig(
         architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
