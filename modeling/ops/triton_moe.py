@@ -8,7 +8,8 @@ Two layouts call one grouped SwiGLU GEMM pair (`grouped_swiglu`):
   of expert e are `x[e, :counts[e]]` (the grouping is given; the combine lies with the dispatcher).
 
 Kernels (all on the current stream; grids depend on shapes only, nothing is read on the host):
-1. `_hist_kernel` (grid: chunks of BLOCK_P pairs): per-chunk expert counts `[chunks, BLOCK_E]`.
+1. `_hist_kernel` (grid: chunks of BLOCK_P pairs; skipped when one chunk holds every pair): per-chunk expert
+   counts `[chunks, BLOCK_E]`.
 2. `_scatter_kernel` (same grid): counts, expert offsets (exclusive scan) and each valid pair's stable sorted
    position; writes `sorted_pairs[pos] = pair` and the per-expert counts. Same order as a stable argsort by
    expert, so results do not depend on the launch.
@@ -96,23 +97,27 @@ def _hist_kernel(IDS, CHUNK_CNT, P, first_expert, e_local, BLOCK_P: tl.constexpr
 
 @triton.jit
 def _scatter_kernel(IDS, CHUNK_CNT, SORTED, COUNTS, P, num_chunks, first_expert, e_local,
-                    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, SCAN_C: tl.constexpr):
+                    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, SCAN_C: tl.constexpr, ONE_CHUNK: tl.constexpr):
     c = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
-    total = tl.zeros([BLOCK_E], dtype=tl.int32)
-    before = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c0 in range(0, num_chunks, SCAN_C):
-        offs_c = c0 + tl.arange(0, SCAN_C)
-        tab = tl.load(CHUNK_CNT + offs_c[:, None] * BLOCK_E + offs_e[None, :], mask=offs_c[:, None] < num_chunks,
-                      other=0)
-        total += tl.sum(tab, axis=0)
-        before += tl.sum(tl.where(offs_c[:, None] < c, tab, 0), axis=0)
-    if c == 0:
-        tl.store(COUNTS + offs_e, total, mask=offs_e < e_local)
-    start = tl.cumsum(total, axis=0) - total + before  # first sorted slot of this chunk's pairs, per expert
     offs_p = c * BLOCK_P + tl.arange(0, BLOCK_P)
     local, valid = _local_ids(IDS, offs_p, P, first_expert, e_local)
     onehot = (local[:, None] == offs_e[None, :]).to(tl.int32)
+    if ONE_CHUNK:  # the whole grouping in one program: no histogram pass
+        total = tl.sum(onehot, axis=0)
+        before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    else:
+        total = tl.zeros([BLOCK_E], dtype=tl.int32)
+        before = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for c0 in range(0, num_chunks, SCAN_C):
+            offs_c = c0 + tl.arange(0, SCAN_C)
+            tab = tl.load(CHUNK_CNT + offs_c[:, None] * BLOCK_E + offs_e[None, :],
+                          mask=offs_c[:, None] < num_chunks, other=0)
+            total += tl.sum(tab, axis=0)
+            before += tl.sum(tl.where(offs_c[:, None] < c, tab, 0), axis=0)
+    if c == 0:
+        tl.store(COUNTS + offs_e, total, mask=offs_e < e_local)
+    start = tl.cumsum(total, axis=0) - total + before  # first sorted slot of this chunk's pairs, per expert
     rank = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert inside this chunk
     pos = tl.sum(tl.where(onehot != 0, start[None, :] + rank, 0), axis=1)
     tl.store(SORTED + pos, offs_p, mask=valid)
@@ -244,33 +249,41 @@ def _block_e(e_local: int) -> int:
     return max(16, triton.next_power_of_2(e_local))
 
 
-def group_by_expert(ids: torch.Tensor, e_local: int, first_expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_by_expert(ids: torch.Tensor, e_local: int, first_expert: int,
+                    block_p: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids int64 `[N, k]` (global expert ids, -1 = none) -> (sorted_pairs int32 `[N * k]`, counts int32
     `[e_local]`): the flat pair indices (n * k + j) routed to local experts, grouped by expert in pair order
-    (entries past sum(counts) are unspecified), and the pairs per local expert. Two launches, no host read."""
+    (entries past sum(counts) are unspecified), and the pairs per local expert. One launch up to `block_p` pairs
+    (default up to 128: every decode bucket up to 16 tokens at top-8), else two; no host read."""
     ids = ids.contiguous()
     p = ids.numel()
     block_e = _block_e(e_local)
-    chunks = triton.cdiv(max(p, 1), _BLOCK_P)
-    chunk_cnt = torch.empty((chunks, block_e), dtype=torch.int32, device=ids.device)
+    block_p = block_p or max(16, min(_BLOCK_P, triton.next_power_of_2(max(p, 1))))
+    chunks = triton.cdiv(max(p, 1), block_p)
     sorted_pairs = torch.empty(max(p, 1), dtype=torch.int32, device=ids.device)
     counts = torch.empty(e_local, dtype=torch.int32, device=ids.device)
-    warps = 8 if block_e >= 128 else 4
-    _hist_kernel[(chunks,)](ids, chunk_cnt, p, first_expert, e_local, BLOCK_P=_BLOCK_P, BLOCK_E=block_e,
-                            num_warps=warps)
+    chunk_cnt = counts
+    warps = 8 if block_e * block_p >= 128 * 128 else 4
+    if chunks > 1:
+        chunk_cnt = torch.empty((chunks, block_e), dtype=torch.int32, device=ids.device)
+        _hist_kernel[(chunks,)](ids, chunk_cnt, p, first_expert, e_local, BLOCK_P=block_p, BLOCK_E=block_e,
+                                num_warps=warps)
     _scatter_kernel[(chunks,)](ids, chunk_cnt, sorted_pairs, counts, p, chunks, first_expert, e_local,
-                               BLOCK_P=_BLOCK_P, BLOCK_E=block_e, SCAN_C=_SCAN_C, num_warps=warps)
+                               BLOCK_P=block_p, BLOCK_E=block_e, SCAN_C=_SCAN_C, ONE_CHUNK=chunks == 1,
+                               num_warps=warps)
     return sorted_pairs[:p], counts
 
 
 def grouped_swiglu(x: torch.Tensor, sorted_rows: torch.Tensor | None, counts: torch.Tensor, w13: torch.Tensor,
-                   w2: torch.Tensor, rows: int, *, top_k: int = 1, pack_stride: int = 0) -> torch.Tensor:
+                   w2: torch.Tensor, rows: int, *, top_k: int = 1, pack_stride: int = 0,
+                   configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None) -> torch.Tensor:
     """w2[e] @ (silu(w13[e, :I] @ x_r) * (w13[e, I:] @ x_r)) for every grouped row r of every local expert e.
 
     Routed (sorted_rows = `group_by_expert`'s pairs): row r is pair sorted_rows[r] of x `[N, H]` (token
     pair // top_k); returns `[rows, H]` (rows = N * top_k) indexed by pair, rows of non-local pairs unspecified.
     Packed (sorted_rows None): x `[E * pack_stride, H]`, the rows of expert e start at e * pack_stride; returns
-    the same shape, rows at or past counts[e] unspecified. counts int32 `[E_local]` on x's device."""
+    the same shape, rows at or past counts[e] unspecified. counts int32 `[E_local]` on x's device. configs: the
+    (w13, w2) GEMM launch configs, default `gemm_config` (benchmarks sweep them)."""
     e_local, h, inter = _check_weights(x, w13, w2)
     dt = x.dtype
     prec = "ieee" if dt == torch.float32 else "tf32"
@@ -281,12 +294,11 @@ def grouped_swiglu(x: torch.Tensor, sorted_rows: torch.Tensor | None, counts: to
     if rows == 0:
         return y
     srt = counts if packed else sorted_rows
-    c1 = gemm_config(rows, e_local, True, dt)
+    c1, c2 = configs or (gemm_config(rows, e_local, True, dt), gemm_config(rows, e_local, False, dt))
     _gemm13_kernel[(max_tiles(rows, e_local, c1.block_m), triton.cdiv(inter, c1.block_n))](
         x, srt, counts, w13, act, e_local, pack_stride, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
         act.stride(0), TOP_K=top_k, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_K=c1.block_k, BLOCK_E=block_e,
         PACKED=packed, PRECISION=prec, num_warps=c1.num_warps, num_stages=c1.num_stages)
-    c2 = gemm_config(rows, e_local, False, dt)
     _gemm2_kernel[(max_tiles(rows, e_local, c2.block_m), triton.cdiv(h, c2.block_n))](
         act, srt, counts, w2, y, e_local, pack_stride, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
         y.stride(0), BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_K=c2.block_k, BLOCK_E=block_e, PACKED=packed,
@@ -295,7 +307,7 @@ def grouped_swiglu(x: torch.Tensor, sorted_rows: torch.Tensor | None, counts: to
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   first_expert: int = 0) -> torch.Tensor:
+                   first_expert: int = 0, *, configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None) -> torch.Tensor:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) over the local experts: x `[N, H]`, ids int64 `[N, k]`
     (global ids, -1 = none), weights fp32 `[N, k]`, w13 `[E_local, 2I, H]`, w2 `[E_local, H, I]` in x's dtype;
     returns `[N, H]` in x's dtype (0 for a token with no local expert). Five launches, capturable."""
@@ -310,7 +322,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         return out
     ids, weights = ids.contiguous(), weights.contiguous()
     sorted_pairs, counts = group_by_expert(ids, e_local, first_expert)
-    y = grouped_swiglu(x, sorted_pairs, counts, w13, w2, n * k, top_k=k)
+    y = grouped_swiglu(x, sorted_pairs, counts, w13, w2, n * k, top_k=k, configs=configs)
     block_h = min(1024, triton.next_power_of_2(h))
     _combine_kernel[(n, triton.cdiv(h, block_h))](y, ids, weights, out, first_expert, e_local, h, TOP_K=k,
                                                   BLOCK_H=block_h, num_warps=4)

@@ -1,0 +1,89 @@
+"""Config sweep for the routed-expert GEMMs (`modeling/ops/triton_moe.py`) at decode token counts.
+
+    python -m bench.moe_tune --shape 2048,768,128,8 --tokens 1,8,64,256 --out artifacts/moe_tune.json
+
+Per token count: `routed_experts` inside one CUDA graph over `--copies` weight copies (so L2 does not hold the
+experts), microseconds per call, first sweeping the w13 (gate-up) GEMM's config with the w2 GEMM's default, then
+the w2 config with the best w13 one; every config is checked against the default's output (atol = rtol = 2e-2).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from bench.common import machine, write_json
+
+
+def _time(fn, copies: int, replays: int = 20) -> float:
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(copies):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(replays):
+        g.replay()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3 / replays / copies
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="2048,768,128,8", help="H,I,E,top_k")
+    ap.add_argument("--tokens", default="1,8,64,256")
+    ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from modeling.ops.triton_moe import MoeGemmConfig, gemm_config, routed_experts
+
+    h, i, e, k = (int(v) for v in args.shape.split(","))
+    dev = torch.device("cuda", 0)
+    w13s = [(torch.randn(e, 2 * i, h, device=dev) / h ** 0.5).bfloat16() for _ in range(args.copies)]
+    w2s = [(torch.randn(e, h, i, device=dev) / i ** 0.5).bfloat16() for _ in range(args.copies)]
+    print(f"# {machine()} | H {h} I {i} E {e} top-{k} | us per call, graph over {args.copies} weight copies")
+    rows = []
+    for n in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(n, h, device=dev).bfloat16()
+        w, ids = torch.softmax(torch.randn(n, e, device=dev), -1).topk(k, -1)
+        w = (w / w.sum(-1, keepdim=True)).float()
+        d13, d2 = gemm_config(n * k, e, True, torch.bfloat16), gemm_config(n * k, e, False, torch.bfloat16)
+        ref = routed_experts(x, ids, w, w13s[0], w2s[0]).float()
+
+        def run(c13, c2):
+            def call(j):
+                return routed_experts(x, ids, w, w13s[j], w2s[j], configs=(c13, c2))
+            try:
+                ok = bool(torch.allclose(call(0).float(), ref, atol=2e-2, rtol=2e-2))
+                return _time(call, args.copies) if ok else float("inf")
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is skipped
+                print("   ", c13, c2, type(exc).__name__, str(exc)[:120])
+                return float("inf")
+
+        base = run(d13, d2)
+        bm = d13.block_m
+        c13s = [MoeGemmConfig(bm, bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 4))]
+        t13 = sorted(((run(c, d2), c) for c in c13s), key=lambda r: r[0])
+        best13 = t13[0][1]
+        c2s = [MoeGemmConfig(bm, bn, bk, 4, st) for bn, bk, st in itertools.product((32, 64, 128), (64, 128, 256), (3, 4))]
+        t2 = sorted(((run(best13, c), c) for c in c2s), key=lambda r: r[0])
+        row = {"tokens": n, "default_us": base, "default": [d13, d2], "best_us": t2[0][0], "best": [best13, t2[0][1]],
+               "w13_top": t13[:5], "w2_top": t2[:5]}
+        rows.append(row)
+        print(f"tokens {n:5d}: default {base:7.1f} us {d13} {d2}\n    best {t2[0][0]:7.1f} us {best13} {t2[0][1]}")
+        for t, c in t13[:3]:
+            print(f"      w13 {t:7.1f} {c}")
+        for t, c in t2[:3]:
+            print(f"      w2  {t:7.1f} {c}")
+    write_json(args.out, {"machine": machine(), "shape": [h, i, e, k], "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
