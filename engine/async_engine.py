@@ -230,7 +230,10 @@ class AsyncLLMEngine(EngineStatus):
         flat = {k: v for k, v in result.items() if isinstance(v, (int, float, str, bool))}
         self.reset_log.append({"time": time.time(), **flat})
         log_event("reset", **flat)
-        self._status_wake.set()
+        try:  # the status after the reset, before the caller's next request reads it (off the event loop)
+            self._status = (time.monotonic(), await asyncio.to_thread(self.engine.executor.status))
+        except Exception:  # noqa: BLE001 - the status thread reads it again
+            self._status_wake.set()
         self.observer.on_reset(result)
         return result
 
