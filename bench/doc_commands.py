@@ -58,7 +58,10 @@ def serve_once(extra: list[str], body: dict | None = None, timeout: float = 240,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             out = json.loads(r.read())
-        return True, f"{url}: {len(out['choices'][0].get('token_ids') or [])} tokens"
+        ch = out["choices"][0]
+        got = f"{len(ch['token_ids'])} tokens" if "token_ids" in ch else f"{out['usage']['completion_tokens']} tokens: " \
+            f"{ch['message']['content']!r}"
+        return True, f"{url}: {got}"
     except Exception as exc:  # noqa: BLE001 - reported in the row
         return False, f"{type(exc).__name__}: {exc}"[:160]
     finally:

@@ -37,7 +37,9 @@ def add_model_args(p: argparse.ArgumentParser, executor_default: str = "ray") ->
     c.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 64, 16 on CPU)")
     c.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per rank (default: from free memory)")
     c.add_argument("--kv-cache-memory-fraction", type=float, default=0.5)
-    c.add_argument("--max-model-len", type=int, default=4096, help="longest sequence (prompt + output)")
+    c.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (prompt + output); default: the model's max_position_embeddings, at most "
+                        "4096")
     c.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per DP rank "
                    "(default: --max-decode-batch, so every decode batch has a graph)")
     c.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -82,8 +84,32 @@ def _on_cpu(args: argparse.Namespace) -> bool:
     return False
 
 
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def resolve_max_model_len(args: argparse.Namespace) -> None:
+    """`--max-model-len` left unset: the model's `max_position_embeddings`, at most 4096. One set above the model's
+    positions (its rotary tables end there) is a LaunchError naming both."""
+    if getattr(args, "_max_model_len_resolved", False):
+        return
+    from modeling.config import PRESETS, get_preset, load_config
+
+    try:
+        cfg = get_preset(args.model) if args.model in PRESETS else load_config(args.model)
+    except Exception:  # noqa: BLE001 - a bad --model is reported where the deployment is built
+        cfg = None
+    limit = cfg.max_position_embeddings if cfg is not None else None
+    if args.max_model_len is None:
+        args.max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit) if limit else DEFAULT_MAX_MODEL_LEN
+    elif limit and args.max_model_len > limit:
+        raise LaunchError(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings "
+                          f"({limit}); use at most {limit}")
+    args._max_model_len_resolved = True
+
+
 def resolve_graph_defaults(args: argparse.Namespace) -> None:
     """Fill graph options left unset: GPU-sized by default, small on CPU (eager warm-up of every bucket)."""
+    resolve_max_model_len(args)
     cpu = _on_cpu(args)
     if args.max_decode_batch is None:
         args.max_decode_batch = 16 if cpu else 256
