@@ -65,11 +65,16 @@ def serve_once(extra: list[str], body: dict | None = None, timeout: float = 240,
     except Exception as exc:  # noqa: BLE001 - reported in the row
         return False, f"{type(exc).__name__}: {exc}"[:160]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the command, then SIGKILL to its process group after 60 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def rows(ckpt: Path, token_file: Path) -> list[tuple[str, callable]]:
@@ -159,11 +164,7 @@ def serve_via_cluster() -> tuple[bool, str]:
                     return r.status == 200, f"{m.group(1)} answered"
         return False, "did not start"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
 
 
 NOT_HERE = [

@@ -172,6 +172,6 @@ def test_only_the_environment_module_reads_the_environment():
 
 
 def test_the_engine_imports_no_torch():
-    code = "import sys, engine, engine.blocks; print(sorted(m for m in ('torch', 'modeling') if m in sys.modules))"
+    code = "import sys, engine, engine.block_manager; print(sorted(m for m in ('torch', 'modeling') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]

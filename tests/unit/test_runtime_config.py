@@ -32,3 +32,20 @@ def test_command_line_sets_armed_decode_wait():
 def test_bad_armed_decode_wait_is_a_launch_error():
     with pytest.raises(LaunchError, match="armed_decode_wait_ms must be in"):
         build_executor(_args("--armed-decode-wait-ms", "-5"))
+
+
+def test_max_model_len_defaults_to_the_models_positions_and_refuses_more(tmp_path):
+    import argparse
+
+    from launch.options import LaunchError, resolve_max_model_len
+    from tests.fixtures.hf_checkpoints import build_checkpoint
+
+    ckpt = build_checkpoint(tmp_path / "ckpt")  # max_position_embeddings 256
+    args = argparse.Namespace(model=str(ckpt), max_model_len=None)
+    resolve_max_model_len(args)
+    assert args.max_model_len == 256
+    preset = argparse.Namespace(model="qwen3-0.6b", max_model_len=None)
+    resolve_max_model_len(preset)
+    assert preset.max_model_len == 4096  # 40960 positions: the 4096 default
+    with pytest.raises(LaunchError, match="max_position_embeddings"):
+        resolve_max_model_len(argparse.Namespace(model=str(ckpt), max_model_len=1000))
