@@ -22,7 +22,7 @@ then blocks again. A shape seen for the first time polls from the start for `pol
 
 Why pipes rather than a Ray compiled graph: a step costs two small writes and two
 wake-ups (tens of microseconds) instead of Ray's serialisation and channel round trip
-(~0.7 ms measured on an H200 host), and a dead rank is seen at once: the kernel closes
+(several times more, docs/benchmarks.md), and a dead rank is seen at once: the kernel closes
 its end of the reply pipe, so the driver reads end-of-file instead of waiting for a
 timeout. Needs every rank on the driver's host (the coordinator falls back to compiled
 graphs or plain actor calls otherwise).

@@ -10,194 +10,29 @@ import contextlib
 import dataclasses
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from actors.armed import ArmedDecode
-from actors.batch import BatchError, SampledTokens, StepBatch, StepLogprobs
+from actors.batch import BatchError, StepBatch
+from actors.decode_state import HeadGraphs, PendingTokens, _DecodeLane
+from actors.runtime_config import DeviceError, RuntimeConfig, resolve_device  # noqa: F401 (re-exported)
 from actors.step_sampler import StepSampler
 from graphrunner.capture import end_capture, end_capture_quietly
-from graphrunner.config import GraphRunnerConfig
 from graphrunner.runner import CUDAGraphRunner
 from graphrunner.stats import ExecPath
 from graphrunner.step import ForwardStep
 from graphrunner.dispatch import Path as RunnerPath
 from modeling.attn_metadata import AttentionMetadata, build_decode_step_host, build_step_from_arrays
-from modeling.config import ModelConfig, get_preset, load_config, PRESETS
+from modeling.config import PRESETS
 from modeling.dummy import make_dummy_inputs
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.loader import init_random, load_checkpoint
 from modeling.ops import get_kernel_ops
-from modeling.ops.options import KernelOptions
 from modeling.qwen3 import Qwen3ForCausalLM
 from parallel.context import ParallelContext
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """What every rank of a deployment is built from.
-
-    model: a preset name (random weights, `seed`) or an HF checkpoint directory.
-    dtype: override the model dtype ("float32" / "float16" / "bfloat16"); None keeps it
-        (presets on CPU run in float32).
-    num_kv_blocks: blocks per rank; None sizes from `kv_cache_memory_fraction` of the free
-        device memory after weights (CUDA) or uses 512 (CPU).
-    max_model_len: longest sequence (prompt + output); sets the block-table width.
-    head_graph_max_batch: decode buckets up to this size also capture the LM head as graphs on the decode
-        graph's output, one for greedy tokens alone and one for fp32 logits + argmax (`bucket x vocab` in one
-        shared pool; ~15 MiB at 16 for a 152k vocabulary, ~100 MiB at 64); larger buckets run the head eagerly
-        (about 0.4 ms of host launches at batch 64, more under TP); 0 = off.
-    kernels: how the rank's operators launch (`modeling.ops.options.KernelOptions`: PDL, GEMV, decode combine,
-        compile threads); built on the driver (`actors.environment.options_from_environ`), defaults here.
-    armed_decode_wait_ms: how long an armed decode step (`actors.armed`: the next greedy decode step enqueued
-        behind a gate while the rank waits for its request) waits before it gives up (TP > 1: before the
-        driver disarms it); 0 = never arm. Only CUDA ranks with expert-parallel size 1 arm.
-    """
-
-    model: str = "qwen3-tiny"
-    seed: int = 0
-    dtype: Optional[str] = None
-    device: str = "auto"
-    block_size: int = 64
-    num_kv_blocks: Optional[int] = None
-    kv_cache_memory_fraction: float = 0.5
-    max_model_len: int = 4096
-    kernel_backend: str = "auto"
-    graph: GraphRunnerConfig = field(default_factory=GraphRunnerConfig)
-    head_graph_max_batch: int = 64
-    armed_decode_wait_ms: float = 20.0
-    kernels: KernelOptions = KernelOptions()
-
-    def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.block_size <= 0 or self.max_model_len <= 0:
-            raise ValueError("block_size and max_model_len must be positive")
-        if not 0.0 <= self.armed_decode_wait_ms <= 10_000.0:
-            raise ValueError(f"armed_decode_wait_ms must be in [0, 10000], got {self.armed_decode_wait_ms}")
-        if self.head_graph_max_batch < 0:
-            raise ValueError(f"head_graph_max_batch must be >= 0, got {self.head_graph_max_batch}")
-        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
-        if self.model not in PRESETS and not Path(self.model).is_dir():
-            get_preset(self.model)  # raises UnknownPresetError naming the known presets
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
-
-    def model_config(self, device: torch.device) -> ModelConfig:
-        cfg = get_preset(self.model) if self.model in PRESETS else load_config(self.model)
-        if self.dtype is not None:
-            cfg = cfg.with_dtype(_DTYPES[self.dtype])
-        elif device.type == "cpu" and cfg.dtype != torch.float32:
-            cfg = cfg.with_dtype(torch.float32)
-        return cfg
-
-
-class DeviceError(ValueError):
-    """The requested device does not exist in this process."""
-
-
-def resolve_device(spec: str, local_gpu: int = 0) -> torch.device:
-    """The rank's device for `spec` ("auto", "cpu", "cuda" or "cuda:N"): "auto" and "cuda" take CUDA device
-    `local_gpu` (the rank's own GPU: 0 under Ray's per-actor isolation), so process groups and kernels always see
-    an indexed device. Raises DeviceError for CUDA when torch sees no CUDA device."""
-    if spec == "auto":
-        return torch.device("cuda", local_gpu) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceError(f"device {spec!r}: torch sees no CUDA device (a CPU build of torch, no driver, or "
-                              "CUDA_VISIBLE_DEVICES hides them); use --device cpu or auto")
-        if dev.index is None:
-            dev = torch.device("cuda", local_gpu)
-    return dev
-
-
-class HeadGraphs(NamedTuple):
-    """One decode bucket's LM-head graphs and their outputs (device tensors of the head pool, rewritten by each
-    replay): `greedy_graph` writes int64 `greedy` `[bucket]`; `logits_graph` writes fp32 `logits` `[bucket, V]`
-    and int64 `tokens` `[bucket]` (their argmax)."""
-
-    greedy_graph: Any
-    greedy: torch.Tensor
-    logits_graph: Any
-    logits: torch.Tensor
-    tokens: torch.Tensor
-
-
-class PendingTokens:
-    """The next tokens of a launched step on their way to the host.
-
-    `host`: int64 tensor on the host (pinned for a CUDA rank) that a device-to-host copy on the rank's forward
-    stream fills, `[B]` or `[num_steps, B]` for multi-step decode; `event`: recorded after that copy (None when
-    the tokens are already on the host: CPU ranks, idle steps). Lifetime: owned by the caller; `result()` returns
-    a copy and then hands the pinned buffer and its event back to `recycle` (the rank's free list) for a later
-    step, so `result()` is the only reader of `host`."""
-
-    __slots__ = ("host", "event", "multi", "_recycle", "_out", "logprobs")
-
-    def __init__(self, host: Optional[torch.Tensor], event: Any = None, multi: bool = False,
-                 recycle: Optional[list] = None, logprobs: Optional[tuple] = None):
-        self.host, self.event, self.multi, self._recycle, self._out = host, event, multi, recycle, None
-        self.logprobs = logprobs  # host (chosen, top ids, top logprobs) when the step returns logprobs
-
-    def ready(self) -> bool:
-        """Whether `result()` returns without waiting for the device."""
-        return self.event is None or self._out is not None or self.event.query()
-
-    def result(self) -> Optional[np.ndarray]:
-        """int64 `[B]` (`[B, num_steps]` for multi-step decode) next tokens, or None for an idle step."""
-        if self._out is not None or self.host is None:
-            return self._out
-        if self.event is not None:
-            self.event.synchronize()
-        out = self.host.numpy()
-        self._out = out.T.copy() if self.multi else out.copy()
-        if self.logprobs is not None:
-            chosen, ids, lps = (t.numpy() for t in self.logprobs)
-            self._out = SampledTokens(self._out, StepLogprobs(chosen.astype(np.float32).copy(),
-                                                              ids.astype(np.int32), lps.astype(np.float32).copy()))
-        if self._recycle is not None:
-            self._recycle.append((self.host, self.event))
-            self._recycle = None
-        return self._out
-
-
-class _DecodeLane:
-    """A greedy decode step shape (B sequences, the coordinator's hints) whose path is known: the full graph of
-    `key` and the head graph `head`. `run` replays them for a new step of that shape without the runner's
-    dispatch: the graph runner's decision is a pure function of the shape and hints and of the captured graphs,
-    and a lane lives only while those stay (`RankRuntime._drop_heads`, `capture_decode` forget every lane).
-    The model's buffer contract is kept: `FullGraphRunner.replay` fills the buffers, redirects the context and
-    replays."""
-
-    __slots__ = ("key", "head", "hints", "tokens", "kv_layers", "block_size")
-
-    def __init__(self, key: Any, head: "HeadGraphs", step: ForwardStep, block_size: int):
-        self.key, self.head, self.block_size = key, head, block_size
-        self.hints = dict(global_decode=step.global_decode, batch_bucket_hint=step.batch_bucket_hint,
-                          token_bucket_hint=step.token_bucket_hint)
-        self.tokens = head.greedy[:step.batch_size]  # int64 `[B]` view of the head graph's output
-        self.kv_layers = step.kv_caches
-
-    def run(self, runner: CUDAGraphRunner, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
-            batch: StepBatch) -> torch.Tensor:
-        """Enqueue the step on the current (forward) stream; its next tokens, int64 `[B]` on the device (a view
-        valid until the next step of this bucket)."""
-        ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.block_size)
-        step = ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_layers, meta, **self.hints)
-        runner.full_graphs.replay(self.key, step)
-        self.head.greedy_graph.replay()
-        return self.tokens
-
 
 class RankRuntime:
     """Owns one rank's model shard, KV cache and graph runner (lifetime: the rank's process)."""

@@ -46,9 +46,8 @@ class EngineConfig:
     prompts (`engine.block_manager`); max_model_len None = the executor's; decode_steps:
     multi-step decode (decode steps per scheduling round while every running sequence is greedy); overlap:
     scheduling ahead (see the module docstring; off by default), used when the executor can submit ahead, for
-    rounds of at most `overlap_max_seqs` sequences. Measured on an H200 (`bench/serve_bench.py`): TPOT at
-    one client 0.97-1.25 ms against 1.81 ms, but time-to-first-token p99 outliers of 0.9-1.5 s at 16-64
-    clients that synchronous rounds do not show (not yet explained), hence opt-in."""
+    rounds of at most `overlap_max_seqs` sequences; opt-in because of time-to-first-token outliers at high
+    concurrency (docs/benchmarks.md, "Engine overlap")."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None

@@ -21,8 +21,8 @@ def symm_empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 `[nbytes]` tensor in symmetric memory on `device` (CUDA), for `rendezvous`: what
     `symm_mem.empty(nbytes, dtype=torch.uint8, device=device)` gives with `TORCH_SYMMMEM_IMPLICIT_POOL=0`,
     without that wrapper's stride helper (`torch._prims_common.make_contiguous_strides_for`), whose first use in a
-    process imports sympy: 483 modules, 1.9-3.4 s with the GIL held on the H200 machines (no bytecode cache there),
-    against 1 ms for the allocation itself (`python -m bench.symm_setup_bench`)."""
+    process imports sympy, seconds with the GIL held on a rank process without a bytecode cache (figures:
+    docs/benchmarks.md, `python -m bench.symm_setup_bench`)."""
     from torch._C._distributed_c10d import _SymmetricMemory
 
     return _SymmetricMemory.empty_strided_p2p((int(nbytes),), (1,), torch.uint8, device)

@@ -18,9 +18,8 @@ kernel that takes it follows three rules:
 Launch wrappers take the mode as their `pdl` argument (`modeling.ops.get_kernel_ops` binds `pdl_mode(device,
 options.pdl)` once) and pass `**PDL_LAUNCH[pdl]`: `PDL=<mode>, launch_pdl=True` where PDL is on, `PDL=0` elsewhere
 (CPU interpreter, GPUs before sm_90, a Triton without the `launch_pdl` option, `pdl="0"`). The default is
-`early`: with the decode GEMV (`triton_gemv`), which loads its program's whole weight tile before the wait, the
-batch-1 decode step of qwen3-0.6b measured 0.87 of PDL off on an H200 (`python -m bench.decode_ab`, see
-docs/benchmarks.md); before the GEMV it gained nothing dependable, the skinny GEMM prefetching one chunk only.
+`early`, because the decode GEMV (`triton_gemv`) loads its program's whole weight tile before the wait (the A/B
+figures are in docs/benchmarks.md, `python -m bench.decode_ab`).
 Kernels that spin on other GPUs (the TP fused all-reduce) and the armed-decode gate are never launched with PDL.
 """
 from __future__ import annotations

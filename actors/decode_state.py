@@ -1,0 +1,91 @@
+"""The decode path's per-step state objects of `actors.rank.RankRuntime`: a bucket's LM-head graphs
+(`HeadGraphs`), a launched step's tokens on their way to the host (`PendingTokens`), and a greedy decode shape
+whose graphs are known (`_DecodeLane`)."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from actors.batch import SampledTokens, StepBatch, StepLogprobs
+from graphrunner.runner import CUDAGraphRunner
+from graphrunner.step import ForwardStep
+from modeling.attn_metadata import build_decode_step_host
+
+class HeadGraphs(NamedTuple):
+    """One decode bucket's LM-head graphs and their outputs (device tensors of the head pool, rewritten by each
+    replay): `greedy_graph` writes int64 `greedy` `[bucket]`; `logits_graph` writes fp32 `logits` `[bucket, V]`
+    and int64 `tokens` `[bucket]` (their argmax)."""
+
+    greedy_graph: Any
+    greedy: torch.Tensor
+    logits_graph: Any
+    logits: torch.Tensor
+    tokens: torch.Tensor
+
+
+class PendingTokens:
+    """The next tokens of a launched step on their way to the host.
+
+    `host`: int64 tensor on the host (pinned for a CUDA rank) that a device-to-host copy on the rank's forward
+    stream fills, `[B]` or `[num_steps, B]` for multi-step decode; `event`: recorded after that copy (None when
+    the tokens are already on the host: CPU ranks, idle steps). Lifetime: owned by the caller; `result()` returns
+    a copy and then hands the pinned buffer and its event back to `recycle` (the rank's free list) for a later
+    step, so `result()` is the only reader of `host`."""
+
+    __slots__ = ("host", "event", "multi", "_recycle", "_out", "logprobs")
+
+    def __init__(self, host: Optional[torch.Tensor], event: Any = None, multi: bool = False,
+                 recycle: Optional[list] = None, logprobs: Optional[tuple] = None):
+        self.host, self.event, self.multi, self._recycle, self._out = host, event, multi, recycle, None
+        self.logprobs = logprobs  # host (chosen, top ids, top logprobs) when the step returns logprobs
+
+    def ready(self) -> bool:
+        """Whether `result()` returns without waiting for the device."""
+        return self.event is None or self._out is not None or self.event.query()
+
+    def result(self) -> Optional[np.ndarray]:
+        """int64 `[B]` (`[B, num_steps]` for multi-step decode) next tokens, or None for an idle step."""
+        if self._out is not None or self.host is None:
+            return self._out
+        if self.event is not None:
+            self.event.synchronize()
+        out = self.host.numpy()
+        self._out = out.T.copy() if self.multi else out.copy()
+        if self.logprobs is not None:
+            chosen, ids, lps = (t.numpy() for t in self.logprobs)
+            self._out = SampledTokens(self._out, StepLogprobs(chosen.astype(np.float32).copy(),
+                                                              ids.astype(np.int32), lps.astype(np.float32).copy()))
+        if self._recycle is not None:
+            self._recycle.append((self.host, self.event))
+            self._recycle = None
+        return self._out
+
+
+class _DecodeLane:
+    """A greedy decode step shape (B sequences, the coordinator's hints) whose path is known: the full graph of
+    `key` and the head graph `head`. `run` replays them for a new step of that shape without the runner's
+    dispatch: the graph runner's decision is a pure function of the shape and hints and of the captured graphs,
+    and a lane lives only while those stay (`RankRuntime._drop_heads`, `capture_decode` forget every lane).
+    The model's buffer contract is kept: `FullGraphRunner.replay` fills the buffers, redirects the context and
+    replays."""
+
+    __slots__ = ("key", "head", "hints", "tokens", "kv_layers", "block_size")
+
+    def __init__(self, key: Any, head: "HeadGraphs", step: ForwardStep, block_size: int):
+        self.key, self.head, self.block_size = key, head, block_size
+        self.hints = dict(global_decode=step.global_decode, batch_bucket_hint=step.batch_bucket_hint,
+                          token_bucket_hint=step.token_bucket_hint)
+        self.tokens = head.greedy[:step.batch_size]  # int64 `[B]` view of the head graph's output
+        self.kv_layers = step.kv_caches
+
+    def run(self, runner: CUDAGraphRunner, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
+            batch: StepBatch) -> torch.Tensor:
+        """Enqueue the step on the current (forward) stream; its next tokens, int64 `[B]` on the device (a view
+        valid until the next step of this bucket)."""
+        ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.block_size)
+        step = ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_layers, meta, **self.hints)
+        runner.full_graphs.replay(self.key, step)
+        self.head.greedy_graph.replay()
+        return self.tokens
