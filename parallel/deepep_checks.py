@@ -54,7 +54,7 @@ def deepep_problems(*, dtype: Any, hidden: int, num_experts: int, top_k: int, ep
                    f"{', '.join(map(str, DEEPEP_HIDDEN_SIZES))} only, the model's hidden_size is {hidden}: serve a "
                    "model of one of those sizes or use --ep-backend allgather")
     if ep_size not in DEEPEP_EP_SIZES:
-        out.append(f"DeepEP runs its intranode kernels here, on 2, 4 or 8 ranks of one node; ep is {ep_size}: use "
+        out.append(f"DeepEP runs its intranode kernels here, on 2, 4 or 8 ranks of one node, and ep is {ep_size}: use "
                    "--ep 2, 4 or 8 (internode DeepEP is not supported) or --ep-backend allgather")
     elif num_experts % ep_size:
         out.append(f"num_experts {num_experts} is not divisible by ep {ep_size}: pick an ep that divides it")
