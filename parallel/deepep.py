@@ -11,9 +11,10 @@ Modes (as in DeepEP's documentation):
 - normal `dispatch` / `combine`: prefill, inside the MoE eager boundary (host sync on counts).
 - `low_latency_dispatch` / `low_latency_combine`: decode (static step, or a CUDA capture);
   fixed shapes, capturable. The per-rank token cap must cover the largest decode bucket.
-Construction checks every DeepEP limit (`parallel.deepep_checks`: bf16, hidden size, 2/4/8 ranks, top-k,
-token cap) before any buffer exists; the driver runs the same check (`actors.deepep_config`). After a normal op the low-latency buffer is cleaned before
-  the next low-latency use (`clean_low_latency_buffer`).
+  After a normal op the low-latency buffer is cleaned before the next low-latency use
+  (`clean_low_latency_buffer`).
+Construction checks every DeepEP limit (`parallel.deepep_checks`: bf16, hidden size, 2/4/8 ranks,
+top-k, token cap) before any buffer exists; the driver runs the same check (`actors.deepep_config`).
 With tp > 1 each TP rank sends only its 1/tp chunk of the (replicated) tokens and the TP
 group all-gathers the combined chunks, as in the all-gather backend's split layout.
 
