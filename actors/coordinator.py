@@ -41,6 +41,7 @@ import numpy as np
 from actors.batch import BatchError, StepBatch
 from actors.coordinator_health import CoordinatorHealth
 from actors.coordinator_paths import CoordinatorStepPaths
+from actors.deepep_config import check_deepep_deployment
 from actors.errors import CoordinatorStateError, RankFailureError, StartupCaptureError
 from actors.options import STEP_PATHS, DriverOptions
 from actors.protocol import plan_step, with_arm_next
@@ -79,6 +80,9 @@ class DeploymentConfig:
         Topology.of(tp=self.tp, dp=self.dp, ep=self.ep)  # TopologyError names the bad field
         if self.ep_backend not in KINDS:
             raise ValueError(f"ep_backend must be one of {KINDS}, got {self.ep_backend!r}")
+        if self.ep_backend == "deepep" and self.ep > 1:  # DeepEPConfigError (a ValueError) before any rank starts
+            check_deepep_deployment(self.runtime, tp=self.tp, ep=self.ep, use_gpu=self.use_gpu,
+                                    max_tokens_per_rank=self.comm.deepep_max_tokens_per_rank)
         if self.collective_timeout_s <= 0 or self.step_timeout_s <= 0:
             raise ValueError("collective_timeout_s and step_timeout_s must be positive")
 

@@ -14,7 +14,8 @@ EXECUTORS = ("ray", "local", "auto")
 def add_model_args(p: argparse.ArgumentParser, executor_default: str = "ray") -> None:
     g = p.add_argument_group("model and deployment")
     g.add_argument("--model", default="qwen3-tiny", help="HF checkpoint directory (config.json + safetensors) "
-                   "or a random-weight preset: qwen3-tiny, qwen3-moe-tiny, qwen3-0.6b, qwen3-moe-small")
+                   "or a random-weight preset: qwen3-tiny, qwen3-moe-tiny, qwen3-0.6b, qwen3-moe-small, "
+                   "qwen3-moe-2048 (bf16, hidden 2048: DeepEP)")
     g.add_argument("--seed", type=int, default=0, help="weight seed of a preset")
     g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda (each rank its own GPU), "

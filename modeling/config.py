@@ -269,6 +269,14 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=False, dtype=torch.bfloat16, max_position_embeddings=40960,
         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
     ),
+    # Qwen3-30B-A3B's hidden size (2048, one DeepEP's low-latency kernels are compiled for) in bf16, 4 layers of
+    # 16 experts, top-4: the DeepEP multi-GPU test (parallel/deepep_checks.py).
+    "qwen3-moe-2048": ModelConfig(
+        architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_layers=4, num_heads=16, num_kv_heads=4, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, dtype=torch.bfloat16, max_position_embeddings=40960,
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True,
+    ),
     # A scaled-down Qwen3-30B-A3B shape (128 experts, top-8, head_dim 128) fitting 1-2 GPUs: EP.
     "qwen3-moe-small": ModelConfig(
         architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=1024, intermediate_size=3072,

@@ -10,9 +10,11 @@ every reset, after the graph runner dropped the graphs that captured its address
 Modes (as in DeepEP's documentation):
 - normal `dispatch` / `combine`: prefill, inside the MoE eager boundary (host sync on counts).
 - `low_latency_dispatch` / `low_latency_combine`: decode (static step, or a CUDA capture);
-  fixed shapes, capturable. The per-rank token cap must cover the largest decode bucket
-  (checked at construction). After a normal op the low-latency buffer is cleaned before
-  the next low-latency use (`clean_low_latency_buffer`).
+  fixed shapes, capturable. The per-rank token cap must cover the largest decode bucket.
+  After a normal op the low-latency buffer is cleaned before the next low-latency use
+  (`clean_low_latency_buffer`).
+Construction checks every DeepEP limit (`parallel.deepep_checks`: bf16, hidden size, 2/4/8 ranks,
+top-k, token cap) before any buffer exists; the driver runs the same check (`actors.deepep_config`).
 With tp > 1 each TP rank sends only its 1/tp chunk of the (replicated) tokens and the TP
 group all-gathers the combined chunks, as in the all-gather backend's split layout.
 
@@ -35,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel import comm
+from parallel.deepep_checks import DeepEPConfigError, check_deepep_config
 from parallel.options import DEEPEP_MAX_TOKENS_ENV, DEFAULT_DEEPEP_MAX_TOKENS_PER_RANK
 from parallel.static_tokens import StaticTokensMixin
 
@@ -57,8 +60,8 @@ class DeepEPUnavailableError(RuntimeError):
     """ep_backend="deepep" was asked for but `deep_ep` does not import on this rank."""
 
 
-class DeepEPConfigError(ValueError):
-    """DeepEP cannot serve this deployment (token cap below the largest decode bucket, dtype, ...)."""
+__all__ = ["DeepEPConfigError", "DeepEPDispatcher", "DeepEPUnavailableError", "deepep_available",
+           "destroy_deepep_buffer", "get_deepep_buffer"]
 
 
 def deepep_available() -> bool:
@@ -123,10 +126,13 @@ class DeepEPDispatcher(StaticTokensMixin):
                  max_tokens_per_rank: int = DEFAULT_DEEPEP_MAX_TOKENS_PER_RANK):
         if not HAVE_DEEP_EP:
             raise DeepEPUnavailableError("ep_backend='deepep' needs the deep_ep package on every rank")
-        if model_config is None or not model_config.is_moe:
-            raise DeepEPConfigError("the DeepEP backend needs a MoE model config")
-        if model_config.dtype != torch.bfloat16:
-            raise DeepEPConfigError(f"DeepEP moves bfloat16 tokens; the model runs {model_config.dtype}")
+        if model_config is None:
+            raise DeepEPConfigError("the DeepEP backend needs the model config (a MoE model)")
+        # Every DeepEP limit, before any buffer exists (`parallel.deepep_checks`).
+        check_deepep_config(dtype=model_config.dtype, hidden=model_config.hidden_size,
+                            num_experts=model_config.num_experts, top_k=model_config.num_experts_per_tok,
+                            ep_size=ep_size, tp_size=tp_size, largest_decode_bucket=max_decode_tokens,
+                            max_tokens_per_rank=int(max_tokens_per_rank))
         self.ep_group, self.ep_size, self.ep_rank = ep_group, ep_size, ep_rank
         self.tp_group, self.tp_size, self.tp_rank = tp_group, tp_size, tp_rank
         self.barrier_group = barrier_group
@@ -137,16 +143,6 @@ class DeepEPDispatcher(StaticTokensMixin):
         # Per-rank cap of the low-latency kernels (every rank must use the same value; it sizes the RDMA buffer).
         self.max_tokens_per_rank = int(max_tokens_per_rank)
         self._need_ll_clean = False
-        self.check_token_cap(max_decode_tokens)
-
-    def check_token_cap(self, largest_decode_bucket: int) -> None:
-        """Start-up check: the low-latency cap covers the largest decode bucket's per-rank chunk."""
-        need = math.ceil(max(1, largest_decode_bucket) / self.tp_size)
-        if need > self.max_tokens_per_rank:
-            raise DeepEPConfigError(
-                f"DeepEP low-latency cap {self.max_tokens_per_rank} tokens/rank < {need} needed by the largest "
-                f"decode bucket {largest_decode_bucket} (tp {self.tp_size}): lower max_decode_batch or raise "
-                f"{DEEPEP_MAX_TOKENS_ENV}")
 
     def _buffer(self) -> Any:
         return get_deepep_buffer(self.ep_group, hidden=self.hidden, num_experts=self.num_experts,
@@ -186,7 +182,8 @@ class DeepEPDispatcher(StaticTokensMixin):
         buf = self._buffer()
         if static is not None:  # low-latency: fixed shapes, capturable
             if x.shape[0] > self.max_tokens_per_rank:
-                raise DeepEPConfigError(f"{x.shape[0]} tokens exceed the DeepEP cap {self.max_tokens_per_rank}")
+                raise DeepEPConfigError(f"{x.shape[0]} tokens exceed the DeepEP low-latency cap "
+                                        f"{self.max_tokens_per_rank} of this rank: raise {DEEPEP_MAX_TOKENS_ENV}")
             if self._need_ll_clean and not _capturing_any(hidden):
                 buf.clean_low_latency_buffer(self.max_tokens_per_rank, self.hidden, self.num_experts)
                 self._need_ll_clean = False

@@ -25,6 +25,11 @@ from tests.dist._helpers import (CoordinatorCache, Scenario, greedy_with_and_wit
 pytestmark = pytest.mark.multigpu
 
 GRAPH = GraphRunnerConfig(max_decode_batch=16, pcg_max_tokens=1024, pcg_token_stride=512)
+# Expert parallelism runs the default decode buckets (up to 256; the DeepEP token cap's default covers them).
+EP_GRAPH = GraphRunnerConfig(pcg_max_tokens=1024, pcg_token_stride=512)
+DEFAULT_DECODE_BUCKETS = GraphRunnerConfig().decode_buckets()
+# DeepEP: bf16 and a hidden size its low-latency kernels are compiled for (`parallel.deepep_checks`).
+DEEPEP_MODEL = "qwen3-moe-2048"
 BLOCK = 64
 # A token may differ only at a bf16 near-tie: where the reference's logit gap is below 1% of the logit scale.
 # Measured on qwen3-0.6b's random weights: logits span ~86 and bf16 moves them by up to 1.7 (2%) against fp32,
@@ -42,8 +47,8 @@ def rt_cfg(model: str, **kw) -> RuntimeConfig:
     return RuntimeConfig(**base)
 
 
-def reference_runtime(model: str) -> RankRuntime:
-    cfg = rt_cfg(model)
+def reference_runtime(model: str, **kw) -> RankRuntime:
+    cfg = rt_cfg(model, **kw)
     rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
     rt.load_model()
     rt.allocate_kv_cache(cfg.num_kv_blocks)
@@ -109,6 +114,16 @@ def ranks_paths(coord) -> list[dict]:
     return [rk["runner"]["steps"] for rk in coord.status()["ranks"]]
 
 
+def graph_buckets(coord) -> list[list[int]]:
+    """Per rank, the decode buckets captured as CUDA graphs."""
+    return [sorted(int(b) for b, c in rk["runner"]["capture"]["decode"].items() if c["graph"])
+            for rk in coord.status()["ranks"]]
+
+
+def ep_deployment(**kw) -> DeploymentConfig:
+    return DeploymentConfig(runtime=rt_cfg("qwen3-moe-small", graph=EP_GRAPH), dp=2, ep=2, **kw)
+
+
 @pytest.fixture(scope="module")
 def ray_mod():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -135,6 +150,11 @@ def ref_dense():
 @pytest.fixture(scope="module")
 def ref_moe():
     return reference_runtime("qwen3-moe-small")
+
+
+@pytest.fixture(scope="module")
+def ref_deepep():
+    return reference_runtime(DEEPEP_MODEL, dtype="bfloat16")
 
 
 def _greedy(cmp: Compare, n_dp: int, ps: list[list[int]], steps: int) -> None:
@@ -248,16 +268,17 @@ MIXED = [
 
 
 def test_ep2_moe_decode_graphs_allgather(cache, ref_moe):
-    coord = cache.get("dp2ep2", DeploymentConfig(runtime=rt_cfg("qwen3-moe-small"), dp=2, ep=2))
+    coord = cache.get("dp2ep2", ep_deployment())
     cmp = Compare(coord, ref_moe)
     _greedy(cmp, 2, prompts(6, 2), steps=24)
     cmp.check()
     for steps in ranks_paths(coord):
         assert steps["full_graph"] >= 24, steps
+    assert graph_buckets(coord) == [list(DEFAULT_DECODE_BUCKETS)] * 2  # up to 256
 
 
 def test_dp_ep_mixed_local_phases_through_pcg(cache, ref_moe):
-    coord = cache.get("dp2ep2", DeploymentConfig(runtime=rt_cfg("qwen3-moe-small"), dp=2, ep=2))
+    coord = cache.get("dp2ep2", ep_deployment())
     before = ranks_paths(coord)
     cmp = Compare(coord, ref_moe)
     for step in MIXED:
@@ -270,7 +291,7 @@ def test_dp_ep_mixed_local_phases_through_pcg(cache, ref_moe):
 
 
 def test_reset_then_recapture(cache, ref_moe):
-    coord = cache.get("dp2ep2", DeploymentConfig(runtime=rt_cfg("qwen3-moe-small"), dp=2, ep=2))
+    coord = cache.get("dp2ep2", ep_deployment())
     out = coord.reset(recapture=True)
     for r in (0, 1):
         assert out["events"][r] == ["reset_graphs", "reset_deepep", "reset_barrier"]
@@ -282,11 +303,13 @@ def test_reset_then_recapture(cache, ref_moe):
     cmp.check()
 
 
-def test_deepep_backend(cache, ref_moe):
+def test_deepep_backend(cache, ref_deepep):
     pytest.importorskip("deep_ep", reason="deep_ep is not installed: the DeepEP backend did not run")
-    coord = cache.get("deepep", DeploymentConfig(runtime=rt_cfg("qwen3-moe-small"), dp=2, ep=2,
-                                                 ep_backend="deepep"))
-    cmp = Compare(coord, ref_moe)
+    # bf16 (DeepEP moves bf16 only, so the reference is bf16 too), hidden 2048, the default decode buckets
+    coord = cache.get("deepep", DeploymentConfig(runtime=rt_cfg(DEEPEP_MODEL, dtype="bfloat16", graph=EP_GRAPH),
+                                                 dp=2, ep=2, ep_backend="deepep"))
+    assert graph_buckets(coord) == [list(DEFAULT_DECODE_BUCKETS)] * 2
+    cmp = Compare(coord, ref_deepep)
     for step in MIXED:
         cmp.step(step)
     cmp.check()
