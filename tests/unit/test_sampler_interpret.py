@@ -124,7 +124,9 @@ def test_kernel_tokens_equal_the_torch_path_bitwise(results):
     assert len(cases) == 11
     for name, r in cases.items():
         assert r["equal"], (name, r)
-        assert r["top_equal"] and r["lp_err"] < 1e-5 and r["top_lp_err"] < 1e-5, (name, r)
+        # tokens are bitwise equal; log-probabilities are fp32 log-sum-exps over the vocabulary whose summation order
+        # differs between the kernels and torch (and torch's own order with its thread count): ~1e-5 apart at V=1000
+        assert r["top_equal"] and r["lp_err"] < 1e-4 and r["top_lp_err"] < 1e-4, (name, r)
 
 
 def test_rows_exercise_distinct_outcomes(results):
