@@ -76,7 +76,7 @@ def test_two_shards_equal_one_rank():
             tokens, chosen, top_ids, top_lp = got[r][name]
             assert tokens == o.tokens.tolist(), (name, r)
             assert top_ids == o.top_ids.tolist(), (name, r)
-            assert torch.allclose(torch.tensor(chosen), o.chosen_logprob, atol=1e-5)
-            assert torch.allclose(torch.tensor(top_lp), o.top_logprobs, atol=1e-5)
+            assert torch.allclose(torch.tensor(chosen), o.chosen_logprob, atol=1e-4)  # sums over shards: another order
+            assert torch.allclose(torch.tensor(top_lp), o.top_logprobs, atol=1e-4)
         assert got[0][name] == got[1][name]  # every rank returns the same bits
     assert len(set(want["full"].tokens.tolist())) > 4
