@@ -30,6 +30,8 @@ from typing import Optional
 
 import numpy as np
 
+from launch.bench import one_request
+
 
 def rss_mb(pid: int) -> Optional[float]:
     try:
@@ -47,7 +49,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
            str(args.step_timeout_s), "--host", "127.0.0.1", "--port", "0", "--no-progress", *args.server_arg]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + args.startup_timeout_s
+    deadline = time.perf_counter() + args.startup_timeout_s
     for line in proc.stdout:
         sys.stderr.write("  [server] " + line)
         m = re.search(r"serving .* on (http://\S+)", line)
@@ -57,7 +59,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
             threading.Thread(target=lambda: [sys.stderr.write("  [server] " + ln) for ln in proc.stdout],
                              daemon=True).start()
             return proc, m.group(1)
-        if time.monotonic() > deadline:
+        if time.perf_counter() > deadline:
             break
     proc.kill()
     raise RuntimeError(f"the server did not start (exit code {proc.poll()})")
@@ -67,46 +69,31 @@ class Soak:
     def __init__(self, args: argparse.Namespace, url: str, vocab: int):
         self.args, self.url, self.vocab = args, url, vocab
         self.rng = random.Random(args.seed)
-        self.stop_at = time.monotonic() + args.duration_s
+        self.stop_at = time.perf_counter() + args.duration_s
         self.done = self.lost = 0
         self.errors: list[str] = []
-        self.kills: list[float] = []  # monotonic times
+        self.kills: list[float] = []  # perf_counter times
         self.token_times: list[list[float]] = []  # per finished or lost stream: arrival times of its chunks
         self.resets = self.reset_failures = 0
         self.bad_4xx = self.bad_other = 0
 
     async def client(self, s, i: int) -> None:
         rng = np.random.default_rng(self.args.seed + i)
-        while time.monotonic() < self.stop_at:
+        sampling = {"ignore_eos": True, "temperature": 0.0 if i % 2 == 0 else 1.0, "seed": i}
+        while time.perf_counter() < self.stop_at:
             prompt = rng.integers(1, self.vocab, int(rng.integers(4, self.args.prompt_len))).tolist()
-            body = {"prompt": prompt, "max_tokens": self.args.max_tokens, "stream": True, "ignore_eos": True,
-                    "temperature": 0.0 if i % 2 == 0 else 1.0, "seed": i}
-            times, ntok = [time.monotonic()], 0
             try:
-                async with s.post(self.url + "/v1/completions", json=body) as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-                    async for raw in r.content:
-                        line = raw.decode().strip()
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            raise RuntimeError(chunk["error"]["message"])
-                        k = len(chunk["choices"][0].get("token_ids") or [])
-                        if k:
-                            ntok += k
-                            times.append(time.monotonic())
-                if ntok != self.args.max_tokens:
-                    raise RuntimeError(f"{ntok} of {self.args.max_tokens} tokens")
+                out = await one_request(s, self.url, None, prompt, self.args.max_tokens, sampling)
+                if out["tokens"] != self.args.max_tokens:
+                    raise RuntimeError(f"{out['tokens']} of {self.args.max_tokens} tokens")
                 self.done += 1
+                self.token_times.append(out["arrivals"])
             except Exception as exc:  # noqa: BLE001 - counted and reported
                 self.lost += 1
                 self.errors.append(f"{type(exc).__name__}: {exc}"[:300])
-            self.token_times.append(times)
 
     async def killer(self, s) -> None:
-        while time.monotonic() + self.args.kill_every_s < self.stop_at:
+        while time.perf_counter() + self.args.kill_every_s < self.stop_at:
             await asyncio.sleep(self.args.kill_every_s)
             async with s.get(self.url + "/status") as r:
                 ranks = [rk for rk in (await r.json())["ranks"] if rk.get("pid")]
@@ -115,13 +102,13 @@ class Soak:
             victim = self.rng.choice(ranks)
             try:
                 os.kill(int(victim["pid"]), signal.SIGKILL)
-                self.kills.append(time.monotonic())
+                self.kills.append(time.perf_counter())
                 print(f"  killed rank {victim['rank']} (pid {victim['pid']})", file=sys.stderr, flush=True)
             except ProcessLookupError:
                 pass
 
     async def resetter(self, s) -> None:
-        while time.monotonic() + self.args.reset_every_s < self.stop_at:
+        while time.perf_counter() + self.args.reset_every_s < self.stop_at:
             await asyncio.sleep(self.args.reset_every_s)
             async with s.post(self.url + "/admin/reset", json={}) as r:
                 if r.status == 200:
@@ -134,7 +121,7 @@ class Soak:
                   b'{"prompt": [1, 2, 3], "seed": 18446744073709551615}', b'{"prompt": [99999999]}',
                   b'[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]'
                   b']]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]', b'{"prompt": [1], "top_k": 1099511627776}']
-        while time.monotonic() < self.stop_at:
+        while time.perf_counter() < self.stop_at:
             await asyncio.sleep(1.0 / self.args.bad_per_s)
             async with s.post(self.url + "/v1/completions", data=self.rng.choice(bodies),
                               headers={"Content-Type": "application/json"}) as r:
@@ -169,10 +156,10 @@ async def run_soak(args: argparse.Namespace, url: str, server_pid: int) -> dict:
         rank_pids = [int(rk["pid"]) for rk in st["ranks"] if rk.get("pid")]
         mem0 = {"server_mb": rss_mb(server_pid), "ranks_mb": [rss_mb(p) for p in rank_pids]}
         soak = Soak(args, url, vocab)
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
         await asyncio.gather(*[soak.client(s, i) for i in range(args.clients)], soak.killer(s), soak.resetter(s),
                              soak.bad(s))
-        wall = time.monotonic() - t0
+        wall = time.perf_counter() - t0
         async with s.get(url + "/status") as r:
             st = await r.json()
         rank_pids = [int(rk["pid"]) for rk in st["ranks"] if rk.get("pid")]

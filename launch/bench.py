@@ -82,7 +82,10 @@ def sampling_body(args: argparse.Namespace) -> dict:
     return body
 
 
-async def one_request(session, url: str, model: str, prompt: list[int], max_tokens: int, sampling: dict) -> dict:
+async def one_request(session, url: str, model: Optional[str], prompt: list[int], max_tokens: int,
+                      sampling: dict) -> dict:
+    """One streamed completion; raises on an HTTP error or an error event. Returns TTFT, TPOT, token count,
+    latency, the gaps between events and `arrivals` (perf_counter of the request's start, then of each event)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **sampling, "stream": True}
     t0 = time.perf_counter()
     times, ntok = [], 0
@@ -106,7 +109,7 @@ async def one_request(session, url: str, model: str, prompt: list[int], max_toke
     tpot = (times[-1][0] - first) / (ntok - 1) if ntok > 1 else None
     gaps = [b[0] - a[0] for a, b in zip(times, times[1:])]
     return {"ttft": first - t0, "tpot": tpot, "tokens": ntok, "latency": t_end - t0, "gaps": gaps,
-            "events": len(times)}
+            "events": len(times), "arrivals": [t0, *(t for t, _ in times)]}
 
 
 async def run_level(url: str, model: str, clients: int, per_client: int, prompt_len: int, max_tokens: int,
