@@ -190,3 +190,24 @@ class CoordinatorCache:
         if self.coord is not None:
             self.coord.shutdown()
         self.name, self.coord, self.timings = None, None, None
+
+
+def assert_prefill_logits_equal_reference(coord, reference, timeout_s: float = 30.0) -> None:
+    """The full-vocabulary fp32 logits of one prefill step on a DP=1 coordinator (TP rank 0's, all-gathered over
+    TP) equal the single-rank `reference`'s for the same batch; the ranks stop recording afterwards."""
+    import ray
+
+    for w in coord._ranks.workers:
+        ray.get(w._test_record_logits.remote(), timeout=timeout_s)
+    b = StepBatch.from_sequences([[3, 1, 4, 1, 5, 9, 2, 6]], [0], [[40, 41]])
+    coord.step([b])
+    got = ray.get(coord._ranks.workers[0]._test_last_logits.remote(), timeout=timeout_s)
+    seen = {}
+    reference.logits_observer = lambda logits: seen.setdefault("x", logits.clone())
+    try:
+        reference.execute(b)
+    finally:
+        reference.logits_observer = None
+    for w in coord._ranks.workers:
+        ray.get(w._test_stop_recording_logits.remote(), timeout=timeout_s)
+    np.testing.assert_allclose(got, seen["x"].numpy(), rtol=1e-4, atol=1e-4)

@@ -11,8 +11,9 @@ import pytest
 from actors.batch import BatchError, StepBatch, prev_token
 from actors.coordinator import (MAX_IN_FLIGHT, Coordinator, CoordinatorStateError, DeploymentConfig,
                                 RankFailureError, StartupCaptureError, StepTicket)
-from tests.dist._helpers import (BLOCK, decode_script, greedy_with_and_without_logits_observer, run_scenario,
-                                 run_submitted_ahead, runtime_cfg)
+from tests.dist._helpers import (BLOCK, assert_prefill_logits_equal_reference, decode_script,
+                                 greedy_with_and_without_logits_observer, run_scenario, run_submitted_ahead,
+                                 runtime_cfg)
 
 MODEL = "qwen3-tiny"
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [100, 200, 300, 400, 17], [5] * 20]
@@ -44,20 +45,7 @@ def test_tp2_greedy_and_logits_equal_tp1(tp2, reference):
     assert coord.step_path == "pipe"  # the one-host default (compiled and plain are covered in test_ep.py)
     run_scenario(coord, reference, decode_script(1, PROMPTS, steps=12))
     # logits (full vocab, all-gathered over TP) of one prefill step equal one rank's
-    for w in coord._ranks.workers:
-        w._test_record_logits.remote()
-    b = StepBatch.from_sequences([[3, 1, 4, 1, 5, 9, 2, 6]], [0], [[40, 41]])
-    coord.step([b])
-    got = coord._ranks.workers[0]._test_last_logits.remote()
-    seen = {}
-    reference.logits_observer = lambda logits: seen.setdefault("x", logits.clone())
-    try:
-        reference.execute(b)
-    finally:
-        reference.logits_observer = None
-    import ray
-
-    np.testing.assert_allclose(ray.get(got, timeout=30), seen["x"].numpy(), rtol=1e-4, atol=1e-4)
+    assert_prefill_logits_equal_reference(coord, reference)
 
 
 def test_bad_batch_is_rejected_before_any_rank_runs(tp2):

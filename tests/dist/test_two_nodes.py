@@ -9,12 +9,12 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
 
 from actors.batch import StepBatch
 from actors.coordinator import Coordinator, DeploymentConfig, RankFailureError
-from tests.dist._helpers import decode_script, run_scenario, runtime_cfg
+from tests.dist._helpers import (assert_prefill_logits_equal_reference, decode_script, run_scenario,
+                                 runtime_cfg)
 
 MODEL = "qwen3-tiny"
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [100, 200, 300, 400, 17]]
@@ -58,24 +58,9 @@ def test_ranks_span_both_nodes_on_a_path_that_serves_them(tp2_across):
 
 
 def test_tp2_across_nodes_equals_one_rank(tp2_across, reference):
-    import ray
-
     coord = tp2_across
     run_scenario(coord, reference, decode_script(1, PROMPTS, steps=6))
-    for w in coord._ranks.workers:
-        ray.get(w._test_record_logits.remote(), timeout=30)
-    b = StepBatch.from_sequences([[3, 1, 4, 1, 5, 9, 2, 6]], [0], [[40, 41]])
-    coord.step([b])
-    got = ray.get(coord._ranks.workers[0]._test_last_logits.remote(), timeout=30)
-    seen = {}
-    reference.logits_observer = lambda logits: seen.setdefault("x", logits.clone())
-    try:
-        reference.execute(b)
-    finally:
-        reference.logits_observer = None
-    for w in coord._ranks.workers:
-        ray.get(w._test_stop_recording_logits.remote(), timeout=30)
-    np.testing.assert_allclose(got, seen["x"].numpy(), rtol=1e-4, atol=1e-4)
+    assert_prefill_logits_equal_reference(coord, reference)
 
 
 @pytest.mark.parametrize("node", [1, 0], ids=["second-node", "first-node"])
