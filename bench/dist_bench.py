@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from actors.batch import StepBatch, prev_token
+from actors.batch import SamplerExtras, StepBatch, prev_token
 from actors.coordinator import Coordinator, DeploymentConfig
 from actors.rank import RuntimeConfig
 from bench.common import write_json
@@ -49,6 +49,33 @@ def decode_batch(batch: int, context: int, block_size: int, num_blocks: int, voc
                      num_history=np.full(batch, context, np.int32), block_tables=tables,
                      temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32),
                      top_p=np.ones(batch, np.float32), seeds=np.full(batch, -1, np.int64))
+
+
+SAMPLING_MODES = {
+    # name: (temperature, top_k, top_p, top-N logprobs or -1)
+    "greedy": (0.0, 0, 1.0, -1),
+    "t1_p0.9": (1.0, 0, 0.9, -1),
+    "t1_k50": (1.0, 50, 1.0, -1),
+    "t1": (1.0, 0, 1.0, -1),
+    "greedy_lp5": (0.0, 0, 1.0, 5),
+    "t1_p0.9_lp5": (1.0, 0, 0.9, 5),
+}
+
+
+def with_sampling(batch: StepBatch, mode: str) -> StepBatch:
+    """`batch` with every row sampled as `mode` (a `SAMPLING_MODES` key) and seeded by its row index."""
+    temp, top_k, top_p, logprobs = SAMPLING_MODES[mode]
+    b = batch.batch_size
+    extras = None
+    if logprobs >= 0:
+        extras = SamplerExtras(min_p=np.zeros(b, np.float32), penalties=np.tile(np.float32([0, 0, 1]), (b, 1)),
+                               bias_ids=np.full((b, 0), -1, np.int32), bias_vals=np.zeros((b, 0), np.float32),
+                               ban_ids=np.full((b, 0), -1, np.int32), pen_ids=np.full((b, 0), -1, np.int32),
+                               pen_counts=np.zeros((b, 0), np.int32), num_logprobs=logprobs)
+    return dataclasses.replace(batch, temperature=np.full(b, temp, np.float32), top_k=np.full(b, top_k, np.int32),
+                               top_p=np.full(b, top_p, np.float32),
+                               seeds=np.arange(b, dtype=np.int64) if temp > 0 else np.full(b, -1, np.int64),
+                               extras=extras)
 
 
 def measure(coord: Coordinator, batch: StepBatch, steps: int, warmup: int, num_steps: int = 1) -> dict[str, float]:
@@ -139,10 +166,17 @@ def run_tp(args: Any, tp: int, armed_wait_ms: Optional[float] = None) -> dict[st
                 if not args.quiet:
                     print(f"  tp={tp} {path}: skipped: {e}", flush=True)
                 continue
-            for b in (int(x) for x in args.batches.split(",")):
-                batch = decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks, mc.vocab_size)
+            for b, mode in ((int(x), m) for x in args.batches.split(",") for m in args.sampling.split(",")):
+                batch = with_sampling(decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks,
+                                                   mc.vocab_size), mode)
                 r = measure(coord, batch, args.steps, args.warmup)
-                out["decode"][f"{path}:b{b}"] = r
+                key = f"{path}:b{b}" if mode == "greedy" else f"{path}:b{b}:{mode}"
+                out["decode"][key] = r
+                if mode != "greedy":  # sampled rows: the strict round trip only
+                    if not args.quiet:
+                        print(f"  tp={tp} {path:8s} batch {b:3d} {mode}: e2e {r['e2e_ms']:.3f} ms, in-rank "
+                              f"{r['in_rank_ms']:.3f} ms", flush=True)
+                    continue
                 if not args.quiet:
                     print(f"  tp={tp} {path:8s} batch {b:3d}: e2e {r['e2e_ms']:.3f} ms, in-rank {r['in_rank_ms']:.3f}"
                           f" ms, overhead {r['overhead_ms']:.3f} ms ({r['overhead_pct']:.1f}%)", flush=True)
@@ -156,7 +190,7 @@ def run_tp(args: Any, tp: int, armed_wait_ms: Optional[float] = None) -> dict[st
                     mb = decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks, mc.vocab_size, k)
                     r = measure(coord, mb, max(10, args.steps // k), 3, num_steps=k)
                     r = {f"per_token_{key}": v / k for key, v in r.items() if key.endswith("_ms")}
-                    out["decode"][f"{path}:b{b}"].update(r, decode_steps=k)
+                    out["decode"][key].update(r, decode_steps=k)
                     if not args.quiet:
                         print(f"  tp={tp} {path:8s} batch {b:3d}: {k} decode steps per call: e2e "
                               f"{r['per_token_e2e_ms']:.3f} ms per token", flush=True)
@@ -169,16 +203,19 @@ def run_tp(args: Any, tp: int, armed_wait_ms: Optional[float] = None) -> dict[st
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = ["tp  armed  path      batch   e2e ms  in-rank ms  overhead ms  overhead %  ahead ms  "
+    lines = ["tp  armed  path      batch  sampling     e2e ms  in-rank ms  overhead ms  overhead %  ahead ms  "
              "multi-step e2e ms/token"]
     for run in res["runs"]:
         armed = "default" if run.get("armed_wait_ms") is None else f"{run['armed_wait_ms']:g} ms"
         for key, r in run["decode"].items():
-            path, b = key.split(":b")
+            path, b, mode = (key.split(":") + ["greedy"])[:3]
+            b = b[1:]
             ahead = f"{r['ahead_ms']:8.3f}" if "ahead_ms" in r else " " * 8
             multi = f"{r['per_token_e2e_ms']:10.3f} (x{r['decode_steps']})" if "per_token_e2e_ms" in r else ""
-            lines.append(f"{run['tp']:<3d} {armed:>6s} {path:9s} {int(b):5d} {r['e2e_ms']:8.3f} {r['in_rank_ms']:11.3f} "
+            lines.append(f"{run['tp']:<3d} {armed:>6s} {path:9s} {int(b):5d}  {mode:11s} {r['e2e_ms']:8.3f} {r['in_rank_ms']:11.3f} "
                          f"{r['overhead_ms']:12.3f} {r['overhead_pct']:10.1f}  {ahead}  {multi}")
+        for key, ratio in sampled_ratios(run).items():
+            lines.append(f"    {key}: sampled / greedy e2e {ratio['e2e']:.3f}, in-rank {ratio['in_rank']:.3f}")
         if any(run.get("armed_decode") or []):
             lines.append(f"    armed decode per rank (tp={run['tp']}): {run['armed_decode']}")
     lines.append("")
@@ -201,6 +238,16 @@ def table(res: dict[str, Any]) -> str:
 
 
 RATIO_MEASURES = ("in_rank", "e2e", "ahead")
+
+
+def sampled_ratios(run: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """For every sampled point of one run ("path:bB:mode"), its time over the greedy point of the same path and
+    batch, strict round trip and in-rank."""
+    out: dict[str, dict[str, float]] = {}
+    for key, r in run["decode"].items():
+        if key.count(":") == 2 and (g := run["decode"].get(key.rsplit(":", 1)[0])) is not None:
+            out[key] = {m: r[f"{m}_ms"] / g[f"{m}_ms"] for m in ("e2e", "in_rank")}
+    return out
 
 
 def tp_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -240,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--decode-steps", type=int, default=8, help="also time multi-step decode calls (pipe path)")
     p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
+    p.add_argument("--sampling", default="greedy",
+                   help="comma list of sampling modes per batch, side by side: " + ", ".join(SAMPLING_MODES))
     p.add_argument("--max-decode-batch", type=int, default=256)
     p.add_argument("--pcg-max-tokens", type=int, default=4096)
     p.add_argument("--kv-blocks", type=int, default=0, help="KV blocks per rank (0 = from the memory budget)")
