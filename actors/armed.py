@@ -103,8 +103,8 @@ class ArmedDecode:
 
             try:
                 runner.full_graphs.arm(lane.key, gate)
-                lane.head.greedy_graph.replay()
-                host.copy_(lane.head.greedy[:p], non_blocking=True)
+                lane.replay_head(runner)
+                host.copy_(lane.head_out[:p], non_blocking=True)
                 event.record()
             except BaseException:
                 if seqs:  # let the stream run past a gate that nobody will open

@@ -244,16 +244,14 @@ class StepBatch:
             raise BatchError(f"a block id is >= num_kv_blocks {num_kv_blocks}")
 
     def check_multi_step(self, num_steps: int, block_size: int) -> None:
-        """What `num_steps > 1` (multi-step decode) needs beyond `check_runnable`: a greedy decode batch whose
-        block tables already cover the `num_steps` tokens each sequence will store."""
+        """What `num_steps > 1` (multi-step decode) needs beyond `check_runnable`: a decode batch (greedy or sampled,
+        no sampler extras) whose block tables already cover the `num_steps` tokens each sequence will store."""
         if num_steps < 1:
             raise BatchError(f"num_steps must be >= 1, got {num_steps}")
         if num_steps == 1:
             return
         if not self.is_decoding:
             raise BatchError("multi-step decode needs a decode batch (one new token per sequence)")
-        if self.temperature.any():
-            raise BatchError("multi-step decode is greedy only: every temperature must be 0")
         if self.extras is not None:
             raise BatchError("multi-step decode takes no sampler extras (penalties, bias, banned ids, logprobs)")
         hist, tables = self.num_history, self.block_tables

@@ -1,9 +1,9 @@
-"""The decode path's per-step state objects of `actors.rank.RankRuntime`: a bucket's LM-head graphs
-(`HeadGraphs`), a launched step's tokens on their way to the host (`PendingTokens`), and a greedy decode shape
-whose graphs are known (`_DecodeLane`)."""
+"""The decode path's per-step state objects of `actors.rank.RankRuntime`: the names of the LM-head epilogues
+the rank registers with its graph runner, a launched step's tokens on their way to the host (`PendingTokens`),
+and a greedy decode shape whose graphs are known (`_DecodeLane`)."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -13,16 +13,8 @@ from graphrunner.runner import CUDAGraphRunner
 from graphrunner.step import ForwardStep
 from modeling.attn_metadata import build_decode_step_host
 
-class HeadGraphs(NamedTuple):
-    """One decode bucket's LM-head graphs and their outputs (device tensors of the head pool, rewritten by each
-    replay): `greedy_graph` writes int64 `greedy` `[bucket]`; `logits_graph` writes fp32 `logits` `[bucket, V]`
-    and int64 `tokens` `[bucket]` (their argmax)."""
-
-    greedy_graph: Any
-    greedy: torch.Tensor
-    logits_graph: Any
-    logits: torch.Tensor
-    tokens: torch.Tensor
+GREEDY_HEAD = "greedy"  # decode epilogue: int64 greedy tokens `[bucket]`
+LOGITS_HEAD = "logits"  # decode epilogue: fp32 logits `[bucket, V]` and their argmax, int64 `[bucket]`
 
 
 class PendingTokens:
@@ -65,19 +57,24 @@ class PendingTokens:
 
 class _DecodeLane:
     """A greedy decode step shape (B sequences, the coordinator's hints) whose path is known: the full graph of
-    `key` and the head graph `head`. `run` replays them for a new step of that shape without the runner's
-    dispatch: the graph runner's decision is a pure function of the shape and hints and of the captured graphs,
-    and a lane lives only while those stay (`RankRuntime._drop_heads`, `capture_decode` forget every lane).
+    `key` and its greedy-head epilogue, whose output is `head_out` (int64 `[bucket]`). `run` replays them for a new
+    step of that shape without the runner's dispatch: the graph runner's decision is a pure function of the shape
+    and hints and of the captured graphs, and a lane lives only while those stay (`RankRuntime._forget_lanes`
+    runs on every capture and reset).
     The model's buffer contract is kept: `FullGraphRunner.replay` fills the buffers, redirects the context and
     replays."""
 
-    __slots__ = ("key", "head", "hints", "tokens", "kv_layers", "block_size")
+    __slots__ = ("key", "head_out", "hints", "tokens", "kv_layers", "block_size")
 
-    def __init__(self, key: Any, head: "HeadGraphs", step: ForwardStep, block_size: int):
-        self.key, self.head, self.block_size = key, head, block_size
+    def __init__(self, key: Any, head_out: torch.Tensor, step: ForwardStep, block_size: int):
+        self.key, self.head_out, self.block_size = key, head_out, block_size
         self.hints = dict(global_decode=step.global_decode, batch_bucket_hint=step.batch_bucket_hint,
                           token_bucket_hint=step.token_bucket_hint)
-        self.tokens = head.greedy[:step.batch_size]  # int64 `[B]` view of the head graph's output
+        self.tokens = head_out[:step.batch_size]  # int64 `[B]` view of the head epilogue's output
+
+    def replay_head(self, runner: CUDAGraphRunner) -> None:
+        """Replay the greedy head epilogue of this lane's bucket (after its decode graph; current stream)."""
+        runner.replay_epilogue(self.key.batch, GREEDY_HEAD)
         self.kv_layers = step.kv_caches
 
     def run(self, runner: CUDAGraphRunner, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
@@ -87,5 +84,5 @@ class _DecodeLane:
         ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.block_size)
         step = ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_layers, meta, **self.hints)
         runner.full_graphs.replay(self.key, step)
-        self.head.greedy_graph.replay()
+        self.replay_head(runner)
         return self.tokens

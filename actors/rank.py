@@ -17,7 +17,7 @@ import torch
 
 from actors.armed import ArmedDecode
 from actors.batch import BatchError, StepBatch
-from actors.decode_state import HeadGraphs, PendingTokens, _DecodeLane
+from actors.decode_state import GREEDY_HEAD, LOGITS_HEAD, PendingTokens, _DecodeLane
 from actors.runtime_config import DeviceError, RuntimeConfig, resolve_device  # noqa: F401 (re-exported)
 from actors.step_sampler import StepSampler
 from graphrunner.capture import end_capture, end_capture_quietly
@@ -52,10 +52,6 @@ class RankRuntime:
         self.kv_cache: Optional[PagedKVCache] = None
         self.runner: Optional[CUDAGraphRunner] = None
         self.timings: dict[str, float] = {}
-        # LM-head graphs per decode bucket (`HeadGraphs`)
-        self._heads: dict[int, HeadGraphs] = {}
-        self._head_pool: Any = None
-        self._head_pool_bytes = 0
         self._rows: Optional[torch.Tensor] = None  # int64 arange on the device: the last-token rows of a decode step
         # Tests: called with each step's fp32 logits `[B, V]` (a device view, valid during the call), whichever
         # path produced them (eager LM head or the captured head graph).
@@ -72,7 +68,7 @@ class RankRuntime:
         self._last_lane: Optional[_DecodeLane] = None  # the lane of the latest step, if one served it
         self._last_host_ids = False  # whether the latest step's token ids all came from the host
         self._armer: Optional[ArmedDecode] = None  # made by `build_runner` where arming is allowed
-        self._sampler: Optional[StepSampler] = None  # the batched sampler of sampled rows, made at first use
+        self._sampler: Optional[StepSampler] = None  # the batched sampler of sampled rows (`sampler()`)
         # (chosen, top ids, top logprobs) device tensors of the step being launched, when its batch asks for them
         self._step_logprobs: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self._thread = threading.local()  # `.bound`: this thread's current stream is `self.stream` (`bind_stream`)
@@ -142,10 +138,11 @@ class RankRuntime:
         variant serving can pick, side by side on threads (`Qwen3ForCausalLM.warm_up_kernels`): a compile
         mid-serving stalls every request of the step for about a second. A worker starts these compiles before
         its process groups form (`actors.kernel_warm_up`), so here they are usually cached already."""
-        self._drop_heads()
+        self._forget_lanes()
         self.runner = CUDAGraphRunner(
             self.model, self.cfg.graph, self.device, self._dummy_step, self.cfg.max_blocks_per_seq, stream=self.stream,
         )
+        self._register_heads()
         if self.device.type == "cuda":
             t0 = time.perf_counter()
             with torch.inference_mode(), self.on_stream():
@@ -171,50 +168,35 @@ class RankRuntime:
         return list(self.runner.decode_capture_sizes()), list(self.runner.prefill_capture_sizes())
 
     def capture_decode(self, batch: int) -> float:
-        """Capture the decode graph of bucket `batch`, then its LM-head graph; returns seconds for both."""
+        """Capture the decode graph of bucket `batch` and its LM-head epilogues; returns seconds."""
         self._forget_lanes()  # a new bucket may change which graph serves a batch size
         with self.on_stream():
             t0 = time.perf_counter()
             self.runner.capture_decode(batch)
-            self._capture_head(batch)
             return time.perf_counter() - t0
 
-    def _capture_head(self, batch: int) -> None:
-        """The LM-head graphs over the decode graph's output rows, captured once per bucket (largest first, like
-        the decode graphs, so one pool serves all): greedy tokens alone (`greedy_tokens`: no fp32 logits, and
-        under TP no logits gather), and fp32 logits + their argmax (sampling, logits observers). Stream: the
-        rank's forward stream."""
-        if batch > self.cfg.head_graph_max_batch or batch in self._heads:
+    def _register_heads(self) -> None:
+        """The LM head as decode epilogues the runner captures on each decode bucket up to `head_graph_max_batch`
+        (`graphrunner.epilogue`): greedy tokens alone (`greedy_tokens`: no fp32 logits, under TP no logits
+        gather); fp32 logits + their argmax (the eager sampler, logits observers); and the sampler's captured
+        variants (`StepSampler.graph_heads`) over the fp32 logits."""
+        limit = self.cfg.head_graph_max_batch
+        buckets = [b for b in self.runner.decode_capture_sizes() if b <= limit]
+        if not buckets or self.device.type != "cuda" or self.cfg.graph.eager_mode:
             return
-        out = self.runner.decode_output(batch)
-        if out is None:  # CPU, eager mode, or the model declined the graph
-            return
-        hidden, rows = out[:batch], self._decode_rows(batch)
-        self.model.compute_logits(hidden, rows).argmax(dim=-1)  # warm-up outside the capture
-        self.model.greedy_tokens(hidden, rows)
-        torch.cuda.synchronize(self.device)
-        reserved = torch.cuda.memory_reserved(self.device)
-        if self._head_pool is None:
-            self._head_pool = torch.cuda.graph_pool_handle()
-        greedy_graph, (greedy,) = self._capture_on_pool(lambda: (self.model.greedy_tokens(hidden, rows),))
-        logits_graph, (logits, tokens) = self._capture_on_pool(
-            lambda: (lambda lg: (lg, lg.argmax(dim=-1)))(self.model.compute_logits(hidden, rows)))
-        self._head_pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
-        self._heads[batch] = HeadGraphs(greedy_graph, greedy, logits_graph, logits, tokens)
+        model, rows = self.model, self._decode_rows
 
-    def _capture_on_pool(self, fn: Callable[[], tuple]) -> tuple[Any, tuple]:
-        graph = torch.cuda.CUDAGraph()
-        # capture_begin/end directly: `torch.cuda.graph` would add a gc.collect() + empty_cache() per bucket
-        with torch.cuda.stream(self.stream):
-            graph.capture_begin(pool=self._head_pool, capture_error_mode="thread_local")
-            try:
-                outs = fn()
-            except BaseException:
-                end_capture_quietly(graph, self.device)
-                raise
-            end_capture(graph, self.device)
-        torch.cuda.synchronize(self.device)
-        return graph, outs
+        def greedy(hidden: torch.Tensor, b: int) -> tuple:
+            return (model.greedy_tokens(hidden, rows(b)),)
+
+        def logits(hidden: torch.Tensor, b: int) -> tuple:
+            lg = model.compute_logits(hidden, rows(b))
+            return lg, lg.argmax(dim=-1)
+
+        self.runner.register_epilogue(GREEDY_HEAD, greedy, limit)
+        self.runner.register_epilogue(LOGITS_HEAD, logits, limit)
+        for name, fn in self.sampler().graph_heads(lambda h, b: model.compute_logits(h, rows(b)), max(buckets)):
+            self.runner.register_epilogue(name, fn, limit)
 
     def _decode_rows(self, n: int) -> torch.Tensor:
         if self._rows is None or self._rows.shape[0] < n:
@@ -227,12 +209,6 @@ class RankRuntime:
         self.disarm()
         self._last_lane = None
         self._lanes.clear()
-
-    def _drop_heads(self) -> None:
-        self._forget_lanes()
-        self._heads.clear()
-        self._head_pool = None
-        self._head_pool_bytes = 0
 
     def capture_prefill(self, tokens: int) -> float:
         self.disarm()
@@ -485,54 +461,64 @@ class RankRuntime:
         step = ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta,
                            global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
         sampled = bool(batch.temperature.any()) or batch.extras is not None
-        launched = self._decode_graph_step(step, need_logits=sampled)
+        launched = self._decode_graph_step(step, sampled_batch=batch if sampled else None)
         if launched is None:
             return None
-        logits, greedy = launched
+        logits, tokens = launched
         if not sampled and self.logits_observer is None:
             self._add_lane(step, global_decode, batch_bucket, token_bucket)
             self._last_host_ids = ids_dev is None
-        return self._sample(logits, batch) if sampled else greedy
+        return self._sample(logits, batch) if logits is not None and sampled else tokens
 
     def _add_lane(self, step: ForwardStep, global_decode, batch_bucket: int, token_bucket: int) -> None:
         """Remember the graphs that served this greedy decode step, so the next step of the same shape and hints
         skips the dispatch (`_DecodeLane`). Forgotten whenever graphs are captured or dropped."""
-        decision = self.runner.decide(step)  # pure: the decision the step just replayed
-        head = self._heads.get(decision.decode_key.batch)
-        if head is None or decision.path is not RunnerPath.FULL_GRAPH:
+        decision = self.runner.decide_decode(step)  # pure: the decision the step just replayed
+        if decision.path is not RunnerPath.FULL_GRAPH:
+            return
+        head = self.runner.epilogue_outputs(decision.decode_key.batch, GREEDY_HEAD)
+        if head is None:
             return
         n = step.batch_size
         lane = self._lanes[(n, n, global_decode, batch_bucket, token_bucket)] = _DecodeLane(
-            decision.decode_key, head, step, self.cfg.block_size)
+            decision.decode_key, head[0], step, self.cfg.block_size)
         self._last_lane = lane
 
-    def _decode_graph_step(self, step: ForwardStep, need_logits: bool = False
-                           ) -> Optional[tuple[Optional[torch.Tensor], torch.Tensor]]:
-        """Replay the decode graph and the LM head for `step` without waiting: (fp32 logits `[n, V]` when
-        `need_logits` (the caller samples) or a logits observer is set, else None; int64 greedy tokens `[n]`, which
-        may be None when `need_logits`), device views valid until the next step. None (nothing launched) when no
-        full graph fits."""
-        decision = self.runner.decide(step)
+    def _decode_graph_step(self, step: ForwardStep, sampled_batch: Optional[StepBatch] = None
+                           ) -> Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
+        """Replay the decode graph and an LM-head epilogue for `step` without waiting: (fp32 logits `[n, V]` when
+        the caller must still sample or a logits observer is set, else None; int64 tokens `[n]`: greedy, or those
+        of `sampled_batch` when a captured sampler head served it, None when the caller samples), device views
+        valid until the next step of the bucket. None (nothing launched) when no full graph fits."""
+        decision = self.runner.decide_decode(step)
         if decision.path is not RunnerPath.FULL_GRAPH:
             return None
         hidden = self.runner.run(step, decision)
-        n = step.batch_size
-        head = self._heads.get(decision.decode_key.batch)
-        if head is None:
-            return self._eager_head(hidden, self._decode_rows(n), need_logits)
-        if not need_logits and self.logits_observer is None:
-            head.greedy_graph.replay()
-            return None, head.greedy[:n]
-        head.logits_graph.replay()
-        logits = head.logits[:n]
+        n, bucket = step.batch_size, decision.decode_key.batch
+        run_head = self.runner.replay_epilogue
+        if self.logits_observer is None:
+            if sampled_batch is None:
+                outs = run_head(bucket, GREEDY_HEAD)
+                if outs is not None:
+                    return None, outs[0][:n]
+            else:
+                name = self.sampler().stage_graph_rows(sampled_batch, bucket, self.runner.epilogue_outputs)
+                if name is not None:
+                    return None, run_head(bucket, name)[0][:n]
+        outs = run_head(bucket, LOGITS_HEAD)
+        if outs is None:
+            logits, greedy = self._eager_head(hidden, self._decode_rows(n), sampled_batch is not None)
+            return logits, greedy
+        logits = outs[0][:n]
         if self.logits_observer is not None:
             self.logits_observer(logits)
-        return logits, head.tokens[:n]
+        return logits, outs[1][:n]
 
     def _multi_step_tokens(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
                            batch_bucket, token_bucket, num_steps: int) -> torch.Tensor:
         """Enqueue `num_steps` greedy decode steps; their tokens, int64 `[num_steps, B]` on the device."""
-        if self.device.type == "cuda":
+        sampled = bool(batch.temperature.any())
+        if self.device.type == "cuda" and not sampled:
             out = self._decode_multi_on_device(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket,
                                                num_steps)
             if out is not None:
@@ -560,7 +546,7 @@ class RankRuntime:
             return None
         dev = self.device
         tokens = torch.empty((num_steps, n), dtype=torch.int64, device=dev)
-        tokens[0].copy_(first[1])
+        tokens[0].copy_(first[1])  # greedy only: sampled batches take the per-step path
         later = batch.num_history.astype(np.int64)[None, :] + np.arange(1, num_steps, dtype=np.int64)[:, None]
         slots = batch.block_tables[np.arange(n)[None, :], later // bs].astype(np.int64) * bs + later % bs
         host = torch.from_numpy(np.stack([later, slots, later + 1])).pin_memory()
@@ -583,18 +569,22 @@ class RankRuntime:
             tokens[j].copy_(launched[1])
         return tokens
 
-    def _sample(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """The batched sampler over fp32 logits `[n, V]` (`actors.step_sampler`); the step's logprobs, when its
-        batch asks for them, wait in `_step_logprobs` for the read-back."""
+    def sampler(self) -> StepSampler:
+        """This rank's batched sampler (`actors.step_sampler`), made at first use."""
         if self._sampler is None:
             self._sampler = StepSampler(self.device, self.model_config.vocab_size, self.cfg.max_model_len)
-        tokens, self._step_logprobs = self._sampler.sample(logits, batch)
+        return self._sampler
+
+    def _sample(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """The eager batched sampler over fp32 logits `[n, V]`; the step's logprobs, when its batch asks for them,
+        wait in `_step_logprobs` for the read-back."""
+        tokens, self._step_logprobs = self.sampler().sample(logits, batch)
         return tokens
 
     def reset(self) -> None:
         """Drop every graph and plan (the runner's reset also runs its hooks, e.g. DeepEP teardown) and this
         rank's previous-step tokens."""
-        self._drop_heads()
+        self._forget_lanes()
         self._last_tokens = None
         if self.runner is not None:
             with self.on_stream():
@@ -604,7 +594,7 @@ class RankRuntime:
         out: dict[str, Any] = {"device": str(self.device), "timings": dict(self.timings)}
         if self.runner is not None:
             out["runner"] = self.runner.stats.snapshot()
-            out["head_graphs"] = {"buckets": sorted(self._heads), "pool_bytes": self._head_pool_bytes}
+            out["head_graphs"] = self.runner.epilogue_stats()
             out["decode_lane_steps"] = self.lane_steps
             if self._armer is not None:
                 out["armed_decode"] = dict(self._armer.counts)

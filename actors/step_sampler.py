@@ -9,17 +9,27 @@ caller's current stream (the rank's forward stream): the parameters are copied a
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
 
 from actors.batch import StepBatch
-from modeling.sampler import SamplerParams, sample
-from modeling.sampler.host import host_batch_from_arrays
+from modeling.sampler import SamplerParams, SamplerVariant, sample
+from modeling.sampler.host import HostBatch, host_batch_from_arrays
 
 MAX_BIAS = 300  # = engine.sampling_params.LOGIT_BIAS_MAX_ENTRIES
 MAX_BAN = 1040  # stop token ids (at most 1024) and EOS ids, banned while a request is below min_tokens
+
+# the sampler variants captured as LM-head epilogues per decode bucket (`StepSampler.graph_heads`); batches that
+# need another stage (logit bias, bans, penalties, top-k above TOP_K_FAST) or logprobs sample eagerly
+GRAPH_HEADS = {
+    "sample": SamplerVariant(),
+    "sample_k": SamplerVariant(top_k=True),
+    "sample_p": SamplerVariant(top_p=True),
+    "sample_kp": SamplerVariant(top_k=True, top_p=True),
+}
+_BY_FLAGS = {(v.top_k, v.top_p): name for name, v in GRAPH_HEADS.items()}
 
 
 class StepSampler:
@@ -28,6 +38,7 @@ class StepSampler:
         self.max_penalty_tokens = max(1, max_model_len)
         self._params: Optional[SamplerParams] = None
         self._capacity = capacity
+        self._graph_params: Optional[SamplerParams] = None  # read by the captured sampler heads, by address
 
     def _params_for(self, n: int) -> SamplerParams:
         if self._params is None or self._params.max_batch < n:
@@ -37,6 +48,56 @@ class StepSampler:
                                          max_penalty_tokens=self.max_penalty_tokens)
         return self._params
 
+    def _host_batch(self, batch: StepBatch) -> HostBatch:
+        ex = batch.extras
+        position = batch.num_history.astype(np.int64) + batch.q_seqlens
+        kw = {} if ex is None else dict(min_p=ex.min_p, penalties=ex.penalties, bias_ids=ex.bias_ids,
+                                        bias_vals=ex.bias_vals, ban_ids=ex.ban_ids, pen_ids=ex.pen_ids,
+                                        pen_counts=ex.pen_counts)
+        return host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
+                                      vocab_size=self.vocab_size, **kw)
+
+    # ---- captured sampler heads
+    def graph_heads(self, logits_fn: Callable[[torch.Tensor, int], torch.Tensor], max_rows: int
+                    ) -> Iterator[tuple[str, Callable[[torch.Tensor, int], tuple]]]:
+        """(name, fn) of every captured sampler variant (`GRAPH_HEADS`) for the graph runner to capture per
+        decode bucket: fn(hidden, bucket) -> (int64 tokens `[bucket]`,), sampling `logits_fn(hidden, bucket)`
+        (fp32 `[bucket, V]`) with the parameter block `stage_graph_rows` fills (`max_rows` rows, fixed address)."""
+        if self._graph_params is None or self._graph_params.max_batch < max_rows:
+            self._graph_params = SamplerParams(max_rows, self.device, max_bias=1, max_ban=1, max_penalty_tokens=1)
+        params = self._graph_params
+
+        def head(variant: SamplerVariant) -> Callable[[torch.Tensor, int], tuple]:
+            def fn(hidden: torch.Tensor, bucket: int) -> tuple:
+                return (sample(logits_fn(hidden, bucket), params, variant=variant).tokens,)
+            return fn
+
+        for name, variant in GRAPH_HEADS.items():
+            yield name, head(variant)
+
+    def stage_graph_rows(self, batch: StepBatch, bucket: int, captured: Callable[[int, str], object]
+                         ) -> Optional[str]:
+        """For a sampled decode batch about to replay a decode graph of `bucket`: the name of the captured sampler
+        head that serves it, its rows staged and uploaded (current stream) into the heads' parameter block; or None
+        (nothing enqueued) when the batch needs the eager sampler (logprobs, logit bias, bans, penalties, a large
+        top-k) or no head of that bucket was captured (`captured(bucket, name)` is None)."""
+        ex = batch.extras
+        params = self._graph_params
+        if params is None or bucket > params.max_batch or (ex is not None and (ex.num_logprobs >= 0 or ex.processed)):
+            return None
+        position = batch.num_history.astype(np.int64) + batch.q_seqlens
+        host = host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
+                                      vocab_size=self.vocab_size, min_p=None if ex is None else ex.min_p)
+        need = host.variant()
+        if need.processed or need.large_top_k:
+            return None
+        name = _BY_FLAGS[(need.top_k, need.top_p)]
+        if captured(bucket, name) is None:
+            return None
+        params.stage(host)
+        params.upload(bucket, lists=False)
+        return name
+
     def sample(self, logits: torch.Tensor, batch: StepBatch
                ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
         """logits fp32 `[n, V]` (the whole vocabulary, row i = batch row i) -> (tokens int64 `[n]`, and when the
@@ -44,12 +105,7 @@ class StepSampler:
         logits' device, not waited for."""
         n = batch.batch_size
         ex = batch.extras
-        position = batch.num_history.astype(np.int64) + batch.q_seqlens
-        kw = {} if ex is None else dict(min_p=ex.min_p, penalties=ex.penalties, bias_ids=ex.bias_ids,
-                                        bias_vals=ex.bias_vals, ban_ids=ex.ban_ids, pen_ids=ex.pen_ids,
-                                        pen_counts=ex.pen_counts)
-        host = host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
-                                      vocab_size=self.vocab_size, **kw)
+        host = self._host_batch(batch)
         params = self._params_for(n)
         params.load(host, rows=n)
         num_logprobs = -1 if ex is None else ex.num_logprobs

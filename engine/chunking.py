@@ -146,12 +146,13 @@ class StepPlanner:
 
     def _lookahead_steps(self, rows: list[Sequence]) -> int:
         """Decode steps for this round (multi-step decode): up to `decode_steps` when the round decodes every
-        running sequence and each is greedy, capped by max_model_len and by the largest remaining max_tokens; the
+        running sequence and none needs sampler extras (greedy or sampled with temperature / top-k / top-p; each
+        step's draw is keyed by its own position, as a single step's is), capped by max_model_len and by the largest remaining max_tokens; the
         blocks the extra tokens need are allocated now (fewer steps when they are short; never preempts)."""
         k = self.cfg.decode_steps
         run = self.running
         if k <= 1 or not run or len(rows) != len(run) or any(
-                not s.prefilled or s.sampling_row[0] > 0 or needs_extras(s) for s in run):
+                not s.prefilled or needs_extras(s) for s in run):
             return 1
         k = min(k, min(self.cfg.max_model_len - s.num_tokens for s in run))
         left = [s.request.max_tokens - s.num_output_tokens for s in run if s.request.max_tokens is not None]

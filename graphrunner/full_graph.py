@@ -168,6 +168,12 @@ class FullGraphRunner:
         found = [g for k, g in self._graphs.items() if k.batch == batch]
         return found[0].output if len(found) == 1 else None
 
+    def pool(self) -> Any:
+        """The graph pool every decode graph (and the runner's decode epilogues) is captured into."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
     # ---- invalidation
     def reset(self) -> None:
         """Drop every graph, the static buffers and the shared pool (caller synchronizes first)."""

@@ -18,6 +18,7 @@ import torch
 
 from .config import GraphRunnerConfig
 from .dispatch import Decision, DispatchPolicy, Path
+from .epilogue import DecodeEpilogues, EpilogueFn
 from .errors import GraphCaptureError
 from .forward_args import model_kwargs
 from .full_graph import FullGraphRunner, decode_graph_key
@@ -73,6 +74,10 @@ class CUDAGraphRunner:
         self._full: Optional[FullGraphRunner] = (
             FullGraphRunner(model, self.graph_meta, self.stream) if graphs and self._decode_buckets else None
         )
+        self._epilogues: Optional[DecodeEpilogues] = (
+            DecodeEpilogues(self.device, self._full.pool) if self._full is not None else None
+        )
+        self._decisions: dict[tuple, Decision] = {}  # memoised decode decisions (see `decide_decode`)
         self._pcg: Optional[StandardPiecewiseRuntime] = None
         off_reason = EagerReason.PCG_DISABLED
         if graphs and self._prefill_buckets:
@@ -130,6 +135,42 @@ class CUDAGraphRunner:
     def decide(self, step: ForwardStep) -> Decision:
         """The path `step` would take now (no side effects)."""
         return self._policy.decide(step, self._preparing > 0)
+
+    def decide_decode(self, step: ForwardStep) -> Decision:
+        """`decide(step)` for a plain decode step (one token per sequence, no extras, adapters or micro-batches),
+        memoised by (batch size, hints): for such steps the decision is a function of those and of the captured
+        graphs, and the memo is cleared whenever graphs are captured or dropped."""
+        key = (step.batch_size, step.num_tokens, step.global_decode, step.batch_bucket_hint, step.token_bucket_hint)
+        d = self._decisions.get(key)
+        if d is None or self._preparing:
+            d = self.decide(step)
+            if not self._preparing and step.extras is None and step.adapter_ids is None and not step.micro_batch:
+                self._decisions[key] = d
+        return d
+
+    # ------------------------------------------------------------------ decode epilogues
+    def register_epilogue(self, name: str, fn: EpilogueFn, max_batch: int) -> None:
+        """Capture `fn(hidden [bucket, H], bucket) -> tuple of tensors` on every decode graph's output up to bucket
+        `max_batch`, right after that graph, into the same pool (`graphrunner.epilogue`). No-op without decode
+        graphs (CPU, eager mode). Register before `capture_decode`."""
+        if self._epilogues is not None:
+            self._epilogues.register(name, fn, max_batch)
+
+    def replay_epilogue(self, bucket: int, name: str) -> Optional[tuple]:
+        """Replay epilogue `name` of decode bucket `bucket` after that bucket's decode graph (current stream);
+        its outputs (pool views, `[bucket, ...]`, valid until its next replay), or None when not captured."""
+        return None if self._epilogues is None else self._epilogues.replay(bucket, name)
+
+    def epilogue_outputs(self, bucket: int, name: str) -> Optional[tuple]:
+        """The output tensors of a captured epilogue (what its replays write), or None."""
+        return None if self._epilogues is None else self._epilogues.outputs(bucket, name)
+
+    def epilogue_stats(self) -> dict[str, Any]:
+        e = self._epilogues
+        if e is None:
+            return {"names": [], "buckets": [], "pool_bytes": 0}
+        return {"names": e.names, "buckets": e.buckets(), "pool_bytes": e.pool_bytes,
+                "capture_s": round(e.capture_seconds, 4)}
 
     # ------------------------------------------------------------------ serving
     def __call__(self, step: ForwardStep) -> torch.Tensor:
@@ -220,7 +261,11 @@ class CUDAGraphRunner:
             if as_graph:
                 if self._full.has_graph(decode_graph_key(self.model, step, batch)):
                     return 0.0
+                self._decisions.clear()
                 self._full.capture(step, batch)
+                out = self._full.output_of(batch)
+                if self._epilogues is not None and out is not None:
+                    self._epilogues.capture(batch, out[:batch])
             else:
                 self.model(**model_kwargs(step))
             if self._cuda:
@@ -238,6 +283,7 @@ class CUDAGraphRunner:
         if tokens not in self._prefill_buckets:
             raise GraphCaptureError(f"{tokens} is not a piecewise token bucket {list(self._prefill_buckets)}")
         step = self.dummy_step_factory(tokens, 1, False)
+        self._decisions.clear()  # a new plan may serve decode steps that have no full graph
         with torch.inference_mode(), self._on_rank_stream(), self.preparing_prefill():
             decision = self._policy.decide(step, preparing=True)
             if decision.path is Path.PIECEWISE:
@@ -269,6 +315,9 @@ class CUDAGraphRunner:
         """
         if self._cuda:
             torch.cuda.synchronize(self.device)  # no replay may still be reading what we drop
+        self._decisions.clear()
+        if self._epilogues is not None:
+            self._epilogues.reset()
         if self._full is not None:
             self._full.reset()
         if self._pcg is not None:

@@ -7,8 +7,8 @@ Layout (both sections row-major, one record per row, so the first `n` rows are o
 - lists: `[max_batch, W]` int32 (fp32 views for `bias_vals`), W = 2 * max_bias + max_ban + 2 * max_penalty_tokens:
   bias ids, bias values, banned ids, penalised ids, their output counts; -1 = unused id.
 
-Lifetime and streams: `stage(host)` writes the pinned mirror (it waits for the previous upload's copy to finish
-first, a host wait only when the copy is still in flight); `upload(rows, lists)` enqueues the copy on the current
+Lifetime and streams: `stage(host)` writes the next of `MIRRORS` pinned mirrors (it waits for the upload that last
+read that mirror, a host wait only when that copy is still in flight, so steps staged ahead rarely wait); `upload(rows, lists)` enqueues the copy on the current
 stream, so kernels launched after it on that stream (or a graph replayed on it) see the new values. Rows past
 the staged batch are reset to harmless defaults (greedy, no lists). The list section is copied only when
 `lists=True` (a step whose variant is `processed`); stale lists are never read by unprocessed variants.
@@ -59,6 +59,26 @@ def _default_lists(layout: ListLayout) -> np.ndarray:
     return row
 
 
+MIRRORS = 4  # pinned host mirrors per parameter block (CUDA): steps staged ahead of the device
+
+
+class _Mirror:
+    """One pinned host copy of the parameter records and the event of the last upload that read it."""
+
+    def __init__(self, rows: int, width: int, pin: bool) -> None:
+        self.scalars = torch.zeros((rows, REC_BYTES), dtype=torch.uint8, pin_memory=pin)
+        self.lists = torch.zeros((rows, width), dtype=torch.int32, pin_memory=pin)
+        self.scalars_np, self.lists_np = self.scalars.numpy(), self.lists.numpy()
+        self.dirty = rows  # rows [0, dirty) may hold non-default values
+        self.copied = torch.cuda.Event() if pin else None
+        self.pending = False
+
+    def wait(self) -> None:
+        if self.pending:
+            self.copied.synchronize()
+            self.pending = False
+
+
 class SamplerParams:
     """Device parameter block. Views (all `[max_batch]` or `[max_batch, W]`, strided into the records):
     temperature, inv_temperature, top_p, min_p, log_min_p, presence, frequency, repetition, inv_repetition
@@ -73,17 +93,15 @@ class SamplerParams:
         self.max_batch = max_batch
         self.layout = ListLayout(max_bias, max_ban, max_penalty_tokens)
         pin = self.device.type == "cuda"
-        self._host_scalars = torch.zeros((max_batch, REC_BYTES), dtype=torch.uint8, pin_memory=pin)
-        self._host_lists = torch.zeros((max_batch, self.layout.width), dtype=torch.int32, pin_memory=pin)
         self.scalars = torch.zeros((max_batch, REC_BYTES), dtype=torch.uint8, device=self.device)
         self.lists = torch.zeros((max_batch, self.layout.width), dtype=torch.int32, device=self.device)
-        self._hs_np = self._host_scalars.numpy()
-        self._hl_np = self._host_lists.numpy()
         self._default_lists = _default_lists(self.layout)
+        # a ring of pinned mirrors: staging the next step never waits for the upload of the one before it
+        self._mirrors = [_Mirror(max_batch, self.layout.width, pin) for _ in range(MIRRORS if pin else 1)]
+        self._cur = 0
         self._staged = 0  # rows written by the last stage()
-        self._dirty = max_batch  # rows [0, _dirty) may hold non-default values in the mirror
-        self._copied: Optional[torch.cuda.Event] = None
-        self._reset_rows(0, max_batch)
+        for m in self._mirrors:
+            self._reset_rows(m, 0, max_batch)
         self.upload(max_batch, lists=True)
         self._bind_views()
 
@@ -104,23 +122,18 @@ class SamplerParams:
         self.pen_counts = li[:, lay.pen_counts: lay.width]
 
     # ---- host side ----------------------------------------------------------------------------------------
-    def _wait_copy(self) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
-
-    def _reset_rows(self, lo: int, hi: int) -> None:
+    def _reset_rows(self, m: "_Mirror", lo: int, hi: int) -> None:
         if hi <= lo:
             return
-        f = self._hs_np.view(np.float32)
-        q = self._hs_np.view(np.int64)
-        self._hs_np[lo:hi] = 0
+        f = m.scalars_np.view(np.float32)
+        m.scalars_np[lo:hi] = 0
         for name, col in _F_COLS.items():
             f[lo:hi, col] = _DEFAULTS_F[name]
-        self._hl_np[lo:hi] = self._default_lists
+        m.lists_np[lo:hi] = self._default_lists
 
     def stage(self, host: HostBatch) -> None:
-        """Write `host` (n <= max_batch rows) into the pinned mirror; rows [n, max_batch) become defaults."""
+        """Write `host` (n <= max_batch rows) into the next pinned mirror of the ring; rows [n, max_batch) become
+        defaults. Waits (on the host) only for the upload that last read that mirror, `MIRRORS` uploads ago."""
         n = host.n
         if n > self.max_batch:
             raise SamplerParamError(f"batch of {n} rows exceeds max_batch {self.max_batch}")
@@ -129,23 +142,26 @@ class SamplerParams:
         for name, w in widths.items():
             if getattr(host, name).shape[1] > w:
                 raise SamplerParamError(f"{name}: {getattr(host, name).shape[1]} columns exceed the block's {w}")
-        self._wait_copy()
-        f = self._hs_np.view(np.float32)
-        q = self._hs_np.view(np.int64)
+        self._cur = (self._cur + 1) % len(self._mirrors)
+        m = self._mirrors[self._cur]
+        m.wait()
+        hs = m.scalars_np
+        f = hs.view(np.float32)
+        q = hs.view(np.int64)
         for name, col in _F_COLS.items():
             f[:n, col] = getattr(host, name)
-        self._hs_np.view(np.int32)[:n, I_TOP_K] = host.top_k
+        hs.view(np.int32)[:n, I_TOP_K] = host.top_k
         for name, col in _Q_COLS.items():
             q[:n, col] = getattr(host, name)
-        hl, hlf = self._hl_np, self._hl_np.view(np.float32)
+        hl, hlf = m.lists_np, m.lists_np.view(np.float32)
         hl[:n] = self._default_lists
         hl[:n, lay.bias_ids: lay.bias_ids + host.bias_ids.shape[1]] = host.bias_ids
         hlf[:n, lay.bias_vals: lay.bias_vals + host.bias_vals.shape[1]] = host.bias_vals
         hl[:n, lay.ban_ids: lay.ban_ids + host.ban_ids.shape[1]] = host.ban_ids
         hl[:n, lay.pen_ids: lay.pen_ids + host.pen_ids.shape[1]] = host.pen_ids
         hl[:n, lay.pen_counts: lay.pen_counts + host.pen_counts.shape[1]] = host.pen_counts
-        self._reset_rows(n, self._dirty)
-        self._dirty = n
+        self._reset_rows(m, n, m.dirty)
+        m.dirty = n
         self._staged = n
 
     def upload(self, rows: Optional[int] = None, *, lists: bool = True) -> None:
@@ -154,12 +170,13 @@ class SamplerParams:
         if not 0 < rows <= self.max_batch:
             raise SamplerParamError(f"rows must be in [1, {self.max_batch}], got {rows}")
         nb = self.device.type == "cuda"
-        self.scalars[:rows].copy_(self._host_scalars[:rows], non_blocking=nb)
+        m = self._mirrors[self._cur]
+        self.scalars[:rows].copy_(m.scalars[:rows], non_blocking=nb)
         if lists:
-            self.lists[:rows].copy_(self._host_lists[:rows], non_blocking=nb)
+            self.lists[:rows].copy_(m.lists[:rows], non_blocking=nb)
         if nb:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            m.copied.record()
+            m.pending = True
 
     def load(self, host: HostBatch, rows: Optional[int] = None) -> None:
         """`stage(host)` then `upload(rows or max_batch)`, copying the lists only when the batch needs them."""

@@ -47,7 +47,7 @@ def test_fast_path_equals_general_path(rt, n):
     finally:
         rt.logits_observer = None
     assert rt.runner.stats.snapshot()["steps"]["full_graph"] == before + 2
-    head = rt._heads.get(rt.runner.decide(_device_step(rt, dec)).decode_key.batch)
+    head = rt.runner.epilogue_outputs(rt.runner.decide(_device_step(rt, dec)).decode_key.batch, "greedy")
     assert (head is not None) == (n <= 16)
     logits = _general(rt, dec)
     np.testing.assert_array_equal(fast, logits.argmax(dim=-1).cpu().numpy())
@@ -61,7 +61,8 @@ def test_fast_path_equals_general_path(rt, n):
 def test_head_graphs_cover_small_buckets_only(rt):
     st = rt.stats()
     assert st["head_graphs"]["buckets"] == [1, 2, 4, 8, 16]
-    assert 0 < st["head_graphs"]["pool_bytes"] < 64 << 20
+    assert set(st["head_graphs"]["names"]) == {"greedy", "logits", "sample", "sample_k", "sample_p", "sample_kp"}
+    assert 0 < st["head_graphs"]["pool_bytes"] < 256 << 20
     rt.reset()
     assert rt.stats()["head_graphs"]["buckets"] == []
     rt.capture_all()
@@ -168,3 +169,63 @@ def test_decode_lane_equals_dispatched_steps(rt, n):
     assert (n, n, None, 0, 0) in rt._lanes
     assert rt.runner.stats.snapshot()["steps"]["full_graph"] == before + k
     assert lane == decode(checked=True)  # rewrites the same K/V at the same positions
+
+
+SAMPLED_CASES = {  # name of the captured head that must serve it: temperature, top_k, top_p (min_p)
+    "sample": ([1.0], [0], [1.0]),
+    "sample_k": ([0.7], [50], [1.0]),
+    "sample_p": ([1.0], [0], [0.9]),
+    "sample_kp": ([1.3], [20], [0.8]),
+}
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+@pytest.mark.parametrize("case", sorted(SAMPLED_CASES))
+@torch.inference_mode()
+def test_captured_sampler_head_equals_eager_sampler(rt, case, n):
+    """A sampled decode step served by the captured sampler head of its bucket draws exactly the tokens of the
+    eager sampler over the logits head (a logits observer forces that path), rows mixing greedy and sampled."""
+    rng = np.random.default_rng(400 + n)
+    seqs, vocab = Seqs(rt), rt.model_config.vocab_size
+    prompts = [random_tokens(rng, int(rng.integers(5, 150)), vocab) for _ in range(n)]
+    tables = [seqs.new(len(p) + 4) for p in prompts]
+    first = rt.execute(StepBatch.from_sequences(prompts, [0] * n, tables))
+    t, k, p = (v * n for v in SAMPLED_CASES[case])
+    t = [0.0 if i % 3 == 2 else x for i, x in enumerate(t)]  # some greedy rows among the sampled
+    dec = StepBatch.from_sequences([[int(x)] for x in first], [len(q) for q in prompts], tables, temperature=t,
+                                   top_k=k, top_p=p, seeds=[1000 + i for i in range(n)])
+    staged = []
+    orig = rt.sampler().stage_graph_rows
+    rt.sampler().stage_graph_rows = lambda *a: staged.append(orig(*a)) or staged[-1]
+    try:
+        graph = rt.execute(dec)
+    finally:
+        del rt.sampler().stage_graph_rows
+    assert staged == [case]
+    rt.logits_observer = lambda lg: None
+    try:
+        eager = rt.execute(dec)
+    finally:
+        rt.logits_observer = None
+    np.testing.assert_array_equal(graph, eager)
+    assert graph.min() >= 0 and graph.max() < vocab
+
+
+@torch.inference_mode()
+def test_sampled_multi_step_equals_single_sampled_steps(rt):
+    """Multi-step decode of sampled rows: each step's draw is keyed by its own position, as single steps are."""
+    rng = np.random.default_rng(500)
+    n, k = 5, 4
+    seqs, vocab = Seqs(rt), rt.model_config.vocab_size
+    prompts = [random_tokens(rng, int(rng.integers(5, 150)), vocab) for _ in range(n)]
+    tables = [seqs.new(len(p) + k + 1) for p in prompts]
+    first = rt.execute(StepBatch.from_sequences(prompts, [0] * n, tables))
+    kw = dict(temperature=[1.0] * n, top_p=[0.9] * n, seeds=[7 + i for i in range(n)])
+    dec = StepBatch.from_sequences([[int(x)] for x in first], [len(q) for q in prompts], tables, **kw)
+    multi = rt.execute(dec, num_steps=k)
+    b, want = dec, []
+    for _ in range(k):
+        toks = rt.execute(b)
+        want.append(toks)
+        b = StepBatch.from_sequences([[int(x)] for x in toks], (b.num_history + 1).tolist(), tables, **kw)
+    np.testing.assert_array_equal(multi, np.stack(want, axis=1))

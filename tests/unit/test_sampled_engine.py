@@ -1,7 +1,7 @@
 """Sampled requests through the engine on the real model (qwen3-tiny, one CPU rank, the sampler's torch path):
 
-- a seeded request samples the same tokens alone, in a batch of 8 and of 64 at any row, after a preemption, and
-  with overlapped rounds (`EngineConfig.overlap`);
+- a seeded request samples the same tokens alone, in a batch of 8 and of 64 at any row, after a preemption,
+  with overlapped rounds (`EngineConfig.overlap`) and through multi-step decode (`decode_steps`);
 - an unseeded request gets one seed on the driver (two requests differ, a requeued one repeats itself);
 - logprobs equal log_softmax of the model's own logits (chosen token and top-N);
 - penalties, logit bias and min_tokens change the tokens exactly as a float64 reference of their definitions
@@ -51,6 +51,11 @@ def test_a_seeded_request_samples_the_same_tokens_in_any_batch_and_after_preempt
     overlapped = _engine(overlap=True)
     assert overlapped.generate(_prompts(3) + [target], SEEDED, max_tokens=16)[-1].token_ids == alone
     assert overlapped.counters["rounds_ahead"] > 0
+    multi = _engine(decode_steps=4)
+    steps = []
+    multi.on_step = lambda info: steps.append(info.num_steps)
+    assert multi.generate(_prompts(3) + [target], SEEDED, max_tokens=16)[-1].token_ids == alone
+    assert max(steps) == 4  # sampled rows took multi-step rounds
 
 
 def test_unseeded_requests_get_a_driver_seed_each(roomy):
