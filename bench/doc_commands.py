@@ -142,6 +142,11 @@ def rows(ckpt: Path, token_file: Path) -> list[tuple[str, callable]]:
          lambda: run([py, "-m", "launch", "bench", "--model", "qwen3-tiny", "--executor", "local", "--max-tokens", "16",
                       "--concurrency", "1,4", "--requests-per-client", "1", "--prompt-len", "8", "--server-arg=--device",
                       "--server-arg=cpu", "--out", str(token_file.parent / "bench.json")])),
+        ("graphline bench --model <checkpoint dir> --api completions,chat",
+         lambda: run([py, "-m", "launch", "bench", "--model", str(ckpt), "--executor", "local", "--api", "completions,chat",
+                      "--concurrency", "1,2", "--requests-per-client", "1", "--prompt-len", "32", "--max-tokens", "8",
+                      "--max-model-len", "128", "--server-arg=--device", "--server-arg=cpu",
+                      "--out", str(token_file.parent / "bench_chat.json")])),
         ("launch/cluster.sh up --model qwen3-tiny --dp 2 --port 0", lambda: serve_via_cluster()),
         ("launch/cluster.sh --help", lambda: run(["bash", "launch/cluster.sh", "--help"])),
     ]

@@ -22,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from bench.serve_bench import run_level
+from launch.bench import run_level
 
 
 class InstantExecutor:

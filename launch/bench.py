@@ -5,14 +5,21 @@
     graphline bench --url http://127.0.0.1:8000                    # an already running server
     graphline bench --model qwen3-tiny --executor local --max-tokens 16 --concurrency 1,4
     graphline bench --model qwen3-0.6b --temperature 1.0 --top-p 0.9   # sampled requests (OpenAI's default is 1.0)
+    graphline bench --model /ckpt/Qwen3-8B --api completions,chat     # chat vs completions TPOT, one server
     python -m bench.serve_bench ...                                # the same, from a checkout
 
 Every client streams (server-sent events) so the first token and every later token are timed
 on arrival. TPOT of a request = (last token time - first token time) / (tokens - 1); "gap" is the
 time between consecutive events of a request and "tokens per event" how many tokens each carried
-(several with `--server-arg=--decode-steps=8`, multi-step decode). Prints a table and writes JSON
-(`--out`, default artifacts/serve_bench.json under the current directory). Requests go to the server's URL only:
-use a loopback address.
+(several with `--server-arg=--decode-steps=8`, multi-step decode). Every request generates `--max-tokens` tokens
+(`ignore_eos`). Prints a table and writes JSON (`--out`, default artifacts/serve_bench.json under the current
+directory). Requests go to the server's URL only: use a loopback address.
+
+`--api chat` sends `/v1/chat/completions` (a checkpoint with a chat template; conversations of about
+`--prompt-len` tokens and a stop string that never matches, `launch.bench_chat`); `--api completions,chat` runs
+both against the same server, at each concurrency one after the other, the completions prompts then being
+templated conversations as token ids (same length, same output tokens), and prints chat / completions ratios of
+TPOT, TTFT and throughput (JSON: `chat_vs_completions`). Without chat, completion prompts are random token ids.
 """
 from __future__ import annotations
 
@@ -28,6 +35,10 @@ from typing import Optional
 
 import numpy as np
 
+from launch.bench_chat import ChatPrompts, load_bench_tokenizer, one_chat_request, print_ratios, ratios, timings
+from launch.options import LaunchError
+
+APIS = ("completions", "chat")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (OpenAI's default is 1.0)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--api", default="completions", help="completions, chat, or both side by side: completions,chat")
+    p.add_argument("--tokenizer", default=None, help="with chat: the served checkpoint's directory (default --model)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--out", default=str(Path("artifacts") / "serve_bench.json"))
 
@@ -76,7 +89,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, float
 
 def sampling_body(args: argparse.Namespace) -> dict:
     """The sampling fields every benchmark request carries."""
-    body = {"temperature": args.temperature, "top_p": args.top_p}
+    body = {"temperature": args.temperature, "top_p": args.top_p, "ignore_eos": True}
     if args.top_k:
         body["top_k"] = args.top_k
     return body
@@ -104,26 +117,44 @@ async def one_request(session, url: str, model: Optional[str], prompt: list[int]
                 if k:
                     times.append((time.perf_counter(), k))
                     ntok += k
-    t_end = time.perf_counter()
-    first = times[0][0] if times else t_end
-    tpot = (times[-1][0] - first) / (ntok - 1) if ntok > 1 else None
-    gaps = [b[0] - a[0] for a, b in zip(times, times[1:])]
-    return {"ttft": first - t0, "tpot": tpot, "tokens": ntok, "latency": t_end - t0, "gaps": gaps,
-            "events": len(times), "arrivals": [t0, *(t for t, _ in times)]}
+    return timings(t0, [t for t, _ in times], ntok, time.perf_counter())
+
+
+def _prompts(api: str, clients: int, per_client: int, prompt_len: int, vocab: int,
+             chat: Optional[ChatPrompts]) -> list[list[tuple]]:
+    """Each client's (prompt, its token count), made before the clock starts: random token ids, or (with `chat`)
+    conversations: their messages for chat, their templated token ids for completions (other words per API)."""
+    if chat is None:
+        rng = np.random.default_rng(clients)
+        return [[(rng.integers(1, vocab, prompt_len).tolist(), prompt_len) for _ in range(per_client)]
+                for _ in range(clients)]
+    rng = np.random.default_rng((clients, APIS.index(api)))
+    out = []
+    for _ in range(clients):
+        convs = [chat.make(rng, prompt_len) for _ in range(per_client)]
+        out.append([(msgs if api == "chat" else ids, len(ids)) for msgs, ids in convs])
+    return out
 
 
 async def run_level(url: str, model: str, clients: int, per_client: int, prompt_len: int, max_tokens: int,
-                    vocab: int, sampling: dict) -> dict:
+                    vocab: int, sampling: Optional[dict] = None, api: str = "completions",
+                    chat: Optional[ChatPrompts] = None) -> dict:
+    """One concurrency level of `api` requests; `chat` (prompt maker) is needed for chat and makes completion
+    prompts templated conversations."""
     import aiohttp
 
-    rng = np.random.default_rng(clients)
+    sampling = {"temperature": 0.0, "ignore_eos": True} if sampling is None else sampling
+    prompts = _prompts(api, clients, per_client, prompt_len, vocab, chat)
+    send = one_chat_request if api == "chat" else one_request
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=clients + 4)) as s:
         async def client(i: int) -> list[dict]:
             out = []
-            for _ in range(per_client):
-                prompt = rng.integers(1, vocab, prompt_len).tolist()
-                out.append(await one_request(s, url, model, prompt, max_tokens, sampling))
+            for prompt, ntok in prompts[i]:
+                r = await send(s, url, model, prompt, max_tokens, sampling)
+                r["prompt_tokens_sent"] = ntok
+                r.setdefault("prompt_tokens", ntok)
+                out.append(r)
             return out
 
         t0 = time.perf_counter()
@@ -134,7 +165,10 @@ async def run_level(url: str, model: str, clients: int, per_client: int, prompt_
     toks = sum(r["tokens"] for r in res)
     gaps = np.array([g for r in res for g in r["gaps"]] or [np.nan])
     return {
-        "clients": clients, "requests": len(res), "output_tokens": toks, "wall_s": wall,
+        "api": api, "clients": clients, "requests": len(res), "output_tokens": toks, "wall_s": wall,
+        "prompt_tokens_mean": float(np.mean([r["prompt_tokens"] for r in res])),
+        # chat: requests whose server-side template gave another token count than the client's (should be 0)
+        "prompt_tokens_mismatch": sum(r["prompt_tokens"] != r["prompt_tokens_sent"] for r in res),
         "throughput_tok_s": toks / wall, "requests_per_s": len(res) / wall,
         "tpot_ms_mean": float(tpots.mean() * 1e3) if len(tpots) else None,
         "tpot_ms_median": float(np.median(tpots) * 1e3) if len(tpots) else None,
@@ -175,6 +209,10 @@ def run(args: argparse.Namespace) -> int:
     proc, t0 = None, None
     url = args.url
     result: dict = {"model": args.model, "config": {k: v for k, v in vars(args).items() if k != "func"}}
+    apis = list(dict.fromkeys(a.strip() for a in args.api.split(",") if a.strip()))
+    if not apis or any(a not in APIS for a in apis):
+        raise LaunchError(f"--api {args.api!r}: use completions, chat or completions,chat")
+    chat = ChatPrompts(load_bench_tokenizer(args.tokenizer or args.model)) if "chat" in apis else None
     try:
         if url is None:
             proc, url, t0 = start_server(args)
@@ -183,15 +221,21 @@ def run(args: argparse.Namespace) -> int:
             result["startup_to_first_answer_s"] = time.perf_counter() - t0
         levels = []
         sampling = sampling_body(args)
-        asyncio.run(run_level(url, name, 1, 1, args.prompt_len, min(8, args.max_tokens), vocab, sampling))  # warm-up
+        for api in apis:  # warm-up
+            asyncio.run(run_level(url, name, 1, 1, args.prompt_len, min(8, args.max_tokens), vocab, sampling, api,
+                                  chat))
         for c in [int(x) for x in args.concurrency.split(",") if x]:
-            lv = asyncio.run(run_level(url, name, c, args.requests_per_client, args.prompt_len, args.max_tokens,
-                                       vocab, sampling))
-            lv["armed_decode_after"] = asyncio.run(_armed_counts(url))
-            levels.append(lv)
-            print(f"  {c:>3} clients: {lv['throughput_tok_s']:.1f} tok/s, TPOT median {lv['tpot_ms_median']:.3f} ms; "
-                  f"armed decode so far {lv['armed_decode_after']}", file=sys.stderr, flush=True)
+            for api in apis:
+                lv = asyncio.run(run_level(url, name, c, args.requests_per_client, args.prompt_len, args.max_tokens,
+                                           vocab, sampling, api, chat))
+                lv["armed_decode_after"] = asyncio.run(_armed_counts(url))
+                levels.append(lv)
+                print(f"  {c:>3} clients, {api}: {lv['throughput_tok_s']:.1f} tok/s, TPOT median "
+                      f"{lv['tpot_ms_median']:.3f} ms; armed decode so far {lv['armed_decode_after']}",
+                      file=sys.stderr, flush=True)
         result["levels"] = levels
+        if len(apis) > 1:
+            result["chat_vs_completions"] = ratios(levels)
     finally:
         if proc is not None:
             proc.terminate()
@@ -200,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     print_table(result)
+    print_ratios(result.get("chat_vs_completions", []))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -212,13 +257,13 @@ def print_table(result: dict) -> None:
     print(f"model {result['model']}, temperature {cfg.get('temperature', 0.0)}, top_p {cfg.get('top_p', 1.0)}, "
           f"top_k {cfg.get('top_k', 0)}" + (f"; start-up to first answered request {result['startup_to_first_answer_s']:.2f} s"
                                         if "startup_to_first_answer_s" in result else ""))
-    hdr = f"{'clients':>7} {'requests':>8} {'tok/s':>10} {'req/s':>8} {'TPOT med ms':>12} {'TPOT p99 ms':>12} " \
+    hdr = f"{'api':>11} {'clients':>7} {'requests':>8} {'tok/s':>10} {'req/s':>8} {'TPOT med ms':>12} {'TPOT p99 ms':>12} " \
           f"{'TTFT med ms':>12} {'TTFT p99 ms':>12} {'gap med ms':>11} {'gap p99 ms':>11} {'tok/event':>9}"
     print(hdr)
     print("-" * len(hdr))
     for lv in result.get("levels", []):
         f = lambda v: f"{v:12.3f}" if v is not None else f"{'-':>12}"  # noqa: E731
-        print(f"{lv['clients']:>7} {lv['requests']:>8} {lv['throughput_tok_s']:>10.1f} {lv['requests_per_s']:>8.2f} "
+        print(f"{lv.get('api', 'completions'):>11} {lv['clients']:>7} {lv['requests']:>8} {lv['throughput_tok_s']:>10.1f} {lv['requests_per_s']:>8.2f} "
               f"{f(lv['tpot_ms_median'])} {f(lv['tpot_ms_p99'])} {f(lv['ttft_ms_median'])} {f(lv['ttft_ms_p99'])} "
               f"{lv.get('event_gap_ms_median', float('nan')):11.3f} {lv.get('event_gap_ms_p99', float('nan')):11.3f} "
               f"{lv.get('tokens_per_event', float('nan')):9.2f}")
