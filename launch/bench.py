@@ -5,6 +5,7 @@
     graphline bench --url http://127.0.0.1:8000                    # an already running server
     graphline bench --model qwen3-tiny --executor local --max-tokens 16 --concurrency 1,4
     graphline bench --model qwen3-0.6b --temperature 1.0 --top-p 0.9   # sampled requests (OpenAI's default is 1.0)
+    graphline bench --model qwen3-0.6b --temperature 1.0 --compare-greedy   # sampled and greedy, one server
     graphline bench --model /ckpt/Qwen3-8B --api completions,chat     # chat vs completions TPOT, one server
     python -m bench.serve_bench ...                                # the same, from a checkout
 
@@ -57,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (OpenAI's default is 1.0)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--compare-greedy", action="store_true",
+                   help="with --temperature > 0: also greedy requests at each concurrency on the same server, and "
+                        "sampled / greedy ratios")
     p.add_argument("--api", default="completions", help="completions, chat, or both side by side: completions,chat")
     p.add_argument("--tokenizer", default=None, help="with chat: the served checkpoint's directory (default --model)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
@@ -220,22 +224,29 @@ def run(args: argparse.Namespace) -> int:
         if t0 is not None:
             result["startup_to_first_answer_s"] = time.perf_counter() - t0
         levels = []
-        sampling = sampling_body(args)
+        modes = [("sampled" if args.temperature > 0 else "greedy", sampling_body(args))]
+        if args.compare_greedy and args.temperature > 0:
+            modes.append(("greedy", {"temperature": 0.0, "ignore_eos": True}))
         for api in apis:  # warm-up
-            asyncio.run(run_level(url, name, 1, 1, args.prompt_len, min(8, args.max_tokens), vocab, sampling, api,
-                                  chat))
+            for _, sampling in modes:
+                asyncio.run(run_level(url, name, 1, 1, args.prompt_len, min(8, args.max_tokens), vocab, sampling,
+                                      api, chat))
         for c in [int(x) for x in args.concurrency.split(",") if x]:
             for api in apis:
-                lv = asyncio.run(run_level(url, name, c, args.requests_per_client, args.prompt_len, args.max_tokens,
-                                           vocab, sampling, api, chat))
-                lv["armed_decode_after"] = asyncio.run(_armed_counts(url))
-                levels.append(lv)
-                print(f"  {c:>3} clients, {api}: {lv['throughput_tok_s']:.1f} tok/s, TPOT median "
-                      f"{lv['tpot_ms_median']:.3f} ms; armed decode so far {lv['armed_decode_after']}",
-                      file=sys.stderr, flush=True)
+                for label, sampling in modes:
+                    lv = asyncio.run(run_level(url, name, c, args.requests_per_client, args.prompt_len,
+                                               args.max_tokens, vocab, sampling, api, chat))
+                    lv["sampling"] = label
+                    lv["armed_decode_after"] = asyncio.run(_armed_counts(url))
+                    levels.append(lv)
+                    print(f"  {c:>3} clients, {api}, {label}: {lv['throughput_tok_s']:.1f} tok/s, TPOT median "
+                          f"{lv['tpot_ms_median']:.3f} ms; armed decode so far {lv['armed_decode_after']}",
+                          file=sys.stderr, flush=True)
         result["levels"] = levels
         if len(apis) > 1:
-            result["chat_vs_completions"] = ratios(levels)
+            result["chat_vs_completions"] = ratios([lv for lv in levels if lv["sampling"] == modes[0][0]])
+        if len(modes) > 1:
+            result["sampled_vs_greedy"] = sampled_vs_greedy(levels)
     finally:
         if proc is not None:
             proc.terminate()
@@ -245,11 +256,30 @@ def run(args: argparse.Namespace) -> int:
                 proc.kill()
     print_table(result)
     print_ratios(result.get("chat_vs_completions", []))
+    for row in result.get("sampled_vs_greedy", []):
+        print(f"sampled / greedy, {row['api']}, {row['clients']} clients: TPOT median {row['tpot_median_ratio']:.3f}, "
+              f"p99 {row['tpot_p99_ratio']:.3f}, TTFT median {row['ttft_median_ratio']:.3f}, "
+              f"tok/s {row['throughput_ratio']:.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     return 0
+
+
+def sampled_vs_greedy(levels: list[dict]) -> list[dict]:
+    """Per (api, concurrency) measured both ways: sampled / greedy of TPOT (median, p99), TTFT median and
+    throughput."""
+    by = {(lv.get("api"), lv["clients"], lv.get("sampling")): lv for lv in levels}
+    out = []
+    for (api, c, mode), sampled in by.items():
+        greedy = by.get((api, c, "greedy"))
+        if mode != "sampled" or greedy is None:
+            continue
+        out.append({"api": api, "clients": c, **{f"{k}_ratio": sampled[m] / greedy[m] for k, m in (
+            ("tpot_median", "tpot_ms_median"), ("tpot_p99", "tpot_ms_p99"), ("ttft_median", "ttft_ms_median"),
+            ("throughput", "throughput_tok_s"))}})
+    return out
 
 
 def print_table(result: dict) -> None:
@@ -263,7 +293,7 @@ def print_table(result: dict) -> None:
     print("-" * len(hdr))
     for lv in result.get("levels", []):
         f = lambda v: f"{v:12.3f}" if v is not None else f"{'-':>12}"  # noqa: E731
-        print(f"{lv.get('api', 'completions'):>11} {lv['clients']:>7} {lv['requests']:>8} {lv['throughput_tok_s']:>10.1f} {lv['requests_per_s']:>8.2f} "
+        print(f"{lv.get('api', 'completions') + ('*' if lv.get('sampling') == 'sampled' else ''):>11} {lv['clients']:>7} {lv['requests']:>8} {lv['throughput_tok_s']:>10.1f} {lv['requests_per_s']:>8.2f} "
               f"{f(lv['tpot_ms_median'])} {f(lv['tpot_ms_p99'])} {f(lv['ttft_ms_median'])} {f(lv['ttft_ms_p99'])} "
               f"{lv.get('event_gap_ms_median', float('nan')):11.3f} {lv.get('event_gap_ms_p99', float('nan')):11.3f} "
               f"{lv.get('tokens_per_event', float('nan')):9.2f}")
