@@ -71,11 +71,11 @@ class _DecodeLane:
         self.hints = dict(global_decode=step.global_decode, batch_bucket_hint=step.batch_bucket_hint,
                           token_bucket_hint=step.token_bucket_hint)
         self.tokens = head_out[:step.batch_size]  # int64 `[B]` view of the head epilogue's output
+        self.kv_layers = step.kv_caches
 
     def replay_head(self, runner: CUDAGraphRunner) -> None:
         """Replay the greedy head epilogue of this lane's bucket (after its decode graph; current stream)."""
         runner.replay_epilogue(self.key.batch, GREEDY_HEAD)
-        self.kv_layers = step.kv_caches
 
     def run(self, runner: CUDAGraphRunner, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
             batch: StepBatch) -> torch.Tensor:

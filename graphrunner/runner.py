@@ -140,7 +140,8 @@ class CUDAGraphRunner:
         """`decide(step)` for a plain decode step (one token per sequence, no extras, adapters or micro-batches),
         memoised by (batch size, hints): for such steps the decision is a function of those and of the captured
         graphs, and the memo is cleared whenever graphs are captured or dropped."""
-        key = (step.batch_size, step.num_tokens, step.global_decode, step.batch_bucket_hint, step.token_bucket_hint)
+        key = (step.batch_size, step.num_tokens, step.is_decoding, step.global_decode, step.batch_bucket_hint,
+               step.token_bucket_hint)
         d = self._decisions.get(key)
         if d is None or self._preparing:
             d = self.decide(step)
