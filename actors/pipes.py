@@ -2,10 +2,10 @@
 
 Per rank, two FIFOs in a private directory under /dev/shm: requests (driver -> rank) and
 replies (rank -> driver), carrying the packed frames of `actors.wire`. Each rank runs a
-plain thread (`RankWorker.start_pipe_loop`) that blocks in `read` on its request pipe,
-runs the step, and writes its reply; the driver writes every rank's request, then waits
-in `select` for the replies. Waiting releases the GIL, so an engine thread waiting for a
-step leaves the HTTP event loop free.
+plain thread (`RankWorker.start_pipe_loop`, `actors.pipe_loop`) that blocks in `read` on
+its request pipe, runs the step, and writes its reply; the driver writes every rank's
+request, then waits in `select` for the replies. Waiting releases the GIL, so an engine
+thread waiting for a step leaves the HTTP event loop free.
 
 Submitting ahead: `send` and `receive` are separate, so a driver may send step k+1 before it
 receives step k (its token ids can refer to step k's tokens, `actors.batch.prev_token`); each

@@ -11,7 +11,7 @@ with CUDA events from before the launch to after the tokens' device-to-host copy
   driver_pre   step called -> every request written (validation, planning, encoding, writes)
   to_rank      request written -> the rank has read it (pipe wake-up and read)
   decode       request read -> decoded into the step's arguments
-  launch       `_launch_step` called -> returned (checks, host metadata, copies, graph launches); the trace's
+  launch       `RankSteps.launch` called -> returned (checks, host metadata, copies, graph launches); the trace's
                timing events are made between the two
   wait         launch returned -> the rank saw the tokens' event complete
   reply        event complete -> reply written (device-to-host result, encoding, write)

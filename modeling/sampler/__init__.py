@@ -3,7 +3,8 @@
 - `host.py`: `RowSpec` (per-row Python values) -> `HostBatch` (validated numpy arrays); `SamplerVariant`.
 - `params.py`: `SamplerParams`, the device block (pinned staging, one copy per step).
 - `numerics.py`: bit-exact Philox noise, log / exp, keys (torch); `triton_numerics.py` the same in Triton.
-- `reference.py`: the torch path (CPU) and `SampleOutput`; `triton_sampler.py` + `triton_kernels.py`: CUDA.
+- `reference.py`: the torch path (CPU) and `SampleOutput`; `triton_sampler.py` (launcher) + `triton_kernels.py`
+  (processing, statistics, Gumbel-max, logprobs) + `triton_select.py` (top-k / top-p selection): CUDA.
 - `api.py`: `sample(logits, params, ...)`.
 
 Triton is imported only for CUDA logits (or `backend="triton"`).

@@ -1,4 +1,5 @@
 """Launcher of the Triton sampler (CUDA logits; the tests also run it under TRITON_INTERPRET=1 on CPU).
+The kernels: `triton_kernels` (processing, stats, sample, finish), `triton_select` (top-k, top-p).
 
 Stages per call, each a `(B, C)` grid over chunks of the vocabulary shard unless noted; TP collectives between:
 
@@ -20,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from . import triton_kernels as tk
+from . import triton_select as tsel
 from .collectives import ShardGroup
 from .host import TOP_K_FAST, SamplerVariant
-from .params import I_TOP_K, SamplerParams  # noqa: F401  (record layout shared with triton_kernels)
+from .params import I_TOP_K, SamplerParams  # noqa: F401  (record layout shared with triton_select)
 from .reference import SampleOutput
 
 BLOCK = 1024  # elements per inner step (tests lower it under the interpreter)
@@ -69,7 +71,7 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
                               OFF_PC=lay.pen_counts, MB=lay.max_bias, MBP2=_pow2(lay.max_bias), MBAN=lay.max_ban,
                               MBANP2=_pow2(lay.max_ban), MP=lay.max_pen, PB=min(1024, _pow2(lay.max_pen)), **_OPTS)
     need_hist = variant.large_top_k or variant.top_p
-    hist = (torch.zeros if need_hist else torch.empty)((6 if need_hist else 1, b, tk.HS), dtype=torch.int64,
+    hist = (torch.zeros if need_hist else torch.empty)((6 if need_hist else 1, b, tsel.HS), dtype=torch.int64,
                                                         device=dev)
     st = torch.empty((6, b, 4), dtype=torch.int64, device=dev)
     parts = torch.empty((b, c, 4), dtype=torch.float32, device=dev)
@@ -85,18 +87,18 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
         cands = group.gather(cands)
     if variant.top_k:
         kc = group.gather(kc)
-        tk.topk_fast_kernel[(b,)](recf, reci, rs, kc, st, b, c, nt, KF=kf, CB=min(1024, _pow2(nt * c * kf)),
+        tsel.topk_fast_kernel[(b,)](recf, reci, rs, kc, st, b, c, nt, KF=kf, CB=min(1024, _pow2(nt * c * kf)),
                                   **_OPTS)
     if variant.large_top_k:
         group.sum_(hist[0])
         for level in (2, 3):
-            tk.topk_level_kernel[grid](*common, recf, reci, rs, st, hist, b, v, ch, kf, LEVEL=level, BLOCK=BLOCK,
+            tsel.topk_level_kernel[grid](*common, recf, reci, rs, st, hist, b, v, ch, kf, LEVEL=level, BLOCK=BLOCK,
                                        **flags, **_OPTS)
             group.sum_(hist[level - 1])
     sel = {"HAS_TOPK": variant.top_k, "TOPK_LARGE": variant.large_top_k}
     if variant.top_p:
         for level in (1, 2, 3):
-            tk.topp_level_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, hist, b, v, ch, c, nt, kf,
+            tsel.topp_level_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, hist, b, v, ch, c, nt, kf,
                                        LEVEL=level, BLOCK=BLOCK, **flags, **sel, NPP2=npp2, **_OPTS)
             group.sum_(hist[level + 2])
     best = torch.empty((b, c, 2), dtype=torch.int64, device=dev)

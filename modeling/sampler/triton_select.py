@@ -1,0 +1,211 @@
+"""The sampler's Triton top-k / top-p selection: the passes that find each row's lowest allowed key, and the
+histogram helpers the other kernels (`triton_kernels.py`) read it back with; the scalar record's columns
+(`modeling.sampler.params`) every kernel loads.
+
+Buffers (allocated by the launcher, `triton_sampler.py`): int64 histograms `[6, B, HS]` and per-row state
+`[6, B, 4]`, summed or gathered over TP ranks between passes. Every program of a pass re-derives the previous
+pass's per-row result from those buffers (a 2048-bin scan), program c == 0 stores it for the pass after, so no
+pass needs a separate resolve launch. Top-k with k <= KF: each chunk keeps its k largest z (a superset of its
+share of the row's k largest; `stats_kernel`), one program per row bisects the union for the k-th largest key
+(state 5). Larger k: radix select on the ordered key of z (digits 11 / 11 / 10 bits; histograms 0-2 count,
+state 0-1 (prefix, remaining count)). Top-p: the same radix on the key of z, each token weighted by its
+fixed-point mass q (histograms 3-5, slot 2048 of histogram 3 = the row's total mass; state 2 key_lo, 3-4 (key_lo,
+prefix, remaining mass)).
+"""
+import triton
+import triton.language as tl
+
+from .triton_numerics import KEY_NEG_INF, SENTINEL, mass, okey, top_p_target
+
+HS = tl.constexpr(2056)  # histogram row stride; slot 2048 = total mass
+# scalar record columns (modeling.sampler.params)
+F_T = tl.constexpr(0)
+F_INVT = tl.constexpr(1)
+F_LOGMINP = tl.constexpr(4)
+F_PRES = tl.constexpr(5)
+F_FREQ = tl.constexpr(6)
+F_REP = tl.constexpr(7)
+F_INVREP = tl.constexpr(8)
+I_TOPK = tl.constexpr(9)
+Q_SEED = tl.constexpr(5)
+Q_POS = tl.constexpr(6)
+Q_TOPP = tl.constexpr(7)
+
+
+@triton.jit
+def find_bin(hptr, NB: tl.constexpr, need):
+    """Largest bin d with sum(h[d:]) >= need -> (d int64, need left inside bin d)."""
+    ar = tl.arange(0, NB)
+    h = tl.load(hptr + ar)
+    suf = tl.sum(h) - tl.cumsum(h, 0) + h
+    d = tl.max(tl.where(suf >= need, ar, 0))
+    sel = tl.sum(tl.where(ar == d, suf - h, 0))
+    return d.to(tl.int64), need - sel
+
+
+@triton.jit
+def digit_hist(digits, mask, NB: tl.constexpr):
+    """Counts int32 `[NB]` of the int32 digits where mask (masked ones are counted in bin 0, then taken off)."""
+    h = tl.histogram(tl.where(mask, digits, 0), NB)
+    return h - tl.where(tl.arange(0, NB) == 0, tl.sum((mask == 0).to(tl.int32)), 0)
+
+
+@triton.jit
+def row_zmax(parts, row, B, C, NT, NPP2: tl.constexpr):
+    """Max of the processed, tempered logits over every chunk of every rank (partials `[NT, B, C, 4]`)."""
+    i = tl.arange(0, NPP2)
+    ok = i < NT * C
+    base = ((i // C) * B + row) * C + i % C
+    return tl.max(tl.load(parts + base * 4 + 2, mask=ok, other=float("-inf")))
+
+
+@triton.jit
+def lowest_key(row, B, k, topk_on, sampled, log_min_p, m, st, hist, KF, HAS_TOPK: tl.constexpr,
+            TOPK_LARGE: tl.constexpr):
+    """Lowest allowed ordered key after top-k and min-p (always above -inf)."""
+    key_lo = tl.full((), KEY_NEG_INF + 1, tl.int64)
+    if HAS_TOPK:
+        key_k = tl.load(st + (5 * B + row) * 4)
+        if TOPK_LARGE:
+            if k > KF:
+                d, _r = find_bin(hist + (2 * B + row) * HS, 1024, tl.load(st + (1 * B + row) * 4 + 1))
+                key_k = (tl.load(st + (1 * B + row) * 4) << 10) | d
+        key_lo = tl.where(topk_on, tl.maximum(key_lo, key_k), key_lo)
+    minp_on = sampled & (log_min_p > float("-inf"))
+    return tl.where(minp_on, tl.maximum(key_lo, okey(m + log_min_p)), key_lo)
+
+
+@triton.jit
+def load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED: tl.constexpr):
+    if PROCESSED:
+        x = tl.load(work + row * sw + offs, mask=msk, other=float("-inf"))
+    else:
+        x = tl.load(logits + row * sl + offs, mask=msk, other=float("-inf")).to(tl.float32)
+    return x * invt
+
+
+@triton.jit
+def topk_fast_kernel(recf, reci, rs, kc, st, B, C, NT, KF: tl.constexpr, CB: tl.constexpr):
+    """One program per row with 0 < k <= KF: the k-th largest key of z over every chunk's k largest (bisection
+    over the 32-bit key, counting candidates), into state 5."""
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.load(reci + row * rs + I_TOPK)
+    key_k = tl.zeros((), tl.int64)
+    if (tl.load(recf + row * rs + F_T) > 0) & (k > 0) & (k <= KF):
+        total = NT * C * KF
+        per_rank = C * KF
+        lo = tl.zeros((), tl.int64)
+        hi = tl.full((), 4294967296, tl.int64)
+        for _ in range(32):
+            mid = lo + (hi - lo) // 2
+            cnt = tl.zeros((), tl.int32)
+            for s in range(0, total, CB):
+                ii = s + tl.arange(0, CB)
+                v = tl.load(kc + ((ii // per_rank) * B + row) * per_rank + ii % per_rank, mask=ii < total,
+                            other=SENTINEL)
+                real = v > SENTINEL + 4096
+                cnt += tl.sum((real & (((v >> 32) + 2147483648) >= mid)).to(tl.int32))
+            big = cnt >= k
+            lo = tl.where(big, mid, lo)
+            hi = tl.where(big, hi, mid)
+        key_k = lo
+    tl.store(st + (5 * B + row) * 4, key_k)
+
+
+@triton.jit
+def topk_level_kernel(logits, sl, work, sw, recf, reci, rs, st, hist, B, V, CH, KF, LEVEL: tl.constexpr,
+                      BLOCK: tl.constexpr, PROCESSED: tl.constexpr):
+    """Rows with k > KF: resolve top-k digit LEVEL-1, count keys inside it by digit LEVEL."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    t = tl.load(recf + row * rs + F_T)
+    invt = tl.load(recf + row * rs + F_INVT)
+    k = tl.load(reci + row * rs + I_TOPK).to(tl.int64)
+    on = (t > 0) & (k > KF)
+    if LEVEL == 2:
+        d, krem = find_bin(hist + (0 * B + row) * HS, 2048, k)
+        prefix = d
+        SHIFT_IN: tl.constexpr = 21
+        SHIFT_D: tl.constexpr = 10
+        DMASK: tl.constexpr = 2047
+    else:
+        p1 = tl.load(st + (0 * B + row) * 4)
+        d, krem = find_bin(hist + (1 * B + row) * HS, 2048, tl.load(st + (0 * B + row) * 4 + 1))
+        prefix = (p1 << 11) | d
+        SHIFT_IN: tl.constexpr = 10
+        SHIFT_D: tl.constexpr = 0
+        DMASK: tl.constexpr = 1023
+    if c == 0:
+        tl.store(st + ((LEVEL - 2) * B + row) * 4, prefix)
+        tl.store(st + ((LEVEL - 2) * B + row) * 4 + 1, krem)
+    if on:
+        hacc = tl.zeros([2048], tl.int32)
+        lo = c * CH
+        for s in range(0, CH, BLOCK):
+            offs = lo + s + tl.arange(0, BLOCK)
+            msk = offs < V
+            key = okey(load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED))
+            inb = msk & ((key >> SHIFT_IN) == prefix)
+            hacc += digit_hist(((key >> SHIFT_D) & DMASK).to(tl.int32), inb, 2048)
+        ar = tl.arange(0, 2048)
+        tl.atomic_add(hist + ((LEVEL - 1) * B + row) * HS + ar, hacc.to(tl.int64), mask=hacc > 0)
+
+
+@triton.jit
+def topp_level_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hist, B, V, CH, C, NT, KF,
+                      LEVEL: tl.constexpr, BLOCK: tl.constexpr, PROCESSED: tl.constexpr, HAS_TOPK: tl.constexpr,
+                      TOPK_LARGE: tl.constexpr, NPP2: tl.constexpr):
+    """Resolve the previous top-p digit (or, at LEVEL 1, key_lo), add the masses q of allowed tokens by digit
+    LEVEL of their key (and, at LEVEL 1, their total)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    t = tl.load(recf + row * rs + F_T)
+    invt = tl.load(recf + row * rs + F_INVT)
+    fixed = tl.load(recq + row * rsq + Q_TOPP)
+    on = (t > 0) & (fixed > 0)
+    m = row_zmax(parts, row, B, C, NT, NPP2)
+    if LEVEL == 1:
+        k = tl.load(reci + row * rs + I_TOPK)
+        key_lo = lowest_key(row, B, k, (t > 0) & (k > 0), t > 0, tl.load(recf + row * rs + F_LOGMINP), m, st, hist,
+                         KF, HAS_TOPK, TOPK_LARGE)
+        prefix = tl.full((), 0, tl.int64)
+        need = tl.full((), 0, tl.int64)
+        SHIFT_IN: tl.constexpr = 32
+        SHIFT_D: tl.constexpr = 21
+        DMASK: tl.constexpr = 2047
+    elif LEVEL == 2:
+        key_lo = tl.load(st + (2 * B + row) * 4)
+        total = tl.load(hist + (3 * B + row) * HS + 2048)
+        d, need = find_bin(hist + (3 * B + row) * HS, 2048, top_p_target(total, fixed))
+        prefix = d
+        SHIFT_IN: tl.constexpr = 21
+        SHIFT_D: tl.constexpr = 10
+        DMASK: tl.constexpr = 2047
+    else:
+        sp = st + (3 * B + row) * 4
+        key_lo = tl.load(sp)
+        d, need = find_bin(hist + (4 * B + row) * HS, 2048, tl.load(sp + 2))
+        prefix = (tl.load(sp + 1) << 11) | d
+        SHIFT_IN: tl.constexpr = 10
+        SHIFT_D: tl.constexpr = 0
+        DMASK: tl.constexpr = 1023
+    if c == 0:
+        sp = st + ((LEVEL + 1) * B + row) * 4
+        tl.store(sp, key_lo)
+        tl.store(sp + 1, prefix)
+        tl.store(sp + 2, need)
+    if on:
+        hrow = hist + ((LEVEL + 2) * B + row) * HS
+        total = tl.zeros((), tl.int64)
+        lo = c * CH
+        for s in range(0, CH, BLOCK):
+            offs = lo + s + tl.arange(0, BLOCK)
+            msk = offs < V
+            z = load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED)
+            key = okey(z)
+            q = mass(z, m, msk & (key >= key_lo))
+            tl.atomic_add(hrow + ((key >> SHIFT_D) & DMASK), q, mask=((key >> SHIFT_IN) == prefix) & (q > 0))
+            if LEVEL == 1:
+                total += tl.sum(q)
+        if LEVEL == 1:
+            tl.atomic_add(hrow + 2048, total)
