@@ -16,16 +16,15 @@ import numpy as np
 import torch
 
 from actors.armed import ArmedDecode
-from actors.batch import BatchError, StepBatch
+from actors.batch import StepBatch
 from actors.decode_state import GREEDY_HEAD, LOGITS_HEAD, PendingTokens, _DecodeLane
+from actors.rank_decode import RankDecodeSteps
+from actors.rank_io import RankStepIO
 from actors.runtime_config import DeviceError, RuntimeConfig, resolve_device  # noqa: F401 (re-exported)
 from actors.step_sampler import StepSampler
-from graphrunner.capture import end_capture, end_capture_quietly
 from graphrunner.runner import CUDAGraphRunner
 from graphrunner.stats import ExecPath
 from graphrunner.step import ForwardStep
-from graphrunner.dispatch import Path as RunnerPath
-from modeling.attn_metadata import AttentionMetadata, build_decode_step_host, build_step_from_arrays
 from modeling.config import PRESETS
 from modeling.dummy import make_dummy_inputs
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
@@ -34,7 +33,7 @@ from modeling.ops import get_kernel_ops
 from modeling.qwen3 import Qwen3ForCausalLM
 from parallel.context import ParallelContext
 
-class RankRuntime:
+class RankRuntime(RankDecodeSteps, RankStepIO):
     """Owns one rank's model shard, KV cache and graph runner (lifetime: the rank's process)."""
 
     def __init__(self, cfg: RuntimeConfig, ctx: ParallelContext, device: torch.device):
@@ -320,68 +319,6 @@ class RankRuntime:
         self.lane_steps += 1
         self.runner.stats.record_step(ExecPath.FULL_GRAPH, n, lane.key.batch)
 
-    # ---- armed decode (`actors.armed`)
-    @property
-    def armed_steps(self) -> int:
-        """Steps an armed replay took."""
-        return 0 if self._armer is None else self._armer.counts["went"]
-
-    def arm_next(self) -> bool:
-        """Enqueue the next step of the latest step's decode lane behind a closed gate, on padding rows, after
-        whatever the forward stream holds, so that the next request of that shape only has to open it (`launch`
-        does). Only after a step a lane or an arm took whose token ids came from the host: a driver that feeds
-        back tokens on the device submits ahead, and its next step would only cancel the arm. For a caller that
-        expects the next request to wait for this step's tokens (the resident step loop, after a request that
-        found no earlier step in flight). Returns whether it armed."""
-        lane, armer = self._last_lane, self._armer
-        if armer is None or lane is None or armer.armed or not self._last_host_ids:
-            return False
-        with self.on_stream(), torch.inference_mode():  # no-op inside the step loop's inference mode
-            if self._last_tokens is not None:  # a cancelled arm rewrites the head output it views
-                self._last_tokens = self._last_tokens.clone()
-            armer.arm(self.runner, lane)
-        return True
-
-    @property
-    def arms_collectively(self) -> bool:
-        """Whether this rank arms only when the driver says so (`StepPlan.arm_next`; tensor parallelism)."""
-        return self._armer is not None and self._armer.collective
-
-    def stop_arming(self) -> None:
-        """Cancel any armed step and never arm again (after a failure to arm)."""
-        self.disarm()
-        self._armer = None
-
-    def disarm(self) -> None:
-        """Cancel an armed step and wait for its padding replay (no-op when none): for anything that is not a
-        step launch and may wait on the forward stream or drop the graphs the arm replays."""
-        armer = self._armer
-        if armer is not None:  # sync even when another thread cancelled it: its padding replay may still run
-            armer.cancel()
-            self._sync()
-
-    def _read_back(self, tokens: torch.Tensor, multi: bool, logprobs: Optional[tuple] = None) -> PendingTokens:
-        if logprobs is not None:  # rarer steps: fresh pinned buffers, no free list
-            nb = tokens.device.type == "cuda"
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=nb) for t in (tokens, *logprobs)]
-            for h, t in zip(host, (tokens, *logprobs)):
-                h.copy_(t, non_blocking=nb)
-            event = None
-            if nb:
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            return PendingTokens(host[0], event, multi, logprobs=tuple(host[1:]))
-        if tokens.device.type != "cuda":
-            return PendingTokens(tokens.contiguous(), None, multi)
-        free = self._read_back_free.setdefault(tuple(tokens.shape), [])
-        if free:
-            host, event = free.pop()
-        else:
-            host, event = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True), torch.cuda.Event()
-        host.copy_(tokens, non_blocking=True)
-        event.record(self.stream)
-        return PendingTokens(host, event, multi, recycle=free)
-
     def check_batch(self, batch: StepBatch) -> None:
         """Raise `BatchError` for a batch this rank cannot run (before any device work)."""
         batch.check_runnable(self.model_config.vocab_size, self.cfg.block_size, self.cfg.max_blocks_per_seq,
@@ -392,31 +329,6 @@ class RankRuntime:
         """How many rows of this rank's latest step a negative token id may refer to (0: none)."""
         return 0 if self._last_tokens is None else int(self._last_tokens.shape[0])
 
-    def _resolve_ids(self, ids: np.ndarray) -> tuple[np.ndarray, Optional[torch.Tensor]]:
-        """Previous-step references: `ids` int64 `[T]` where `-(j + 1)` stands for row j of this rank's latest
-        step's tokens. Returns (host ids with references as 0, device int64 `[T]` ids with references filled in,
-        or None when there are none). The fill is enqueued on the forward stream, after the step that made them.
-        Raises BatchError (nothing enqueued) for a reference this rank cannot satisfy."""
-        if ids.size == 0 or int(ids.min()) >= 0:
-            return ids, None
-        refs = ids < 0
-        src = -ids[refs] - 1
-        rows = self.prev_rows
-        if rows == 0:
-            raise BatchError("a token id refers to the previous step's tokens, but this rank has run no step "
-                             "since it started or was reset")
-        if int(src.max()) >= rows:
-            raise BatchError(f"a token id refers to row {int(src.max())} of the previous step, which had {rows} rows")
-        prev = self._last_tokens
-        host = np.where(refs, ids, 0)
-        n = int(ids.shape[0])
-        if refs.all() and np.array_equal(src, np.arange(n)):
-            return host, prev[:n]  # the steady state of a decode loop: row i continues row i
-        dev = torch.from_numpy(host).to(self.device, non_blocking=True)
-        idx = torch.from_numpy(np.stack([np.flatnonzero(refs), src])).to(self.device, non_blocking=True)
-        dev.index_copy_(0, idx[0], prev.index_select(0, idx[1]))
-        return host, dev
-
     def _run_dummy(self, global_decode, batch_bucket, token_bucket) -> None:
         decode = global_decode is not False
         n = max(batch_bucket, 1) if decode else max(token_bucket, 1)
@@ -424,162 +336,6 @@ class RankRuntime:
         step = dataclasses.replace(step, global_decode=global_decode, batch_bucket_hint=batch_bucket,
                                    token_bucket_hint=token_bucket)
         self.runner(step)
-
-    def _step_tokens(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
-                     batch_bucket, token_bucket) -> torch.Tensor:
-        """Enqueue one step; its next tokens, int64 `[B]` on the rank's device (not waited for)."""
-        if batch.num_tokens == batch.batch_size and self.device.type == "cuda":
-            out = self._decode_fast(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket)
-            if out is not None:
-                return out
-        ids_t, pos, meta = build_step_from_arrays(ids, batch.q_seqlens, batch.num_history, batch.block_tables,
-                                                  self.cfg.block_size, self.device)
-        step = ForwardStep(ids_t if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta,
-                           global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
-        hidden = self.runner(step)
-        sampled = bool(batch.temperature.any()) or batch.extras is not None
-        logits, greedy = self._eager_head(hidden, meta.last_token_index, sampled)
-        return self._sample(logits, batch) if sampled else greedy
-
-    def _eager_head(self, hidden: torch.Tensor, rows: torch.Tensor, need_logits: bool
-                    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-        """The LM head without a graph: (fp32 logits `[n, V]` when `need_logits` (the caller samples) or a logits
-        observer is set, else None; int64 greedy tokens `[n]`, None when `need_logits`). Calls the observer."""
-        if not need_logits and self.logits_observer is None:
-            return None, self.model.greedy_tokens(hidden, rows)
-        logits = self.model.compute_logits(hidden, rows)
-        if self.logits_observer is not None:
-            self.logits_observer(logits)
-        return logits, None if need_logits else logits.argmax(dim=-1)
-
-    def _decode_fast(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
-                     batch_bucket, token_bucket) -> Optional[torch.Tensor]:
-        """A decode step served by a captured graph: host-side metadata, one host-to-device copy (plus a
-        device copy of previous-step token ids), graph replay, then the LM-head graph of the bucket. None when
-        the step would not replay a full graph (the caller then takes the general path; nothing was launched)."""
-        ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.cfg.block_size)
-        step = ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta,
-                           global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
-        sampled = bool(batch.temperature.any()) or batch.extras is not None
-        launched = self._decode_graph_step(step, sampled_batch=batch if sampled else None)
-        if launched is None:
-            return None
-        logits, tokens = launched
-        if not sampled and self.logits_observer is None:
-            self._add_lane(step, global_decode, batch_bucket, token_bucket)
-            self._last_host_ids = ids_dev is None
-        return self._sample(logits, batch) if logits is not None and sampled else tokens
-
-    def _add_lane(self, step: ForwardStep, global_decode, batch_bucket: int, token_bucket: int) -> None:
-        """Remember the graphs that served this greedy decode step, so the next step of the same shape and hints
-        skips the dispatch (`_DecodeLane`). Forgotten whenever graphs are captured or dropped."""
-        decision = self.runner.decide_decode(step)  # pure: the decision the step just replayed
-        if decision.path is not RunnerPath.FULL_GRAPH:
-            return
-        head = self.runner.epilogue_outputs(decision.decode_key.batch, GREEDY_HEAD)
-        if head is None:
-            return
-        n = step.batch_size
-        lane = self._lanes[(n, n, global_decode, batch_bucket, token_bucket)] = _DecodeLane(
-            decision.decode_key, head[0], step, self.cfg.block_size)
-        self._last_lane = lane
-
-    def _decode_graph_step(self, step: ForwardStep, sampled_batch: Optional[StepBatch] = None
-                           ) -> Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
-        """Replay the decode graph and an LM-head epilogue for `step` without waiting: (fp32 logits `[n, V]` when
-        the caller must still sample or a logits observer is set, else None; int64 tokens `[n]`: greedy, or those
-        of `sampled_batch` when a captured sampler head served it, None when the caller samples), device views
-        valid until the next step of the bucket. None (nothing launched) when no full graph fits."""
-        decision = self.runner.decide_decode(step)
-        if decision.path is not RunnerPath.FULL_GRAPH:
-            return None
-        hidden = self.runner.run(step, decision)
-        n, bucket = step.batch_size, decision.decode_key.batch
-        run_head = self.runner.replay_epilogue
-        if self.logits_observer is None:
-            if sampled_batch is None:
-                outs = run_head(bucket, GREEDY_HEAD)
-                if outs is not None:
-                    return None, outs[0][:n]
-            else:
-                name = self.sampler().stage_graph_rows(sampled_batch, bucket, self.runner.epilogue_outputs)
-                if name is not None:
-                    return None, run_head(bucket, name)[0][:n]
-        outs = run_head(bucket, LOGITS_HEAD)
-        if outs is None:
-            logits, greedy = self._eager_head(hidden, self._decode_rows(n), sampled_batch is not None)
-            return logits, greedy
-        logits = outs[0][:n]
-        if self.logits_observer is not None:
-            self.logits_observer(logits)
-        return logits, outs[1][:n]
-
-    def _multi_step_tokens(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
-                           batch_bucket, token_bucket, num_steps: int) -> torch.Tensor:
-        """Enqueue `num_steps` greedy decode steps; their tokens, int64 `[num_steps, B]` on the device."""
-        sampled = bool(batch.temperature.any())
-        if self.device.type == "cuda" and not sampled:
-            out = self._decode_multi_on_device(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket,
-                                               num_steps)
-            if out is not None:
-                return out
-        # general path: one step at a time, each step's tokens feeding the next on the device
-        rows = []
-        for _ in range(num_steps):
-            toks = self._step_tokens(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket)
-            rows.append(toks)
-            ids_dev = toks
-            batch = dataclasses.replace(batch, num_history=(batch.num_history + 1).astype(np.int32))
-        return torch.stack(rows)
-
-    def _decode_multi_on_device(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
-                                global_decode, batch_bucket, token_bucket, num_steps: int) -> Optional[torch.Tensor]:
-        """Multi-step greedy decode on captured graphs: each step's tokens stay on the device and feed the next
-        step's graph; positions, slots and lengths of every step are computed on the host up front and copied
-        once. Returns int64 `[num_steps, B]` on the device (not waited for), or None: no graph fits."""
-        bs, n = self.cfg.block_size, batch.batch_size
-        ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, bs)
-        hints = dict(global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
-        first = self._decode_graph_step(ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_cache.layers,
-                                                    meta, **hints))
-        if first is None:
-            return None
-        dev = self.device
-        tokens = torch.empty((num_steps, n), dtype=torch.int64, device=dev)
-        tokens[0].copy_(first[1])  # greedy only: sampled batches take the per-step path
-        later = batch.num_history.astype(np.int64)[None, :] + np.arange(1, num_steps, dtype=np.int64)[:, None]
-        slots = batch.block_tables[np.arange(n)[None, :], later // bs].astype(np.int64) * bs + later % bs
-        host = torch.from_numpy(np.stack([later, slots, later + 1])).pin_memory()
-        pos_d, slot_d, kv64 = host.to(dev, non_blocking=True).unbind(0)
-        kv_d = kv64.to(torch.int32)
-        tables = torch.from_numpy(np.require(batch.block_tables, np.int32, ("C", "W"))).pin_memory()
-        tables = tables.to(dev, non_blocking=True)
-        ones = torch.ones(n, dtype=torch.int32, device=dev)
-        rows32 = torch.arange(n, dtype=torch.int32, device=dev)
-        rows64 = self._decode_rows(n)
-        for j in range(1, num_steps):
-            step_meta = AttentionMetadata(
-                is_decoding=True, q_seqlens=ones, kv_seqlens=kv_d[j - 1], q_start_loc=rows32, block_tables=tables,
-                slot_mapping=slot_d[j - 1], last_token_index=rows64, max_q_seqlen=1,
-                max_kv_seqlen=int(batch.num_history.max()) + j + 1, block_size=bs)
-            launched = self._decode_graph_step(ForwardStep(tokens[j - 1], pos_d[j - 1], self.kv_cache.layers,
-                                                           step_meta, **hints))
-            if launched is None:  # cannot happen for a batch whose first step replayed a graph
-                raise RuntimeError("multi-step decode lost its decode graph mid-way")
-            tokens[j].copy_(launched[1])
-        return tokens
-
-    def sampler(self) -> StepSampler:
-        """This rank's batched sampler (`actors.step_sampler`), made at first use."""
-        if self._sampler is None:
-            self._sampler = StepSampler(self.device, self.model_config.vocab_size, self.cfg.max_model_len)
-        return self._sampler
-
-    def _sample(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """The eager batched sampler over fp32 logits `[n, V]`; the step's logprobs, when its batch asks for them,
-        wait in `_step_logprobs` for the read-back."""
-        tokens, self._step_logprobs = self.sampler().sample(logits, batch)
-        return tokens
 
     def reset(self) -> None:
         """Drop every graph and plan (the runner's reset also runs its hooks, e.g. DeepEP teardown) and this

@@ -130,18 +130,19 @@ class Soak:
                 else:
                     self.bad_other += 1
 
-    def stalls(self) -> list[float]:
-        """Per kill: the longest token wait of the streams running at that moment."""
+    def stalls(self) -> list[dict]:
+        """Per kill: the longest token wait of the streams running at that moment, and how many streams were."""
         out = []
         for k in self.kills:
-            worst = 0.0
+            worst, spanning = 0.0, 0
             for times in self.token_times:
                 if times[0] < k < times[-1]:
                     after = [t for t in times if t > k]
                     before = [t for t in times if t <= k]
                     if after and before:
+                        spanning += 1
                         worst = max(worst, after[0] - before[-1])
-            out.append(worst)
+            out.append({"stall_s": worst, "streams": spanning})
         return out
 
 
@@ -164,12 +165,14 @@ async def run_soak(args: argparse.Namespace, url: str, server_pid: int) -> dict:
             st = await r.json()
         rank_pids = [int(rk["pid"]) for rk in st["ranks"] if rk.get("pid")]
         mem1 = {"server_mb": rss_mb(server_pid), "ranks_mb": [rss_mb(p) for p in rank_pids]}
-    stalls = soak.stalls()
+    per_kill = soak.stalls()
+    stalls = [k["stall_s"] for k in per_kill]
     return {"config": {k: v for k, v in vars(args).items()}, "wall_s": wall, "completed": soak.done,
             "lost": soak.lost, "errors": soak.errors[:20], "kills": len(soak.kills),
             "stall_s": {"p50": float(np.percentile(stalls, 50)) if stalls else None,
                         "p99": float(np.percentile(stalls, 99)) if stalls else None,
                         "max": max(stalls) if stalls else None},
+            "per_kill": per_kill,
             "resets": soak.resets, "reset_failures": soak.reset_failures, "bad_4xx": soak.bad_4xx,
             "bad_other": soak.bad_other, "memory_start": mem0, "memory_end": mem1,
             "engine_end": st["engine"], "failures_seen": st.get("num_failures")}

@@ -1,0 +1,102 @@
+"""`RankStepIO`: the host-facing half of a `actors.rank.RankRuntime` step, a mixin over its state: the read-back
+of a step's tokens (pinned buffers recycled per shape, an event on the forward stream), previous-step token
+references resolved on the device, and armed decode (`actors.armed`: the next greedy step enqueued behind a
+gate)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from actors.batch import BatchError
+from actors.decode_state import PendingTokens
+
+
+class RankStepIO:
+    # ---- armed decode (`actors.armed`)
+    @property
+    def armed_steps(self) -> int:
+        """Steps an armed replay took."""
+        return 0 if self._armer is None else self._armer.counts["went"]
+
+    def arm_next(self) -> bool:
+        """Enqueue the next step of the latest step's decode lane behind a closed gate, on padding rows, after
+        whatever the forward stream holds, so that the next request of that shape only has to open it (`launch`
+        does). Only after a step a lane or an arm took whose token ids came from the host: a driver that feeds
+        back tokens on the device submits ahead, and its next step would only cancel the arm. For a caller that
+        expects the next request to wait for this step's tokens (the resident step loop, after a request that
+        found no earlier step in flight). Returns whether it armed."""
+        lane, armer = self._last_lane, self._armer
+        if armer is None or lane is None or armer.armed or not self._last_host_ids:
+            return False
+        with self.on_stream(), torch.inference_mode():  # no-op inside the step loop's inference mode
+            if self._last_tokens is not None:  # a cancelled arm rewrites the head output it views
+                self._last_tokens = self._last_tokens.clone()
+            armer.arm(self.runner, lane)
+        return True
+
+    @property
+    def arms_collectively(self) -> bool:
+        """Whether this rank arms only when the driver says so (`StepPlan.arm_next`; tensor parallelism)."""
+        return self._armer is not None and self._armer.collective
+
+    def stop_arming(self) -> None:
+        """Cancel any armed step and never arm again (after a failure to arm)."""
+        self.disarm()
+        self._armer = None
+
+    def disarm(self) -> None:
+        """Cancel an armed step and wait for its padding replay (no-op when none): for anything that is not a
+        step launch and may wait on the forward stream or drop the graphs the arm replays."""
+        armer = self._armer
+        if armer is not None:  # sync even when another thread cancelled it: its padding replay may still run
+            armer.cancel()
+            self._sync()
+
+    def _read_back(self, tokens: torch.Tensor, multi: bool, logprobs: Optional[tuple] = None) -> PendingTokens:
+        if logprobs is not None:  # rarer steps: fresh pinned buffers, no free list
+            nb = tokens.device.type == "cuda"
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=nb) for t in (tokens, *logprobs)]
+            for h, t in zip(host, (tokens, *logprobs)):
+                h.copy_(t, non_blocking=nb)
+            event = None
+            if nb:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return PendingTokens(host[0], event, multi, logprobs=tuple(host[1:]))
+        if tokens.device.type != "cuda":
+            return PendingTokens(tokens.contiguous(), None, multi)
+        free = self._read_back_free.setdefault(tuple(tokens.shape), [])
+        if free:
+            host, event = free.pop()
+        else:
+            host, event = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True), torch.cuda.Event()
+        host.copy_(tokens, non_blocking=True)
+        event.record(self.stream)
+        return PendingTokens(host, event, multi, recycle=free)
+
+    def _resolve_ids(self, ids: np.ndarray) -> tuple[np.ndarray, Optional[torch.Tensor]]:
+        """Previous-step references: `ids` int64 `[T]` where `-(j + 1)` stands for row j of this rank's latest
+        step's tokens. Returns (host ids with references as 0, device int64 `[T]` ids with references filled in,
+        or None when there are none). The fill is enqueued on the forward stream, after the step that made them.
+        Raises BatchError (nothing enqueued) for a reference this rank cannot satisfy."""
+        if ids.size == 0 or int(ids.min()) >= 0:
+            return ids, None
+        refs = ids < 0
+        src = -ids[refs] - 1
+        rows = self.prev_rows
+        if rows == 0:
+            raise BatchError("a token id refers to the previous step's tokens, but this rank has run no step "
+                             "since it started or was reset")
+        if int(src.max()) >= rows:
+            raise BatchError(f"a token id refers to row {int(src.max())} of the previous step, which had {rows} rows")
+        prev = self._last_tokens
+        host = np.where(refs, ids, 0)
+        n = int(ids.shape[0])
+        if refs.all() and np.array_equal(src, np.arange(n)):
+            return host, prev[:n]  # the steady state of a decode loop: row i continues row i
+        dev = torch.from_numpy(host).to(self.device, non_blocking=True)
+        idx = torch.from_numpy(np.stack([np.flatnonzero(refs), src])).to(self.device, non_blocking=True)
+        dev.index_copy_(0, idx[0], prev.index_select(0, idx[1]))
+        return host, dev
