@@ -25,10 +25,10 @@ class RuntimeConfig:
     num_kv_blocks: blocks per rank; None sizes from `kv_cache_memory_fraction` of the free
         device memory after weights (CUDA) or uses 512 (CPU).
     max_model_len: longest sequence (prompt + output); sets the block-table width.
-    head_graph_max_batch: decode buckets up to this size also capture the LM head as graphs on the decode
-        graph's output, one for greedy tokens alone and one for fp32 logits + argmax (`bucket x vocab` in one
-        shared pool; ~15 MiB at 16 for a 152k vocabulary, ~100 MiB at 64); larger buckets run the head eagerly
-        (about 0.4 ms of host launches at batch 64, more under TP); 0 = off.
+    head_graph_max_batch: decode buckets up to this size also capture the LM head as decode epilogues of the
+        graph runner: greedy tokens alone, fp32 logits + argmax, and the captured sampler variants (their memory
+        is in the decode graphs' pool; `stats()["head_graphs"]["pool_bytes"]`); larger buckets run the head and
+        the sampler eagerly; 0 = off.
     kernels: how the rank's operators launch (`modeling.ops.options.KernelOptions`: PDL, GEMV, decode combine,
         compile threads); built on the driver (`actors.environment.options_from_environ`), defaults here.
     armed_decode_wait_ms: how long an armed decode step (`actors.armed`: the next greedy decode step enqueued

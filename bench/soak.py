@@ -7,8 +7,8 @@ and bad requests arrive, for a fixed time. Reports what users would see.
 Every `--kill-every-s` seconds a random rank process gets SIGKILL; every `--reset-every-s` seconds
 `POST /admin/reset`; `--bad-per-s` malformed requests a second (each must get a 4xx). Reported:
 - lost requests: well-formed requests that did not complete with every token (goal: 0);
-- stall per failure: for each kill, the longest wait for the next token of a stream that was running then
-  (p50 / p99 / max over the kills);
+- stall per failure: for each kill, the longest wait between consecutive events of any stream over the kill's
+  window (until the next kill), so a failure noticed late is counted too (p50 / p99 / max over the kills);
 - bad requests answered 4xx / otherwise;
 - resident memory (RSS) of the server process and of its rank processes at the start and at the end.
 Only 127.0.0.1 is contacted. Writes JSON (`--out`).
@@ -131,18 +131,21 @@ class Soak:
                     self.bad_other += 1
 
     def stalls(self) -> list[dict]:
-        """Per kill: the longest token wait of the streams running at that moment, and how many streams were."""
+        """Per kill at time k: the longest gap between consecutive events (request start, tokens) of any stream
+        over the kill's window [k, next kill or the end), so a failure noticed late still shows; how many streams
+        had such a gap, and the longest gap straddling k itself."""
         out = []
-        for k in self.kills:
-            worst, spanning = 0.0, 0
+        ends = self.kills[1:] + [float("inf")]
+        for k, end in zip(self.kills, ends):
+            worst, straddle, streams = 0.0, 0.0, 0
             for times in self.token_times:
-                if times[0] < k < times[-1]:
-                    after = [t for t in times if t > k]
-                    before = [t for t in times if t <= k]
-                    if after and before:
-                        spanning += 1
-                        worst = max(worst, after[0] - before[-1])
-            out.append({"stall_s": worst, "streams": spanning})
+                gaps = [(a, b) for a, b in zip(times, times[1:]) if b > k and a < end]
+                if not gaps:
+                    continue
+                streams += 1
+                worst = max(worst, max(b - a for a, b in gaps))
+                straddle = max([straddle] + [b - a for a, b in gaps if a <= k < b])
+            out.append({"stall_s": worst, "straddling_gap_s": straddle, "streams": streams})
         return out
 
 

@@ -225,11 +225,15 @@ def test_multi_step_decode_gives_the_single_step_tokens(dp, blocks):
     assert all(s.allocator.num_free == blocks - 1 for s in eng.schedulers)
 
 
-def test_multi_step_decode_is_off_for_sampled_requests_and_validated():
+def test_multi_step_decode_serves_sampled_requests_not_sampler_extras_and_is_validated():
     ex = PagedToyExecutor(num_kv_blocks=100, block_size=4)
     eng = LLMEngine(ex, EngineConfig(decode_steps=4))
     eng.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.7, seed=3), max_tokens=6)
-    assert ex.multi_steps == 0
+    assert ex.multi_steps > 0  # temperature / top-k / top-p rows: each step's draw keyed by its own position
+    ex2 = PagedToyExecutor(num_kv_blocks=100, block_size=4)
+    eng2 = LLMEngine(ex2, EngineConfig(decode_steps=4))
+    eng2.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.7, seed=3, presence_penalty=0.5), max_tokens=6)
+    assert ex2.multi_steps == 0  # penalties need each step's token on the driver first
     from actors.batch import BatchError, StepBatch
 
     b = StepBatch.from_sequences([[5]], [6], [[1, 2]])
@@ -237,8 +241,7 @@ def test_multi_step_decode_is_off_for_sampled_requests_and_validated():
         b.check_multi_step(3, 4)
     with pytest.raises(BatchError, match="decode batch"):
         StepBatch.from_sequences([[5, 6]], [0], [[1, 2]]).check_multi_step(2, 4)
-    with pytest.raises(BatchError, match="greedy"):
-        StepBatch.from_sequences([[5]], [1], [[1, 2]], temperature=[0.5]).check_multi_step(2, 4)
+    StepBatch.from_sequences([[5]], [1], [[1, 2]], temperature=[0.5]).check_multi_step(2, 4)  # sampled: allowed
     with pytest.raises(ValueError, match="decode_steps"):
         EngineConfig(decode_steps=0) and LLMEngine(ex, EngineConfig(decode_steps=0))
 
