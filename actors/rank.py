@@ -177,8 +177,9 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
     def _register_heads(self) -> None:
         """The LM head as decode epilogues the runner captures on each decode bucket up to `head_graph_max_batch`
         (`graphrunner.epilogue`): greedy tokens alone (`greedy_tokens`: no fp32 logits, under TP no logits
-        gather); fp32 logits + their argmax (the eager sampler, logits observers); and the sampler's captured
-        variants (`StepSampler.graph_heads`) over the fp32 logits."""
+        gather); fp32 logits + their argmax (the eager sampler, logits observers; under TP this rank's vocabulary
+        shard and the greedy tokens); and the sampler's captured variants (`StepSampler.graph_heads`) over the
+        fp32 logits (under TP the shard: the sampler combines per-shard statistics, never the logits)."""
         limit = self.cfg.head_graph_max_batch
         buckets = [b for b in self.runner.decode_capture_sizes() if b <= limit]
         if not buckets or self.device.type != "cuda" or self.cfg.graph.eager_mode:
@@ -192,9 +193,14 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
             lg = model.compute_logits(hidden, rows(b))
             return lg, lg.argmax(dim=-1)
 
+        def shard_logits(hidden: torch.Tensor, b: int) -> tuple:  # TP: no fp32 logits gathered
+            return model.compute_logits_shard(hidden, rows(b)), model.greedy_tokens(hidden, rows(b))
+
+        tp = self.ctx.tp_size > 1
         self.runner.register_epilogue(GREEDY_HEAD, greedy, limit)
-        self.runner.register_epilogue(LOGITS_HEAD, logits, limit)
-        for name, fn in self.sampler().graph_heads(lambda h, b: model.compute_logits(h, rows(b)), max(buckets)):
+        self.runner.register_epilogue(LOGITS_HEAD, shard_logits if tp else logits, limit)
+        logits_fn = model.compute_logits_shard if tp else model.compute_logits
+        for name, fn in self.sampler().graph_heads(lambda h, b: logits_fn(h, rows(b)), max(buckets)):
             self.runner.register_epilogue(name, fn, limit)
 
     def _decode_rows(self, n: int) -> torch.Tensor:

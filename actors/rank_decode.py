@@ -14,7 +14,7 @@ import torch
 
 from actors.batch import StepBatch
 from actors.decode_state import GREEDY_HEAD, LOGITS_HEAD, _DecodeLane
-from actors.step_sampler import StepSampler
+from actors.step_sampler import StepSampler, VocabShard
 from graphrunner.dispatch import Path as RunnerPath
 from graphrunner.step import ForwardStep
 from modeling.attn_metadata import AttentionMetadata, build_decode_step_host, build_step_from_arrays
@@ -40,9 +40,12 @@ class RankDecodeSteps:
     def _eager_head(self, hidden: torch.Tensor, rows: torch.Tensor, need_logits: bool
                     ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """The LM head without a graph: (fp32 logits `[n, V]` when `need_logits` (the caller samples) or a logits
-        observer is set, else None; int64 greedy tokens `[n]`, None when `need_logits`). Calls the observer."""
+        observer is set, else None; int64 greedy tokens `[n]`, None when `need_logits`). Calls the observer. Under
+        TP with no observer the logits are this rank's vocabulary shard `[n, V / tp]` (nothing gathered)."""
         if not need_logits and self.logits_observer is None:
             return None, self.model.greedy_tokens(hidden, rows)
+        if self.logits_observer is None and self.ctx.tp_size > 1:  # the sampler takes this rank's shard
+            return self.model.compute_logits_shard(hidden, rows), None
         logits = self.model.compute_logits(hidden, rows)
         if self.logits_observer is not None:
             self.logits_observer(logits)
@@ -101,7 +104,8 @@ class RankDecodeSteps:
                 name = self.sampler().stage_graph_rows(sampled_batch, bucket, self.runner.epilogue_outputs)
                 if name is not None:
                     return None, run_head(bucket, name)[0][:n]
-        outs = run_head(bucket, LOGITS_HEAD)
+        sharded_head = self.ctx.tp_size > 1  # under TP the logits head yields this rank's shard only
+        outs = None if sharded_head and self.logits_observer is not None else run_head(bucket, LOGITS_HEAD)
         if outs is None:
             logits, greedy = self._eager_head(hidden, self._decode_rows(n), sampled_batch is not None)
             return logits, greedy
@@ -168,7 +172,11 @@ class RankDecodeSteps:
     def sampler(self) -> StepSampler:
         """This rank's batched sampler (`actors.step_sampler`), made at first use."""
         if self._sampler is None:
-            self._sampler = StepSampler(self.device, self.model_config.vocab_size, self.cfg.max_model_len)
+            shard = None
+            if self.ctx.tp_size > 1:
+                shard = VocabShard(*self.model.logits_shard(), self.ctx.tp_group)
+            self._sampler = StepSampler(self.device, self.model_config.vocab_size, self.cfg.max_model_len,
+                                        shard=shard)
         return self._sampler
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:

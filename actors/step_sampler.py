@@ -9,7 +9,7 @@ caller's current stream (the rank's forward stream): the parameters are copied a
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -32,9 +32,24 @@ GRAPH_HEADS = {
 _BY_FLAGS = {(v.top_k, v.top_p): name for name, v in GRAPH_HEADS.items()}
 
 
+class VocabShard(NamedTuple):
+    """This TP rank's slice of the vocabulary: logits columns are global ids [offset, offset + width); `widest`
+    is every shard's chunking width; `group` the TP process group the sampler's small collectives use."""
+
+    offset: int
+    width: int
+    widest: int
+    group: Any
+
+
 class StepSampler:
-    def __init__(self, device: torch.device, vocab_size: int, max_model_len: int, capacity: int = 64):
+    """`shard`: under TP, the rank's vocabulary shard: the sampler then takes that shard's logits (or slices the
+    full row to it) and combines per-shard statistics over `shard.group`, never gathering fp32 logits."""
+
+    def __init__(self, device: torch.device, vocab_size: int, max_model_len: int, capacity: int = 64,
+                 shard: Optional[VocabShard] = None):
         self.device, self.vocab_size = device, vocab_size
+        self.shard = shard
         self.max_penalty_tokens = max(1, max_model_len)
         self._params: Optional[SamplerParams] = None
         self._capacity = capacity
@@ -47,6 +62,17 @@ class StepSampler:
             self._params = SamplerParams(self._capacity, self.device, max_bias=MAX_BIAS, max_ban=MAX_BAN,
                                          max_penalty_tokens=self.max_penalty_tokens)
         return self._params
+
+    def _shard_args(self) -> dict:
+        sh = self.shard
+        return {} if sh is None else {"vocab_offset": sh.offset, "tp_group": sh.group, "shard_width": sh.widest}
+
+    def own_columns(self, logits: torch.Tensor) -> torch.Tensor:
+        """Under TP: the rank's shard columns of full-row logits `[n, V]` (a view); shard logits pass as they are."""
+        sh = self.shard
+        if sh is None or logits.shape[1] == sh.width:
+            return logits
+        return logits[:, sh.offset: sh.offset + sh.width]
 
     def _host_batch(self, batch: StepBatch) -> HostBatch:
         ex = batch.extras
@@ -69,7 +95,7 @@ class StepSampler:
 
         def head(variant: SamplerVariant) -> Callable[[torch.Tensor, int], tuple]:
             def fn(hidden: torch.Tensor, bucket: int) -> tuple:
-                return (sample(logits_fn(hidden, bucket), params, variant=variant).tokens,)
+                return (sample(logits_fn(hidden, bucket), params, variant=variant, **self._shard_args()).tokens,)
             return fn
 
         for name, variant in GRAPH_HEADS.items():
@@ -100,7 +126,8 @@ class StepSampler:
 
     def sample(self, logits: torch.Tensor, batch: StepBatch
                ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-        """logits fp32 `[n, V]` (the whole vocabulary, row i = batch row i) -> (tokens int64 `[n]`, and when the
+        """logits fp32 `[n, V]` (the whole vocabulary, or under TP this rank's shard; row i = batch row i) ->
+        (tokens int64 `[n]`, and when the
         batch asks for logprobs (chosen fp32 `[n]`, top ids int64 `[n, N]`, top logprobs fp32 `[n, N]`)), on the
         logits' device, not waited for."""
         n = batch.batch_size
@@ -109,7 +136,8 @@ class StepSampler:
         params = self._params_for(n)
         params.load(host, rows=n)
         num_logprobs = -1 if ex is None else ex.num_logprobs
-        out = sample(logits, params, num_logprobs=max(0, num_logprobs), variant=host.variant())
+        out = sample(self.own_columns(logits), params, num_logprobs=max(0, num_logprobs), variant=host.variant(),
+                     **self._shard_args())
         if num_logprobs < 0:
             return out.tokens, None
         return out.tokens, (out.chosen_logprob, out.top_ids, out.top_logprobs)

@@ -135,6 +135,16 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""
         return self.lm_head.logits(hidden.index_select(0, last_token_index))
 
+    def compute_logits_shard(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
+        """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 `[B, w]`: this TP rank's vocabulary shard of
+        `compute_logits` (global ids from `logits_shard()[0]`), gathered from nobody."""
+        return self.lm_head.shard_logits(hidden.index_select(0, last_token_index))
+
+    def logits_shard(self) -> tuple[int, int, int]:
+        """(first global token id of this rank's logits shard, its width, the widest shard's width)."""
+        head = self.lm_head
+        return head.start, head.shard_width, head.vocab_per_rank
+
     def greedy_tokens(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
         """hidden `[T, H]`, last_token_index int64 `[B]` -> int64 `[B]`, equal to `compute_logits(...).argmax(-1)`
         without the fp32 logits (and under TP without gathering them)."""

@@ -179,6 +179,17 @@ class ParallelLMHead(VocabParallelEmbedding):
             local = comm.all_gather(local.contiguous(), self.ctx.tp_group, dim=-1)
         return local[..., : self.vocab].float()
 
+    @property
+    def shard_width(self) -> int:
+        """Columns of this rank's logits shard that are real tokens (the last shard may be narrower)."""
+        return max(0, min(self.vocab_per_rank, self.vocab - self.start))
+
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 `[B, shard_width]`: this rank's vocabulary shard of `logits(hidden)` (global ids
+        [start, start + shard_width)), with no collective; the whole row without TP."""
+        local = self.gemm(hidden, self.weight)
+        return local[..., : self.shard_width].float()
+
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """int64 `[B]`: the argmax of `logits(hidden)` (first index on ties) without forming them: each rank takes
         the argmax of its vocabulary shard in the GEMM's dtype, and the ranks exchange one (value, index) pair

@@ -328,7 +328,8 @@ def test_ranks_with_different_options_fail_before_any_collective(cache):
 
 def test_tp2_sampled_rows_draw_the_same_token_on_both_ranks_and_equal_one_rank(tp2, reference):
     """Seeded sampling (temperature, top-p, top-k, penalties, logprobs) under TP=2: both ranks hold the same
-    tokens (the driver's seeds, counter-based noise), equal to one rank's."""
+    tokens (the driver's seeds, counter-based noise), equal to one rank's, each rank sampling its own vocabulary
+    shard's logits (the sampler's collectives combine statistics, never the logits)."""
     import ray
 
     from actors.batch import SampledTokens, SamplerExtras
@@ -343,6 +344,13 @@ def test_tp2_sampled_rows_draw_the_same_token_on_both_ranks_and_equal_one_rank(t
 
     per_rank = ray.get([w.__ray_call__.remote(last) for w in coord._ranks.workers], timeout=60)
     assert per_rank[0] == per_rank[1] == outs.tolist() == reference.execute(b).tolist()
+
+    def shard(actor) -> tuple:  # each rank sampled its own vocabulary shard (no fp32 logits gathered)
+        sh = actor.runtime.sampler().shard
+        return sh.offset, sh.width, actor.runtime.model_config.vocab_size
+
+    shards = ray.get([w.__ray_call__.remote(shard) for w in coord._ranks.workers], timeout=60)
+    assert shards[0][0] == 0 and shards[1][0] == shards[0][1] and shards[0][1] + shards[1][1] == shards[0][2]
     ex = SamplerExtras(min_p=np.array([0.05, 0.0], np.float32), penalties=np.array([[0.5, 0.2, 1.3], [0, 0, 1]],
                                                                                      np.float32),
                        bias_ids=np.array([[5], [-1]], np.int32), bias_vals=np.array([[3.0], [0.0]], np.float32),
