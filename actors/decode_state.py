@@ -49,8 +49,9 @@ class PendingTokens:
             chosen, ids, lps = (t.numpy() for t in self.logprobs)
             self._out = SampledTokens(self._out, StepLogprobs(chosen.astype(np.float32).copy(),
                                                               ids.astype(np.int32), lps.astype(np.float32).copy()))
-        if self._recycle is not None:
-            self._recycle.append((self.host, self.event))
+        if self._recycle is not None:  # every host buffer was copied out above: hand them back
+            self._recycle.append((self.host, self.event) if self.logprobs is None
+                                 else (self.host, self.event, self.logprobs))
             self._recycle = None
         return self._out
 

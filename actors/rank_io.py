@@ -55,16 +55,21 @@ class RankStepIO:
             self._sync()
 
     def _read_back(self, tokens: torch.Tensor, multi: bool, logprobs: Optional[tuple] = None) -> PendingTokens:
-        if logprobs is not None:  # rarer steps: fresh pinned buffers, no free list
+        if logprobs is not None:  # (pinned on CUDA) buffers recycled per shape, like the tokens' below
             nb = tokens.device.type == "cuda"
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=nb) for t in (tokens, *logprobs)]
-            for h, t in zip(host, (tokens, *logprobs)):
+            srcs = (tokens, *logprobs)
+            free = self._read_back_free.setdefault(tuple((t.shape, t.dtype) for t in srcs), [])
+            if free:
+                host0, event, rest = free.pop()
+                host = [host0, *rest]
+            else:
+                host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=nb) for t in srcs]
+                event = torch.cuda.Event() if nb else None
+            for h, t in zip(host, srcs):
                 h.copy_(t, non_blocking=nb)
-            event = None
             if nb:
-                event = torch.cuda.Event()
                 event.record(self.stream)
-            return PendingTokens(host[0], event, multi, logprobs=tuple(host[1:]))
+            return PendingTokens(host[0], event, multi, recycle=free, logprobs=tuple(host[1:]))
         if tokens.device.type != "cuda":
             return PendingTokens(tokens.contiguous(), None, multi)
         free = self._read_back_free.setdefault(tuple(tokens.shape), [])
