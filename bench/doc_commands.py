@@ -174,7 +174,7 @@ def serve_via_cluster() -> tuple[bool, str]:
 
 NOT_HERE = [
     ("python3 -m pytest -m gpu tests/gpu; -m multigpu tests/multigpu", "needs one / two CUDA GPUs"),
-    ("bash bench/device_suite.sh tests|benches", "needs the GPU machine"),
+    ("bash bench/device_suite.sh tests|benches|owed", "needs the GPU machine"),
     ("launch/cluster.sh head / worker / serve HEAD:6379 ... --tp 8 --dp 2", "needs several machines (the two-node "
      "deployment is covered by tests/dist/test_two_nodes.py on one machine)"),
 ]
