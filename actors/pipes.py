@@ -45,7 +45,7 @@ import time
 from collections import deque
 from typing import Any, Optional, Sequence
 
-from actors.protocol import StepPlan
+from actors.protocol import PipelinedStepper, StepPlan
 from actors.rankset import RankCallError, RankFault, RankSet
 from actors.wire import LENGTH, REPLY_ERROR, decode_reply, encode_disarm, encode_request
 
@@ -104,7 +104,7 @@ def _set_blocking(fd: int) -> int:
     return fd
 
 
-class PipeStepper:
+class PipeStepper(PipelinedStepper):
     """Driver side of the pipe step path. `dp_of_rank[r]` is rank r's DP rank (whose batch it runs)."""
 
     name = "pipe"

@@ -15,11 +15,14 @@ per-step metadata all-gather between ranks):
 prefill: None = exchange counts inside the MoE eager boundary).
 The phase and buckets reach every rank as one `StepHints` (`StepPlan.hints`; the pipe step path packs its three
 scalars, `actors.wire`), which the rank turns into its `graphrunner.step.ForwardStep`'s hints.
+
+The driver hands plans to a step path through a `Stepper` (plain actor calls, a compiled graph: the whole step in
+`run`) or a `PipelinedStepper` (the pipe path: `send` now, `receive` later, so the driver may submit ahead).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, ClassVar, Optional, Protocol, Sequence
 
 from actors.batch import StepBatch
 
@@ -115,3 +118,28 @@ def with_arm_next(plan: StepPlan) -> StepPlan:
     out.__dict__["arm_next"] = True
     return out
 
+
+class Stepper(Protocol):
+    """The driver side of a step path (`actors.coordinator_paths` makes one): carries each `StepPlan` to every rank.
+    `run` sends a plan and waits: per rank (TP rank 0's tokens, else None; in-rank seconds). `pipelined`: whether
+    it is a `PipelinedStepper` (the coordinator then sends at submit and receives at collect; the coordinator reads
+    it rather than an `isinstance` check, which costs microseconds a step). A stepper declares what it implements by
+    subclassing one of the two."""
+
+    name: ClassVar[str]  # "pipe" | "compiled" | "plain"
+    pipelined: ClassVar[bool] = False
+
+    def run(self, plan: StepPlan, timeout_s: float) -> list[tuple[Any, float]]: ...
+
+    def teardown(self) -> None: ...
+
+
+class PipelinedStepper(Stepper, Protocol):
+    """A `Stepper` whose steps may overlap (`pipelined = True`): `send` writes a plan to every rank and returns;
+    `receive` waits for the replies to the oldest plan sent (in send order), what `run` returns."""
+
+    pipelined: ClassVar[bool] = True
+
+    def send(self, plan: StepPlan) -> None: ...
+
+    def receive(self, plan: StepPlan, timeout_s: float) -> list[tuple[Any, float]]: ...
