@@ -211,7 +211,7 @@ class PipeStepper(PipelinedStepper):
         pending = list(self.resp_fds)  # select reads it, does not keep it
         deadline = time.monotonic() + timeout_s
         sizes = tuple([None if b is None else (b.q_seqlens.shape[0], b.token_ids.shape[0]) for b in plan.batches])
-        key = (plan.phase, plan.num_steps, plan.hints, sizes, behind)  # (B, T) per batch
+        key = (plan.phase, plan.num_steps, plan.hints, sizes, behind)  # sizes: (B, T) per batch
         expected = self._expected.get(key)
         poll_from = start + max(0.0, expected - POLL_MARGIN_S) if expected is not None else start
         poll_until = (start + expected if expected is not None else start) + self.poll_s
