@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from actors.coordinator_paths import CoordinatorStepPaths
 from actors.deepep_config import check_deepep_deployment
 from actors.errors import CoordinatorStateError, RankFailureError, StartupCaptureError
 from actors.options import STEP_PATHS, DriverOptions
-from actors.protocol import plan_step, with_arm_next
+from actors.protocol import PipelinedStepper, Stepper, plan_step, with_arm_next
 from actors.rank import RuntimeConfig
 from actors.rankset import RankCallError, RankFault, RankSet
 from actors.watch import RankWatcher
@@ -127,7 +127,7 @@ class Coordinator(CoordinatorHealth, CoordinatorStepPaths, CoordinatorLifecycle)
         self.topo = cfg.topology
         self._state = "new"  # new | starting | serving | failed | shutdown
         self._ranks: Optional[RankSet] = None
-        self._stepper: Any = None
+        self._stepper: Optional[Stepper] = None  # the step path's driver side (`actors.coordinator_paths`)
         self._model_config: Any = None
         self._num_kv_blocks: Optional[int] = None
         self._sizes: tuple[list[int], list[int]] = ([], [])
@@ -248,10 +248,11 @@ class Coordinator(CoordinatorHealth, CoordinatorStepPaths, CoordinatorLifecycle)
         ticket = StepTicket(plan, tuple([b is not None for b in batches]))
         if plan is not None:
             try:
-                if hasattr(self._stepper, "send"):
-                    self._stepper.send(plan)
+                stepper = self._stepper
+                if stepper.pipelined:  # the tokens come back at collect
+                    cast(PipelinedStepper, stepper).send(plan)
                 else:
-                    ticket.outs = self._stepper.run(plan, self.cfg.step_timeout_s)
+                    ticket.outs = stepper.run(plan, self.cfg.step_timeout_s)
             except RankCallError as e:
                 raise self._fail(e) from None
         for d, b in enumerate(batches):
@@ -287,7 +288,7 @@ class Coordinator(CoordinatorHealth, CoordinatorStepPaths, CoordinatorLifecycle)
             return
         if ticket.outs is None:
             try:
-                ticket.outs = self._stepper.receive(plan, self.cfg.step_timeout_s)
+                ticket.outs = cast(PipelinedStepper, self._stepper).receive(plan, self.cfg.step_timeout_s)
             except RankCallError as e:
                 raise self._fail(e) from None
         now = time.perf_counter()

@@ -1,12 +1,13 @@
 """The step-path part of `actors.coordinator.Coordinator` (a mixin: the coordinator owns the state): which path
 carries the steps of a rank group (pipe, compiled graph, plain calls; see the coordinator's module doc) and the
-driver-side stepper of each."""
+driver-side stepper of each (`actors.protocol.Stepper`; the pipe path's is a `PipelinedStepper`)."""
 from __future__ import annotations
 
 from typing import Optional
 
 from actors.options import check_step_path
 from actors.pipes import DRIVER_POLL_S, PipeStepper, all_local
+from actors.protocol import Stepper
 from actors.rankset import CompiledStepper, PlainStepper
 from actors.startup import requested_step_path
 
@@ -29,7 +30,8 @@ class CoordinatorStepPaths:
                              "with step_path='compiled' instead")
         return path
 
-    def _make_stepper(self, path: Optional[str] = None):
+    def _make_stepper(self, path: Optional[str] = None) -> Stepper:
+        """The driver side of the step path `path` (None: the deployment's): a `PipelinedStepper` for "pipe"."""
         path = self._resolve_step_path(path)
         if path == "pipe":
             dp_of = [self.topo.coords(r).dp_rank for r in range(len(self._ranks))]

@@ -1,6 +1,7 @@
 """The decode path's per-step state objects of `actors.rank.RankRuntime`: the names of the LM-head epilogues
 the rank registers with its graph runner, a launched step's tokens on their way to the host (`PendingTokens`),
-and a greedy decode shape whose graphs are known (`_DecodeLane`)."""
+a greedy decode shape whose graphs are known (`_DecodeLane`), and `forward_step`: the graph runner's
+`ForwardStep` of a rank step under the coordinator's `StepHints` (graphrunner knows no `StepHints`)."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -9,12 +10,21 @@ import numpy as np
 import torch
 
 from actors.batch import SampledTokens, StepBatch, StepLogprobs
+from actors.protocol import StepHints
 from graphrunner.runner import CUDAGraphRunner
 from graphrunner.step import ForwardStep
 from modeling.attn_metadata import build_decode_step_host
 
 GREEDY_HEAD = "greedy"  # decode epilogue: int64 greedy tokens `[bucket]`
 LOGITS_HEAD = "logits"  # decode epilogue: fp32 logits `[bucket, V]` and their argmax, int64 `[bucket]`
+
+
+def forward_step(input_ids: torch.Tensor, position_ids: torch.Tensor, kv_caches: Any, attn_metadata: Any,
+                 hints: StepHints) -> ForwardStep:
+    """`ForwardStep(input_ids, position_ids, kv_caches, attn_metadata)` with `hints` as its `global_decode`,
+    `batch_bucket_hint` and `token_bucket_hint`."""
+    return ForwardStep(input_ids, position_ids, kv_caches, attn_metadata, global_decode=hints.global_decode,
+                       batch_bucket_hint=hints.batch_bucket, token_bucket_hint=hints.token_bucket)
 
 
 class PendingTokens:
@@ -67,10 +77,9 @@ class _DecodeLane:
 
     __slots__ = ("key", "head_out", "hints", "tokens", "kv_layers", "block_size")
 
-    def __init__(self, key: Any, head_out: torch.Tensor, step: ForwardStep, block_size: int):
-        self.key, self.head_out, self.block_size = key, head_out, block_size
-        self.hints = dict(global_decode=step.global_decode, batch_bucket_hint=step.batch_bucket_hint,
-                          token_bucket_hint=step.token_bucket_hint)
+    def __init__(self, key: Any, head_out: torch.Tensor, step: ForwardStep, hints: StepHints, block_size: int):
+        """`step`: the greedy decode step that `key`'s graph and head just served, built under `hints`."""
+        self.key, self.head_out, self.hints, self.block_size = key, head_out, hints, block_size
         self.tokens = head_out[:step.batch_size]  # int64 `[B]` view of the head epilogue's output
         self.kv_layers = step.kv_caches
 
@@ -83,7 +92,7 @@ class _DecodeLane:
         """Enqueue the step on the current (forward) stream; its next tokens, int64 `[B]` on the device (a view
         valid until the next step of this bucket)."""
         ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.block_size)
-        step = ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_layers, meta, **self.hints)
+        step = forward_step(ids_h if ids_dev is None else ids_dev, pos, self.kv_layers, meta, self.hints)
         runner.full_graphs.replay(self.key, step)
         self.replay_head(runner)
         return self.tokens

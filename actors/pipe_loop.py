@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from actors.errors import RankStepError
 from actors.pipes import read_frame, write_all
+from actors.protocol import RankArgs
 from actors.rank_steps import Launched
 from actors.step_tracing import StepTracer
 from actors.wire import (
@@ -47,8 +48,9 @@ class StepExecutor(Protocol):
     def bind_thread(self) -> None:
         """Make the calling thread the one that runs every later step (device, forward stream)."""
 
-    def launch(self, args: tuple, static_tokens: int | None, num_steps: int = 1) -> Launched:
-        """Enqueue one step (a decoded request's arguments) without waiting for it; an exception names the rank."""
+    def launch(self, args: RankArgs, static_tokens: int | None, num_steps: int = 1) -> Launched:
+        """Enqueue one step (a decoded request: this rank's (batch, hints), the EP row count, the decode steps)
+        without waiting for it; an exception names the rank."""
 
     def finish(self, step: Launched) -> tuple[Any, float]:
         """Wait for a launched step: (next tokens on TP rank 0 else None, in-rank seconds)."""

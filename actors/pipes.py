@@ -45,6 +45,7 @@ import time
 from collections import deque
 from typing import Any, Optional, Sequence
 
+from actors.protocol import PipelinedStepper, StepPlan
 from actors.rankset import RankCallError, RankFault, RankSet
 from actors.wire import LENGTH, REPLY_ERROR, decode_reply, encode_disarm, encode_request
 
@@ -103,7 +104,7 @@ def _set_blocking(fd: int) -> int:
     return fd
 
 
-class PipeStepper:
+class PipeStepper(PipelinedStepper):
     """Driver side of the pipe step path. `dp_of_rank[r]` is rank r's DP rank (whose batch it runs)."""
 
     name = "pipe"
@@ -170,12 +171,12 @@ class PipeStepper:
                 raise TimeoutError(f"a rank's step loop did not open {path}")
             time.sleep(0.001)
 
-    def run(self, plan: Any, timeout_s: float) -> list[tuple[Any, float]]:
+    def run(self, plan: StepPlan, timeout_s: float) -> list[tuple[Any, float]]:
         """Send every rank its share of `plan`; returns (tokens or None, in-rank seconds) per rank."""
         self.send(plan)
         return self.receive(plan, timeout_s)
 
-    def send(self, plan: Any) -> None:
+    def send(self, plan: StepPlan) -> None:
         """Write every rank's request for `plan` and return without waiting. Replies come back in the order the
         plans were sent; `receive` takes the oldest. Raises RankCallError when a rank's pipe is closed."""
         frames: dict[int, bytes] = {}
@@ -197,7 +198,7 @@ class PipeStepper:
         if self.trace is not None:
             self._trace_sent.append(time.perf_counter())
 
-    def receive(self, plan: Any, timeout_s: float) -> list[tuple[Any, float]]:
+    def receive(self, plan: StepPlan, timeout_s: float) -> list[tuple[Any, float]]:
         """Every rank's reply to the oldest plan sent and not yet received (`plan` must be that one):
         (tokens or None, in-rank seconds) per rank. Raises RankCallError for a dead, failing or hung rank."""
         if not self._sent:
@@ -210,7 +211,7 @@ class PipeStepper:
         pending = list(self.resp_fds)  # select reads it, does not keep it
         deadline = time.monotonic() + timeout_s
         sizes = tuple([None if b is None else (b.q_seqlens.shape[0], b.token_ids.shape[0]) for b in plan.batches])
-        key = (plan.phase, plan.num_steps, plan.batch_bucket, plan.token_bucket, sizes, behind)  # (B, T) per batch
+        key = (plan.phase, plan.num_steps, plan.hints, sizes, behind)  # sizes: (B, T) per batch
         expected = self._expected.get(key)
         poll_from = start + max(0.0, expected - POLL_MARGIN_S) if expected is not None else start
         poll_until = (start + expected if expected is not None else start) + self.poll_s

@@ -13,13 +13,44 @@ per-step metadata all-gather between ranks):
   boundary picks the decode kernel from live metadata; idle ranks run a dummy prefill).
 `static_tokens` is the EP dispatcher's row count for the step (decode: the batch bucket;
 prefill: None = exchange counts inside the MoE eager boundary).
+The phase and buckets reach every rank as one `StepHints` (`StepPlan.hints`; the pipe step path packs its three
+scalars, `actors.wire`), which the rank turns into its `graphrunner.step.ForwardStep`'s hints.
+
+The driver hands plans to a step path through a `Stepper` (plain actor calls, a compiled graph: the whole step in
+`run`) or a `PipelinedStepper` (the pipe path: `send` now, `receive` later, so the driver may submit ahead).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, ClassVar, Optional, Protocol, Sequence
 
 from actors.batch import StepBatch
+
+
+@dataclass(frozen=True)
+class StepHints:
+    """The coordinator's hints for one rank's forward step, alike on every rank of the step (so that DP ranks whose
+    collectives pair up pick the same graph). Crosses driver -> rank inside `StepPlan` (pickled, or packed as three
+    scalars by `actors.wire`); on the rank it becomes `ForwardStep.global_decode` / `batch_bucket_hint` /
+    `token_bucket_hint` (`actors.decode_state.forward_step`), and it is part of a decode lane's key. Hashable."""
+
+    global_decode: Optional[bool] = None  # None = each DP group decides alone; False = run the prefill paths
+    batch_bucket: int = 0  # the decode batch bucket is at least this (0: no bound)
+    token_bucket: int = 0  # the prefill token bucket is at least this (0: no bound)
+
+
+NO_HINTS = StepHints()  # a step each DP group decides alone
+# one rank's share of a plan, the `RankRuntime.launch` arguments: (its DP rank's batch, None for an idle rank's dummy
+# step; the plan's hints). `StepPlan.rank_args` on the plain and compiled paths, `actors.wire.decode_request` on pipes
+RankArgs = tuple[Optional[StepBatch], StepHints]
+
+
+def step_hints(global_decode: Optional[bool], batch_bucket: int, token_bucket: int) -> StepHints:
+    """`StepHints(...)` without the frozen dataclass's per-field `object.__setattr__`; the same object."""
+    hints = object.__new__(StepHints)
+    d = hints.__dict__
+    d["global_decode"], d["batch_bucket"], d["token_bucket"] = global_decode, batch_bucket, token_bucket
+    return hints
 
 
 @dataclass(frozen=True)
@@ -27,9 +58,7 @@ class StepPlan:
     """What every rank receives for one step (pickled once per step; numpy inside)."""
 
     batches: tuple[Optional[StepBatch], ...]  # indexed by DP rank
-    global_decode: Optional[bool]  # None = each DP group decides alone
-    batch_bucket: int = 0
-    token_bucket: int = 0
+    hints: StepHints = NO_HINTS  # the phase and buckets every rank's step follows
     run_idle: bool = False  # idle DP ranks run a dummy step (collectives cross DP groups)
     static_tokens: Optional[int] = None
     phase: str = "local"  # "decode" | "prefill" | "mixed" | "local" (for status)
@@ -38,13 +67,12 @@ class StepPlan:
     # next decode step behind it (`actors.armed`; TP = 1 ranks decide alone); pipe step path only
     arm_next: bool = False
 
-    def rank_args(self, dp_rank: int) -> Optional[tuple]:
-        """(batch, global_decode, batch_bucket, token_bucket) for `execute`, or None: nothing to run."""
+    def rank_args(self, dp_rank: int) -> Optional[RankArgs]:
+        """This DP rank's `RankArgs` (batch, hints), or None: nothing to run."""
         b = self.batches[dp_rank]
         if b is None and not self.run_idle:
             return None
-        gd = self.global_decode
-        return b, gd, self.batch_bucket, self.token_bucket
+        return b, self.hints
 
 
 def round_up(n: int, buckets: Sequence[int]) -> int:
@@ -61,26 +89,24 @@ def plan_step(batches: Sequence[Optional[StepBatch]], *, cross_dp: bool, decode_
     if batches.count(None) == len(batches):
         return None
     if not cross_dp:
-        return _plan(batches, None, phase="local", num_steps=num_steps)
+        return _plan(batches, NO_HINTS, phase="local", num_steps=num_steps)
     active = [b for b in batches if b is not None]
     decoding = [b.is_decoding for b in active]
     if all(decoding):
         bucket = round_up(max(b.batch_size for b in active), decode_buckets)
-        return _plan(batches, True, batch_bucket=bucket, run_idle=True, static_tokens=bucket, phase="decode",
+        return _plan(batches, step_hints(True, bucket, 0), run_idle=True, static_tokens=bucket, phase="decode",
                      num_steps=num_steps)
     tokens = round_up(max(b.num_tokens for b in active), token_buckets)
-    return _plan(batches, False, token_bucket=tokens, run_idle=True, phase="mixed" if any(decoding) else "prefill")
+    return _plan(batches, step_hints(False, 0, tokens), run_idle=True, phase="mixed" if any(decoding) else "prefill")
 
 
-def _plan(batches: tuple, global_decode: Optional[bool], batch_bucket: int = 0, token_bucket: int = 0,
-          run_idle: bool = False, static_tokens: Optional[int] = None, phase: str = "local",
-          num_steps: int = 1, arm_next: bool = False) -> StepPlan:
+def _plan(batches: tuple, hints: StepHints = NO_HINTS, run_idle: bool = False, static_tokens: Optional[int] = None,
+          phase: str = "local", num_steps: int = 1, arm_next: bool = False) -> StepPlan:
     """`StepPlan(...)` (same arguments and defaults) without the frozen dataclass's per-field
     `object.__setattr__`, which costs about a microsecond a step; the same object in every respect."""
     plan = object.__new__(StepPlan)
     d = plan.__dict__
-    d["batches"], d["global_decode"] = batches, global_decode
-    d["batch_bucket"], d["token_bucket"], d["run_idle"] = batch_bucket, token_bucket, run_idle
+    d["batches"], d["hints"], d["run_idle"] = batches, hints, run_idle
     d["static_tokens"], d["phase"], d["num_steps"], d["arm_next"] = static_tokens, phase, num_steps, arm_next
     return plan
 
@@ -91,3 +117,29 @@ def with_arm_next(plan: StepPlan) -> StepPlan:
     out.__dict__.update(plan.__dict__)
     out.__dict__["arm_next"] = True
     return out
+
+
+class Stepper(Protocol):
+    """The driver side of a step path (`actors.coordinator_paths` makes one): carries each `StepPlan` to every rank.
+    `run` sends a plan and waits: per rank (TP rank 0's tokens, else None; in-rank seconds). `pipelined`: whether
+    it is a `PipelinedStepper` (the coordinator then sends at submit and receives at collect; the coordinator reads
+    it rather than an `isinstance` check, which costs microseconds a step). A stepper declares what it implements by
+    subclassing one of the two."""
+
+    name: ClassVar[str]  # "pipe" | "compiled" | "plain"
+    pipelined: ClassVar[bool] = False
+
+    def run(self, plan: StepPlan, timeout_s: float) -> list[tuple[Any, float]]: ...
+
+    def teardown(self) -> None: ...
+
+
+class PipelinedStepper(Stepper, Protocol):
+    """A `Stepper` whose steps may overlap (`pipelined = True`): `send` writes a plan to every rank and returns;
+    `receive` waits for the replies to the oldest plan sent (in send order), what `run` returns."""
+
+    pipelined: ClassVar[bool] = True
+
+    def send(self, plan: StepPlan) -> None: ...
+
+    def receive(self, plan: StepPlan, timeout_s: float) -> list[tuple[Any, float]]: ...

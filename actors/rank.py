@@ -18,6 +18,7 @@ import torch
 from actors.armed import ArmedDecode
 from actors.batch import StepBatch
 from actors.decode_state import GREEDY_HEAD, LOGITS_HEAD, PendingTokens, _DecodeLane
+from actors.protocol import NO_HINTS, StepHints
 from actors.rank_decode import RankDecodeSteps
 from actors.rank_io import RankStepIO
 from actors.runtime_config import DeviceError, RuntimeConfig, resolve_device  # noqa: F401 (re-exported)
@@ -61,7 +62,7 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
         self._last_tokens: Optional[torch.Tensor] = None
         # Read-back buffers by token shape: (pinned int64 host tensor, event) pairs whose step was collected
         self._read_back_free: dict[tuple, list] = {}
-        # (B, T, global_decode, batch bucket, token bucket) -> the `_DecodeLane` of greedy decode steps of that shape
+        # (B, T, StepHints) -> the `_DecodeLane` of greedy decode steps of that shape under those hints
         self._lanes: dict[tuple, _DecodeLane] = {}
         self.lane_steps = 0  # steps served by a decode lane
         self._last_lane: Optional[_DecodeLane] = None  # the lane of the latest step, if one served it
@@ -253,17 +254,19 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
 
     # ---- steps
     @torch.inference_mode()
-    def execute(self, batch: Optional[StepBatch], global_decode: Optional[bool] = None, batch_bucket: int = 0,
-                token_bucket: int = 0, validated: bool = False, num_steps: int = 1) -> Optional[np.ndarray]:
+    def execute(self, batch: Optional[StepBatch], hints: StepHints = NO_HINTS, *, validated: bool = False,
+                num_steps: int = 1) -> Optional[np.ndarray]:
         """Run one forward step and wait for it: `launch(...).result()`."""
-        return self.launch(batch, global_decode, batch_bucket, token_bucket, validated, num_steps).result()
+        return self.launch(batch, hints, validated=validated, num_steps=num_steps).result()
 
-    def launch(self, batch: Optional[StepBatch], global_decode: Optional[bool] = None, batch_bucket: int = 0,
-               token_bucket: int = 0, validated: bool = False, num_steps: int = 1) -> PendingTokens:
+    def launch(self, batch: Optional[StepBatch], hints: StepHints = NO_HINTS, *, validated: bool = False,
+               num_steps: int = 1) -> PendingTokens:
         """Enqueue one forward step on the forward stream and return without waiting for the device; the
         returned `PendingTokens` yields int64 `[B]` next tokens, or None for an idle (dummy) step.
 
-        An idle rank runs a harmless dummy step of the global bucket so collectives pair up.
+        `hints`: the coordinator's phase and buckets for this step (`StepPlan.rank_args`; the default: this rank
+        decides alone). An idle rank (batch None) runs a harmless dummy step of the global bucket so collectives
+        pair up.
         `validated=True` skips the batch checks when the caller (the coordinator) already ran
         `StepBatch.check_runnable` on the driver, so the per-step hot path does them once; previous-step
         references (negative token ids) are always checked here, against this rank's own last step.
@@ -275,10 +278,10 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
         """
         if not torch.is_inference_mode_enabled():  # a resident step loop enters it once for all its steps
             with torch.inference_mode():
-                return self.launch(batch, global_decode, batch_bucket, token_bucket, validated, num_steps)
+                return self.launch(batch, hints, validated=validated, num_steps=num_steps)
         lane = None
         if validated and num_steps == 1 and batch is not None:
-            lane = self._lanes.get((batch.batch_size, batch.num_tokens, global_decode, batch_bucket, token_bucket))
+            lane = self._lanes.get((batch.batch_size, batch.num_tokens, hints))
             if lane is not None and (self.logits_observer is not None or batch.temperature.any()
                                      or batch.extras is not None):
                 lane = None
@@ -303,7 +306,7 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
         with self.on_stream():
             if batch is None:
                 for _ in range(num_steps):
-                    self._run_dummy(global_decode, batch_bucket, token_bucket)
+                    self._run_dummy(hints)
                 return PendingTokens(None)
             if not validated:
                 self.check_batch(batch)
@@ -311,13 +314,12 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
             ids, ids_dev = self._resolve_ids(batch.token_ids)
             self._step_logprobs = None
             if num_steps == 1:
-                tokens = self._step_tokens(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket)
+                tokens = self._step_tokens(batch, ids, ids_dev, hints)
                 self._last_tokens = tokens
                 if self._step_logprobs is not None:
                     return self._read_back(tokens, multi=False, logprobs=self._step_logprobs)
             else:
-                tokens = self._multi_step_tokens(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket,
-                                                 num_steps)
+                tokens = self._multi_step_tokens(batch, ids, ids_dev, hints, num_steps)
                 self._last_tokens = tokens[-1]
             return self._read_back(tokens, multi=num_steps > 1)
 
@@ -335,12 +337,14 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
         """How many rows of this rank's latest step a negative token id may refer to (0: none)."""
         return 0 if self._last_tokens is None else int(self._last_tokens.shape[0])
 
-    def _run_dummy(self, global_decode, batch_bucket, token_bucket) -> None:
-        decode = global_decode is not False
-        n = max(batch_bucket, 1) if decode else max(token_bucket, 1)
-        step = self._dummy_step(n, max(batch_bucket, 1) if decode else 1, decode)
-        step = dataclasses.replace(step, global_decode=global_decode, batch_bucket_hint=batch_bucket,
-                                   token_bucket_hint=token_bucket)
+    def _run_dummy(self, hints: StepHints) -> None:
+        """An idle rank's step: a dummy decode of the batch bucket, or a dummy prefill of the token bucket when
+        the global phase is prefill (`hints.global_decode` False)."""
+        decode = hints.global_decode is not False
+        n = max(hints.batch_bucket, 1) if decode else max(hints.token_bucket, 1)
+        step = self._dummy_step(n, max(hints.batch_bucket, 1) if decode else 1, decode)
+        step = dataclasses.replace(step, global_decode=hints.global_decode, batch_bucket_hint=hints.batch_bucket,
+                                   token_bucket_hint=hints.token_bucket)
         self.runner(step)
 
     def reset(self) -> None:

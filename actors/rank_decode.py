@@ -3,7 +3,8 @@ cache, graph runner, sampler, decode lanes): one step's tokens on the general pa
 eager LM head, the eager sampler), the decode fast path (host metadata, one staging copy, decode graph replay,
 an LM-head epilogue: greedy, logits or a captured sampler head), and multi-step decode (greedy on the device;
 sampled one step at a time, each draw keyed by its own position). Every call enqueues on the rank's forward
-stream and returns device tensors, not waited for."""
+stream and returns device tensors, not waited for. In: the batch, its token ids (host, and on the device when they
+refer to the previous step's tokens) and the coordinator's `StepHints`, which every `ForwardStep` carries."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,8 @@ import numpy as np
 import torch
 
 from actors.batch import StepBatch
-from actors.decode_state import GREEDY_HEAD, LOGITS_HEAD, _DecodeLane
+from actors.decode_state import GREEDY_HEAD, LOGITS_HEAD, _DecodeLane, forward_step
+from actors.protocol import StepHints
 from actors.step_sampler import StepSampler, VocabShard
 from graphrunner.dispatch import Path as RunnerPath
 from graphrunner.step import ForwardStep
@@ -21,17 +23,16 @@ from modeling.attn_metadata import AttentionMetadata, build_decode_step_host, bu
 
 
 class RankDecodeSteps:
-    def _step_tokens(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
-                     batch_bucket, token_bucket) -> torch.Tensor:
+    def _step_tokens(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
+                     hints: StepHints) -> torch.Tensor:
         """Enqueue one step; its next tokens, int64 `[B]` on the rank's device (not waited for)."""
         if batch.num_tokens == batch.batch_size and self.device.type == "cuda":
-            out = self._decode_fast(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket)
+            out = self._decode_fast(batch, ids, ids_dev, hints)
             if out is not None:
                 return out
         ids_t, pos, meta = build_step_from_arrays(ids, batch.q_seqlens, batch.num_history, batch.block_tables,
                                                   self.cfg.block_size, self.device)
-        step = ForwardStep(ids_t if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta,
-                           global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
+        step = forward_step(ids_t if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta, hints)
         hidden = self.runner(step)
         sampled = bool(batch.temperature.any()) or batch.extras is not None
         logits, greedy = self._eager_head(hidden, meta.last_token_index, sampled)
@@ -51,25 +52,24 @@ class RankDecodeSteps:
             self.logits_observer(logits)
         return logits, None if need_logits else logits.argmax(dim=-1)
 
-    def _decode_fast(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
-                     batch_bucket, token_bucket) -> Optional[torch.Tensor]:
+    def _decode_fast(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
+                     hints: StepHints) -> Optional[torch.Tensor]:
         """A decode step served by a captured graph: host-side metadata, one host-to-device copy (plus a
         device copy of previous-step token ids), graph replay, then the LM-head graph of the bucket. None when
         the step would not replay a full graph (the caller then takes the general path; nothing was launched)."""
         ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.cfg.block_size)
-        step = ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta,
-                           global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
+        step = forward_step(ids_h if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta, hints)
         sampled = bool(batch.temperature.any()) or batch.extras is not None
         launched = self._decode_graph_step(step, sampled_batch=batch if sampled else None)
         if launched is None:
             return None
         logits, tokens = launched
         if not sampled and self.logits_observer is None:
-            self._add_lane(step, global_decode, batch_bucket, token_bucket)
+            self._add_lane(step, hints)
             self._last_host_ids = ids_dev is None
         return self._sample(logits, batch) if logits is not None and sampled else tokens
 
-    def _add_lane(self, step: ForwardStep, global_decode, batch_bucket: int, token_bucket: int) -> None:
+    def _add_lane(self, step: ForwardStep, hints: StepHints) -> None:
         """Remember the graphs that served this greedy decode step, so the next step of the same shape and hints
         skips the dispatch (`_DecodeLane`). Forgotten whenever graphs are captured or dropped."""
         decision = self.runner.decide_decode(step)  # pure: the decision the step just replayed
@@ -79,8 +79,8 @@ class RankDecodeSteps:
         if head is None:
             return
         n = step.batch_size
-        lane = self._lanes[(n, n, global_decode, batch_bucket, token_bucket)] = _DecodeLane(
-            decision.decode_key, head[0], step, self.cfg.block_size)
+        lane = self._lanes[(n, n, hints)] = _DecodeLane(decision.decode_key, head[0], step, hints,
+                                                        self.cfg.block_size)
         self._last_lane = lane
 
     def _decode_graph_step(self, step: ForwardStep, sampled_batch: Optional[StepBatch] = None
@@ -114,34 +114,32 @@ class RankDecodeSteps:
             self.logits_observer(logits)
         return logits, outs[1][:n]
 
-    def _multi_step_tokens(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor], global_decode,
-                           batch_bucket, token_bucket, num_steps: int) -> torch.Tensor:
+    def _multi_step_tokens(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
+                           hints: StepHints, num_steps: int) -> torch.Tensor:
         """Enqueue `num_steps` greedy decode steps; their tokens, int64 `[num_steps, B]` on the device."""
         sampled = bool(batch.temperature.any())
         if self.device.type == "cuda" and not sampled:
-            out = self._decode_multi_on_device(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket,
-                                               num_steps)
+            out = self._decode_multi_on_device(batch, ids, ids_dev, hints, num_steps)
             if out is not None:
                 return out
         # general path: one step at a time, each step's tokens feeding the next on the device
         rows = []
         for _ in range(num_steps):
-            toks = self._step_tokens(batch, ids, ids_dev, global_decode, batch_bucket, token_bucket)
+            toks = self._step_tokens(batch, ids, ids_dev, hints)
             rows.append(toks)
             ids_dev = toks
             batch = dataclasses.replace(batch, num_history=(batch.num_history + 1).astype(np.int32))
         return torch.stack(rows)
 
     def _decode_multi_on_device(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
-                                global_decode, batch_bucket, token_bucket, num_steps: int) -> Optional[torch.Tensor]:
+                                hints: StepHints, num_steps: int) -> Optional[torch.Tensor]:
         """Multi-step greedy decode on captured graphs: each step's tokens stay on the device and feed the next
         step's graph; positions, slots and lengths of every step are computed on the host up front and copied
         once. Returns int64 `[num_steps, B]` on the device (not waited for), or None: no graph fits."""
         bs, n = self.cfg.block_size, batch.batch_size
         ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, bs)
-        hints = dict(global_decode=global_decode, batch_bucket_hint=batch_bucket, token_bucket_hint=token_bucket)
-        first = self._decode_graph_step(ForwardStep(ids_h if ids_dev is None else ids_dev, pos, self.kv_cache.layers,
-                                                    meta, **hints))
+        first = self._decode_graph_step(forward_step(ids_h if ids_dev is None else ids_dev, pos,
+                                                     self.kv_cache.layers, meta, hints))
         if first is None:
             return None
         dev = self.device
@@ -162,8 +160,8 @@ class RankDecodeSteps:
                 is_decoding=True, q_seqlens=ones, kv_seqlens=kv_d[j - 1], q_start_loc=rows32, block_tables=tables,
                 slot_mapping=slot_d[j - 1], last_token_index=rows64, max_q_seqlen=1,
                 max_kv_seqlen=int(batch.num_history.max()) + j + 1, block_size=bs)
-            launched = self._decode_graph_step(ForwardStep(tokens[j - 1], pos_d[j - 1], self.kv_cache.layers,
-                                                           step_meta, **hints))
+            launched = self._decode_graph_step(forward_step(tokens[j - 1], pos_d[j - 1], self.kv_cache.layers,
+                                                            step_meta, hints))
             if launched is None:  # cannot happen for a batch whose first step replayed a graph
                 raise RuntimeError("multi-step decode lost its decode graph mid-way")
             tokens[j].copy_(launched[1])

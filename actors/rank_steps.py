@@ -14,6 +14,7 @@ from typing import Any
 
 from actors.errors import RankStepError
 from actors.fault_injection import FaultInjector
+from actors.protocol import RankArgs
 from actors.rank_phase import RankPhase
 
 
@@ -50,12 +51,13 @@ class RankSteps:
             self.runtime.bind_stream()
             self._phase.leave()
 
-    def run(self, args: tuple, static_tokens: int | None, num_steps: int = 1) -> tuple[Any, float]:
+    def run(self, args: RankArgs, static_tokens: int | None, num_steps: int = 1) -> tuple[Any, float]:
         """Launch and finish one step: (next tokens on TP rank 0 else None, in-rank seconds)."""
         return self.finish(self.launch(args, static_tokens, num_steps))
 
-    def launch(self, args: tuple, static_tokens: int | None, num_steps: int = 1) -> Launched:
-        """Enqueue one step on the rank's device without waiting for it. An exception names the rank."""
+    def launch(self, args: RankArgs, static_tokens: int | None, num_steps: int = 1) -> Launched:
+        """Enqueue one step on the rank's device without waiting for it: `args` (batch, hints) of this rank's share
+        of the plan, `static_tokens` the EP dispatcher's row count. An exception names the rank."""
         self._phase.enter("execute")
         self._in_flight += 1
         t0 = time.perf_counter()
@@ -63,12 +65,13 @@ class RankSteps:
             self.count += 1
             if self._faults.active:
                 self._faults.in_step(self.count)
+            batch, hints = args
             disp = self.runtime.ctx.ep_dispatcher
             cm = disp.static_tokens(static_tokens) if disp is not None else contextlib.nullcontext()
             with cm:
                 try:
                     # validated: the coordinator checked the batch
-                    pending = self.runtime.launch(*args, validated=True, num_steps=num_steps)
+                    pending = self.runtime.launch(batch, hints, validated=True, num_steps=num_steps)
                 except Exception as e:  # name the rank: compiled-graph errors do not carry the actor
                     raise RankStepError(f"rank {self.rank} ({self.runtime.device}): {type(e).__name__}: {e}") from e
             return Launched(pending, t0)

@@ -6,8 +6,9 @@ an unbounded `ray.get`), results by rank, and failures classified per rank:
 - error: the method raised (a rank that raised mid-collective leaves its peers stuck);
 - hung: no answer before the deadline; the health group (`health()`, answered by a
   separate thread while a step runs) says whether the rank is alive and what it is doing.
-Steps go through a stepper: plain actor calls, or a Ray compiled graph (one input
-channel to every rank, one output per rank; the actors run a resident loop).
+Steps go through a stepper (`actors.protocol.Stepper`: the whole step in `run`): plain actor
+calls, or a Ray compiled graph (one input channel to every rank, one output per rank; the
+actors run a resident loop).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.placement import ActorPlace, remove_group
+from actors.protocol import StepPlan, Stepper
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,7 @@ class RankSet:
                 pass
 
 
-class PlainStepper:
+class PlainStepper(Stepper):
     """One actor call per rank per step."""
 
     name = "plain"
@@ -214,14 +216,14 @@ class PlainStepper:
     def __init__(self, ranks: RankSet):
         self.ranks = ranks
 
-    def run(self, plan: Any, timeout_s: float) -> list[tuple[Any, float]]:
+    def run(self, plan: StepPlan, timeout_s: float) -> list[tuple[Any, float]]:
         return self.ranks.call("execute_step", (plan,), timeout_s=timeout_s, what="step")
 
     def teardown(self) -> None:
         pass
 
 
-class CompiledStepper:
+class CompiledStepper(Stepper):
     """A Ray compiled graph: InputNode -> execute_step on every rank -> MultiOutputNode."""
 
     name = "compiled"
@@ -234,7 +236,7 @@ class CompiledStepper:
             dag = MultiOutputNode([w.execute_step.bind(inp) for w in ranks.workers])
         self.dag = dag.experimental_compile()
 
-    def run(self, plan: Any, timeout_s: float) -> list[tuple[Any, float]]:
+    def run(self, plan: StepPlan, timeout_s: float) -> list[tuple[Any, float]]:
         from ray.exceptions import RayChannelTimeoutError
 
         t0 = time.monotonic()

@@ -8,6 +8,7 @@ length-prefixed so a reader knows how much to read from a stream.
 request  = u32 body length | body
 body     = u8 global_decode (0 False, 1 True, 2 None) | u8 flags (1 batch, 2 run, 4 arm next, 8 disarm,
            16 extras) | i32 batch_bucket | i32 token_bucket | i32 static_tokens (-1 None) | i32 num_steps
+           (global_decode, batch_bucket, token_bucket: the plan's `StepHints`)
            [| i32 B | i32 T | i32 W | token_ids i64[T] | q_seqlens i32[B] | num_history i32[B]
             | block_tables i32[B*W] | temperature f32[B] | top_k i32[B] | top_p f32[B] | seeds i64[B]
             [| the batch's `SamplerExtras`, pickled (flag 16: only steps with penalties, bias, bans, min_p or
@@ -29,7 +30,7 @@ from typing import Optional
 import numpy as np
 
 from actors.batch import SampledTokens, StepBatch, StepLogprobs
-from actors.protocol import StepPlan
+from actors.protocol import RankArgs, StepHints, StepPlan, step_hints
 
 LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BBiiii")
@@ -40,6 +41,10 @@ _FRAME_BATCH = struct.Struct(_FRAME_HEAD.format + _SHAPE.format[1:])  # ... + sh
 _FRAME_REPLY = struct.Struct("<I" + _REPLY.format[1:])
 _DECODE_FLAG = {False: 0, True: 1, None: 2}
 _FLAG_DECODE = {0: False, 1: True, 2: None}
+# (global_decode flag, batch_bucket, token_bucket) -> the decoded `StepHints`, shared by every request with those
+# three (few: the coordinator's buckets); forgotten all at once beyond _MAX_HINTS
+_HINTS_OF: dict[tuple[int, int, int], StepHints] = {}
+_MAX_HINTS = 4096
 # (field, dtype, length key): "T" tokens, "B" sequences, "BW" block-table entries; StepBatch's field order
 _FIELDS = (("token_ids", np.int64, "T"), ("q_seqlens", np.int32, "B"), ("num_history", np.int32, "B"),
            ("block_tables", np.int32, "BW"), ("temperature", np.float32, "B"), ("top_k", np.int32, "B"),
@@ -68,7 +73,8 @@ def encode_request(plan: StepPlan, dp_rank: int) -> bytes:
     if extras:
         flags |= EXTRAS
     static = -1 if plan.static_tokens is None else plan.static_tokens
-    head = (_DECODE_FLAG[plan.global_decode], flags, plan.batch_bucket, plan.token_bucket, static, plan.num_steps)
+    hints = plan.hints
+    head = (_DECODE_FLAG[hints.global_decode], flags, hints.batch_bucket, hints.token_bucket, static, plan.num_steps)
     if batch is None:
         return _FRAME_HEAD.pack(_HEAD.size, *head)
     arrays = _fields_of(batch)
@@ -90,9 +96,9 @@ def request_control(body: memoryview | bytes) -> int:
     return body[1] & (ARM_NEXT | DISARM) if len(body) >= _HEAD.size else 0
 
 
-def decode_request(body: memoryview | bytes) -> Optional[tuple]:
-    """`(args, static_tokens, num_steps)` with args the `execute` arguments `(batch, global_decode,
-    batch_bucket, token_bucket)`, or None when this rank has nothing to run this step."""
+def decode_request(body: memoryview | bytes) -> Optional[tuple[RankArgs, Optional[int], int]]:
+    """`(args, static_tokens, num_steps)` with args the `RankArgs` `(batch, hints)` of `StepPlan.rank_args`
+    (batch None: an idle rank's dummy step), or None when this rank has nothing to run this step."""
     if len(body) < _HEAD.size:
         raise WireError(f"request of {len(body)} bytes is shorter than its header")
     flag, has, batch_bucket, token_bucket, static, num_steps = _HEAD.unpack_from(body, 0)
@@ -117,7 +123,13 @@ def decode_request(body: memoryview | bytes) -> Optional[tuple]:
                           f32[e + 2 * b:e + 3 * b], seeds)
         if has & EXTRAS:
             batch.extras = pickle.loads(body[need:])
-    return (batch, _FLAG_DECODE[flag], batch_bucket, token_bucket), (None if static < 0 else static), num_steps
+    key = (flag, batch_bucket, token_bucket)
+    hints = _HINTS_OF.get(key)
+    if hints is None:
+        if len(_HINTS_OF) >= _MAX_HINTS:
+            _HINTS_OF.clear()
+        hints = _HINTS_OF[key] = step_hints(_FLAG_DECODE[flag], batch_bucket, token_bucket)
+    return (batch, hints), (None if static < 0 else static), num_steps
 
 
 def encode_reply(status: int, seconds: float, payload: bytes = b"") -> bytes:

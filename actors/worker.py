@@ -34,6 +34,7 @@ from actors.event_log import EventLog
 from actors.fault_injection import FaultInjector, LogitsRecorder
 from actors.pipe_loop import PipeLoop
 from actors.placement import ActorPlace
+from actors.protocol import StepPlan
 from actors.rank_phase import RankPhase
 from actors.rank_steps import RankSteps
 from actors.step_tracing import StepTracer
@@ -201,8 +202,9 @@ class RankWorker:
                 raise
 
     # ------------------------------------------------------------------ steps
-    def execute_step(self, plan: Any) -> tuple[Any, float]:
-        """Run this rank's part of `plan`; returns (next tokens on TP rank 0 else None, in-rank seconds)."""
+    def execute_step(self, plan: StepPlan) -> tuple[Any, float]:
+        """Run this rank's part of `plan` (its DP rank's batch under the plan's `StepHints`, the plain and compiled
+        step paths); returns (next tokens on TP rank 0 else None, in-rank seconds)."""
         args = plan.rank_args(self.coords.dp_rank)
         if args is None:
             return None, 0.0

@@ -5,9 +5,10 @@ The engine drives any object with this surface (`actors.coordinator.Coordinator`
     step(batches: list[StepBatch | None], num_steps=1) -> list[np.ndarray | None] (int64 `[B]`, or
         `[B, num_steps]` for multi-step decode of greedy decode batches),
     status() -> dict, reset(recapture=True, num_kv_blocks=None, reload_weights=False) -> dict,
-    and optionally max_model_len, rebuild(), shutdown(), and the two halves of `step` for overlapped
-    scheduling: submit(batches, num_steps=1) -> ticket (token ids may refer to the previous round's
-    tokens, `actors.batch.prev_token`), collect(ticket) -> what `step` returns (in submission order).
+    and optionally max_model_len, rebuild() (a `RebuildableExecutor`), shutdown(), and the two halves of
+    `step` for overlapped scheduling: submit(batches, num_steps=1) -> ticket (token ids may refer to the
+    previous round's tokens, `actors.batch.prev_token`), collect(ticket) -> what `step` returns (in
+    submission order).
 """
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ class Executor(Protocol):
 
     def reset(self, recapture: bool = True, num_kv_blocks: Optional[int] = None,
               reload_weights: bool = False) -> dict: ...
+
+
+@runtime_checkable
+class RebuildableExecutor(Protocol):
+    """An executor that restarts after a failure: `rebuild()` brings up a fresh rank group (KV contents lost,
+    `num_kv_blocks` read again after it). `actors.coordinator.Coordinator` and `engine.testing.PagedToyExecutor`
+    are; `LocalEngineExecutor` is not (a failure there raises from its step and nothing restarts it)."""
+
+    def rebuild(self) -> None: ...
 
 
 def executor_max_model_len(executor: Any) -> Optional[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from actors.batch import BatchError
+from engine.executor import RebuildableExecutor
 from engine.request import FinishReason, ModelLimits, RequestOutput
 from engine.sequence import Sequence as Seq
 
@@ -140,7 +141,7 @@ class EngineRecovery:
     def rebuild(self) -> None:
         """Restart the executor after a failure (every in-flight request was requeued or failed, no block is held);
         the prefix caches are emptied (the KV contents are gone)."""
-        if hasattr(self.executor, "rebuild"):
+        if isinstance(self.executor, RebuildableExecutor):
             self.executor.rebuild()
         n = int(self.executor.num_kv_blocks)
         self.limits = ModelLimits(self.limits.vocab_size, self.limits.max_model_len, self.limits.block_size, n)

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from actors.batch import StepBatch
+from engine.executor import RebuildableExecutor
 
 
 class ToyExecutorError(RuntimeError):
@@ -29,7 +30,7 @@ class ToyModelConfig:
     max_position_embeddings: int = 4096
 
 
-class PagedToyExecutor:
+class PagedToyExecutor(RebuildableExecutor):
     def __init__(self, num_kv_blocks: int = 64, block_size: int = 4, vocab_size: int = 97, max_model_len: int = 256,
                  dp_size: int = 1, step_delay_s: float = 0.0):
         self.model_config = ToyModelConfig(vocab_size, max_model_len)

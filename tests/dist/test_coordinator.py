@@ -227,7 +227,7 @@ def test_polling_driver_gives_the_same_tokens_and_learns_step_shapes(dp2, refere
         run_scenario(dp2, reference, decode_script(2, PROMPTS[:2], steps=3))
         shapes = dp2._stepper._expected
         assert shapes and all(0.0 < s < 20.0 for s in shapes.values())
-        assert {k[0] for k in shapes} == {"local"} and any(k[4] == ((1, 1), (1, 1)) for k in shapes)
+        assert {k[0] for k in shapes} == {"local"} and any(k[3] == ((1, 1), (1, 1)) for k in shapes)
     finally:
         dp2.cfg = cfg
         dp2._switch_step_path("pipe")

@@ -12,7 +12,7 @@ import pytest
 from actors.batch import StepBatch
 from actors.coordinator import DeploymentConfig, RankFailureError
 from actors.placement import ActorPlace, order_ranks
-from actors.protocol import plan_step
+from actors.protocol import StepHints, plan_step
 from tests.dist._helpers import decode_script, run_scenario, runtime_cfg
 
 MODEL = "qwen3-moe-tiny"
@@ -43,14 +43,16 @@ def test_plan_step_phases():
     kw = dict(decode_buckets=[1, 2, 4, 8], token_buckets=[32, 64])
     assert plan_step([None, None], cross_dp=True, **kw) is None
     dec = plan_step([d, None], cross_dp=True, **kw)
-    assert (dec.phase, dec.global_decode, dec.batch_bucket, dec.static_tokens, dec.run_idle) == ("decode", True, 4, 4,
-                                                                                                True)
+    assert (dec.phase, dec.hints, dec.static_tokens, dec.run_idle) == ("decode", StepHints(True, 4, 0), 4, True)
+    assert dec.rank_args(1) == (None, StepHints(True, batch_bucket=4))  # the idle rank's dummy decode
     mix = plan_step([d, p], cross_dp=True, **kw)
-    assert (mix.phase, mix.global_decode, mix.token_bucket, mix.static_tokens) == ("mixed", False, 32, None)
-    assert mix.rank_args(0) == (d, False, 0, 32)
+    assert (mix.phase, mix.hints, mix.static_tokens) == ("mixed", StepHints(False, token_bucket=32), None)
+    assert mix.rank_args(0) == (d, StepHints(False, 0, 32))
     loc = plan_step([d, None], cross_dp=False, **kw)
-    assert loc.global_decode is None and loc.rank_args(1) is None
-    assert plan_step([StepBatch.from_sequences([[1]] * 9, [1] * 9, [[1]] * 9)], cross_dp=True, **kw).batch_bucket == 9
+    assert loc.hints == StepHints() and loc.hints.global_decode is None and loc.rank_args(1) is None
+    assert loc.rank_args(0) == (d, StepHints())
+    big = plan_step([StepBatch.from_sequences([[1]] * 9, [1] * 9, [[1]] * 9)], cross_dp=True, **kw)
+    assert big.hints.batch_bucket == 9
 
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from actors.batch import BatchError, StepBatch, prev_token
+from actors.protocol import StepHints
 from graphrunner.step import ForwardStep
 from modeling.attn_metadata import build_step_from_arrays
 from tests.gpu.helpers import Seqs, make_runtime, random_tokens
@@ -166,7 +167,7 @@ def test_decode_lane_equals_dispatched_steps(rt, n):
     rt._lanes.clear()
     before = rt.runner.stats.snapshot()["steps"].get("full_graph", 0)
     lane = decode(checked=False)
-    assert (n, n, None, 0, 0) in rt._lanes
+    assert (n, n, StepHints()) in rt._lanes
     assert rt.runner.stats.snapshot()["steps"]["full_graph"] == before + k
     assert lane == decode(checked=True)  # rewrites the same K/V at the same positions
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from actors.batch import BatchError, StepBatch
-from actors.protocol import StepPlan, _plan, plan_step, with_arm_next
+from actors.protocol import NO_HINTS, StepHints, StepPlan, _plan, plan_step, step_hints, with_arm_next
 from actors.wire import _FIELDS, LENGTH, decode_request, encode_request
 
 VOCAB, BS, MAX_BLOCKS, KV = 1000, 4, 6, 50
@@ -138,18 +138,30 @@ def test_is_decoding_matches_the_reduction():
 
 def test_fast_plan_is_a_step_plan():
     b = StepBatch.from_sequences([[1]], [0], [[1]])
-    for kw in ({}, {"batch_bucket": 4, "run_idle": True, "static_tokens": 4, "phase": "decode", "num_steps": 3},
-               {"token_bucket": 32, "run_idle": True, "phase": "mixed"}):
-        fast, slow = _plan((b, None), True, **kw), StepPlan((b, None), True, **kw)
+    for hints, kw in ((NO_HINTS, {}), (step_hints(True, 4, 0), {"run_idle": True, "static_tokens": 4,
+                                                                "phase": "decode", "num_steps": 3}),
+                      (step_hints(False, 0, 32), {"run_idle": True, "phase": "mixed"})):
+        fast, slow = _plan((b, None), hints, **kw), StepPlan((b, None), hints, **kw)
         assert type(fast) is StepPlan and vars(fast) == vars(slow) and fast == slow
-        idle = _plan((None, None), None, **kw)  # hashable (StepBatch is not), and pickles
-        assert hash(idle) == hash(StepPlan((None, None), None, **kw)) and pickle.loads(pickle.dumps(idle)) == idle
+        idle = _plan((None, None), hints, **kw)  # hashable (StepBatch is not), and pickles
+        assert hash(idle) == hash(StepPlan((None, None), hints, **kw)) and pickle.loads(pickle.dumps(idle)) == idle
         with pytest.raises(dataclasses.FrozenInstanceError):
             fast.phase = "x"
-    armed = with_arm_next(_plan((b, None), True, batch_bucket=4))
-    assert armed == StepPlan((b, None), True, batch_bucket=4, arm_next=True) and armed.arm_next
+    assert _plan((b,)) == StepPlan((b,)) and StepPlan((b,)).hints == StepHints()
+    armed = with_arm_next(_plan((b, None), StepHints(True, batch_bucket=4)))
+    assert armed == StepPlan((b, None), StepHints(True, batch_bucket=4), arm_next=True) and armed.arm_next
     assert plan_step([None, None], cross_dp=False, decode_buckets=[1], token_buckets=[16]) is None
     assert plan_step(iter([b]), cross_dp=False, decode_buckets=[1], token_buckets=[16]).batches == (b,)
+
+
+def test_fast_hints_are_step_hints():
+    for args in ((None, 0, 0), (True, 4, 0), (False, 0, 32)):
+        fast, slow = step_hints(*args), StepHints(*args)
+        assert type(fast) is StepHints and vars(fast) == vars(slow) and fast == slow and hash(fast) == hash(slow)
+        assert pickle.loads(pickle.dumps(fast)) == fast
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            fast.batch_bucket = 8
+    assert NO_HINTS == StepHints(None, 0, 0)
 
 
 def _reference_frame(plan: StepPlan, dp_rank: int) -> bytes:
@@ -158,8 +170,9 @@ def _reference_frame(plan: StepPlan, dp_rank: int) -> bytes:
 
     batch = plan.batches[dp_rank]
     run = batch is not None or plan.run_idle
-    body = struct.pack("<BBiiii", {False: 0, True: 1, None: 2}[plan.global_decode],
-                       (1 if batch is not None else 0) | (2 if run else 0), plan.batch_bucket, plan.token_bucket,
+    hints = plan.hints
+    body = struct.pack("<BBiiii", {False: 0, True: 1, None: 2}[hints.global_decode],
+                       (1 if batch is not None else 0) | (2 if run else 0), hints.batch_bucket, hints.token_bucket,
                        -1 if plan.static_tokens is None else plan.static_tokens, plan.num_steps)
     if batch is not None:
         body += struct.pack("<iii", batch.batch_size, batch.num_tokens, batch.block_tables.shape[1])

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from actors.batch import StepBatch
-from actors.protocol import plan_step
+from actors.protocol import StepHints, plan_step
 from actors.wire import (ARM_NEXT, DISARM, LENGTH, REPLY_ERROR, REPLY_NONE, REPLY_OK, WireError, decode_reply,
                          decode_request, encode_disarm, encode_reply, encode_request, encode_tokens, request_control)
 
@@ -18,24 +18,25 @@ def test_request_round_trips_every_field():
     b = StepBatch.from_sequences([[5, 6, 7], [9]], [0, 130], [[3], [4, 8, 11]], temperature=[0.0, 0.7],
                                  top_k=[0, 40], top_p=[1.0, 0.9], seeds=[-1, 1234567890123])
     plan = plan_step([b, None], cross_dp=True, decode_buckets=[1, 2, 4], token_buckets=[16, 32])
-    (batch, gd, bb, tb), static, steps = decode_request(_body(encode_request(plan, 0)))
-    assert (gd, bb, tb, static, steps) == (plan.global_decode, plan.batch_bucket, plan.token_bucket,
-                                           plan.static_tokens, 1)
+    (batch, hints), static, steps = decode_request(_body(encode_request(plan, 0)))
+    assert (hints, static, steps) == (plan.hints, plan.static_tokens, 1) and type(hints) is StepHints
+    assert plan.hints == StepHints(False, token_bucket=16)  # a global prefill: 4 tokens in the 16 bucket
+    assert decode_request(_body(encode_request(plan, 0)))[0][1] is hints  # decoded once per distinct triple
     for name in ("token_ids", "q_seqlens", "num_history", "block_tables", "temperature", "top_k", "top_p", "seeds"):
         got, want = getattr(batch, name), getattr(b, name)
         assert got.dtype == want.dtype and got.shape == want.shape, name
         np.testing.assert_array_equal(got, want)
     # the idle DP rank of a cross-DP step runs a dummy step: no batch, same buckets
-    (idle, gd1, bb1, tb1), _, _ = decode_request(_body(encode_request(plan, 1)))
-    assert idle is None and (gd1, bb1, tb1) == (gd, bb, tb)
+    (idle, hints1), _, _ = decode_request(_body(encode_request(plan, 1)))
+    assert idle is None and hints1 == hints
 
 
 def test_idle_rank_without_collectives_runs_nothing():
     b = StepBatch.from_sequences([[1]], [4], [[2]])
     plan = plan_step([b, None], cross_dp=False, decode_buckets=[1], token_buckets=[16])
     assert decode_request(_body(encode_request(plan, 1))) is None
-    (batch, gd, _, _), static, _ = decode_request(_body(encode_request(plan, 0)))
-    assert gd is None and static is None and batch.batch_size == 1
+    (batch, hints), static, _ = decode_request(_body(encode_request(plan, 0)))
+    assert hints == StepHints() and static is None and batch.batch_size == 1
     multi = plan_step([b, None], cross_dp=False, decode_buckets=[1], token_buckets=[16], num_steps=4)
     assert decode_request(_body(encode_request(multi, 0)))[2] == 4
 
