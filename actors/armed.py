@@ -4,7 +4,7 @@ A strict round trip (the driver waits for each step's tokens before it sends the
 idle between steps, and the host launch of the next step (metadata, transfer, graph launches) then sits in
 series with the device, costing more after an idle gap than back to back on these hosts. So right after a rank
 launched such a step (its request found nothing in flight, a decode lane took it, its token ids came from the
-host, no other request waits), it enqueues the graphs of that lane (`actors.rank._DecodeLane`) once more behind
+host, no other request waits), it enqueues the graphs of that lane (`actors.decode_state._DecodeLane`) once more behind
 a `HostGate`, on padding rows, while the device still runs the step. When the next request arrives:
 - go: it is a greedy decode step with host token ids that replays the same graph (any batch size of the
   bucket); the rank writes it into the staged host buffers and opens the gate, and the device starts within

@@ -44,7 +44,7 @@ class EngineConfig:
     prefill, else max(max_model_len, 2048)); enable_chunked_prefill: split prompts over steps, mixed with decode rows
     (in force when the budget is below max_model_len); enable_prefix_caching: reuse cached full KV blocks of earlier
     prompts (`engine.block_manager`); max_model_len None = the executor's; decode_steps:
-    multi-step decode (decode steps per scheduling round while every running sequence is greedy); overlap:
+    multi-step decode (decode steps per scheduling round while no running sequence needs sampler extras); overlap:
     scheduling ahead (see the module docstring; off by default), used when the executor can submit ahead, for
     rounds of at most `overlap_max_seqs` sequences; opt-in because of time-to-first-token outliers at high
     concurrency (docs/benchmarks.md, "Engine overlap")."""

@@ -58,8 +58,8 @@ def add_model_args(p: argparse.ArgumentParser, executor_default: str = "ray") ->
     c.add_argument("--overlap-max-seqs", type=int, default=32,
                    help="with --overlap: only for decode rounds of at most this many sequences")
     c.add_argument("--decode-steps", type=int, default=1,
-                   help="multi-step decode: decode steps per scheduling round while every running request is greedy "
-                        "(tokens stream in groups of this size; host overhead is paid once per group)")
+                   help="multi-step decode: decode steps per scheduling round while no running request needs "
+                        "sampler extras (logprobs, penalties, bias) (tokens stream in groups of this size; host overhead is paid once per group)")
     r = p.add_argument_group("graph runner")
     r.add_argument("--eager", action="store_true", help="never capture CUDA graphs")
     r.add_argument("--max-decode-batch", type=int, default=None,

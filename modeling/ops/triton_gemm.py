@@ -68,32 +68,33 @@ class GemmConfig:
 
 
 # (N, K, M class) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), or None: cuBLAS (`F.linear`) was
-# faster. Qwen3-0.6B projections at TP=1, from `python -m bench.gemm_tune` on one H200 (2026-11-30, us per
-# call inside a CUDA graph over 28 weight copies; docs/results/gemm_tune.log).
+# faster. Qwen3-0.6B projections at TP=1, from `python -m bench.gemm_tune` on one H200 (2026-11-30, per call
+# inside a CUDA graph over 28 weight copies); the per-shape figures are in docs/benchmarks.md ("Skinny decode
+# GEMM", "Figures moved out of docstrings") and docs/results/gemm_tune.log.
 _CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {
-    (4096, 1024, 1): None,  # qkv M=1: cuBLAS 4.86 us, best Triton 5.50, roofline 1.98
-    (4096, 1024, 4): None,  # qkv M<=4: cuBLAS 5.21 us, best Triton 5.56
-    (4096, 1024, 16): None,  # qkv M<=16: cuBLAS 5.27 us, best Triton 5.67
-    (1024, 2048, 1): (32, 128, 8, 4, 3),  # o_proj M=1: 4.72 us, cuBLAS 12.70, roofline 0.99
-    (1024, 2048, 4): (32, 128, 8, 4, 3),  # o_proj M<=4: 4.76 us, cuBLAS 12.80
-    (1024, 2048, 16): (32, 128, 8, 4, 3),  # o_proj M<=16: 4.89 us, cuBLAS 5.89
-    (6144, 1024, 1): None,  # gate_up M=1: cuBLAS 6.03 us, best Triton 6.43, roofline 2.98
-    (6144, 1024, 4): None,  # gate_up M<=4: cuBLAS 6.00 us, best Triton 6.49
-    (6144, 1024, 16): None,  # gate_up M<=16: cuBLAS 6.14 us, best Triton 6.62
-    (1024, 3072, 1): (32, 128, 8, 4, 3),  # down M=1: 5.27 us, cuBLAS 6.62, roofline 1.49
-    (1024, 3072, 4): (32, 128, 8, 4, 3),  # down M<=4: 5.33 us, cuBLAS 6.65
-    (1024, 3072, 16): (32, 128, 8, 4, 3),  # down M<=16: 5.47 us, cuBLAS 6.85
-    (151936, 1024, 1): (64, 256, 1, 4, 3),  # lm_head M=1: 71.53 us, cuBLAS 75.12, roofline 73.57
-    (151936, 1024, 4): (64, 256, 1, 4, 3),  # lm_head M<=4: 73.17 us, cuBLAS 76.53
-    (151936, 1024, 16): (64, 128, 1, 4, 3),  # lm_head M<=16: 76.25 us, cuBLAS 78.84
+    (4096, 1024, 1): None,  # qkv M=1: cuBLAS won
+    (4096, 1024, 4): None,  # qkv M<=4: cuBLAS won
+    (4096, 1024, 16): None,  # qkv M<=16: cuBLAS won
+    (1024, 2048, 1): (32, 128, 8, 4, 3),  # o_proj M=1: split-K beat cuBLAS
+    (1024, 2048, 4): (32, 128, 8, 4, 3),  # o_proj M<=4: split-K beat cuBLAS
+    (1024, 2048, 16): (32, 128, 8, 4, 3),  # o_proj M<=16: split-K beat cuBLAS
+    (6144, 1024, 1): None,  # gate_up M=1: cuBLAS won
+    (6144, 1024, 4): None,  # gate_up M<=4: cuBLAS won
+    (6144, 1024, 16): None,  # gate_up M<=16: cuBLAS won
+    (1024, 3072, 1): (32, 128, 8, 4, 3),  # down M=1: split-K beat cuBLAS
+    (1024, 3072, 4): (32, 128, 8, 4, 3),  # down M<=4: split-K beat cuBLAS
+    (1024, 3072, 16): (32, 128, 8, 4, 3),  # down M<=16: split-K beat cuBLAS
+    (151936, 1024, 1): (64, 256, 1, 4, 3),  # lm_head M=1: beat cuBLAS, at about its weight-read roofline
+    (151936, 1024, 4): (64, 256, 1, 4, 3),  # lm_head M<=4: beat cuBLAS
+    (151936, 1024, 16): (64, 128, 1, 4, 3),  # lm_head M<=16: beat cuBLAS
 }
 
 
 # The same keys for the SiLU-gated GEMM (x `[M, 2K]`, silu(gate) * up in the prologue); None: the unfused pair
 # (`silu_and_mul` kernel + `linear`) was faster. Shapes not in the table use `_CONFIGS` / `default_config`.
 _GATED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {
-    (1024, 3072, 1): None,  # down M=1: unfused 5.89 us, best gated 8.25 (docs/results/gemm_tune_gated.log)
-    (1024, 3072, 4): None,  # down M<=4: unfused 5.99 us, best gated 8.55
+    (1024, 3072, 1): None,  # down M=1: the unfused pair beat every gated config (docs/results/gemm_tune_gated.log)
+    (1024, 3072, 4): None,  # down M<=4: the unfused pair beat every gated config
     (1024, 3072, 16): None,  # not swept; the prologue lost at every swept M
 }
 

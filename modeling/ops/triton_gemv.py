@@ -150,18 +150,19 @@ def m_pad(m: int) -> int:
 
 
 # (N, K, M_PAD, norm, gated) -> (BLOCK_N, BLOCK_K, num_warps, num_stages). N is the output width (the SiLU-gate's
-# width when gated). Qwen3-0.6B at TP=1 from `python -m bench.gemv_tune` on one H200 (2026-11-30, us per call
-# inside a CUDA graph over 28 weight copies; "unfused": the add_rms_norm / linear / silu_and_mul kernels it
-# replaces; docs/results/gemv_tune_s10.log).
+# width when gated). Qwen3-0.6B at TP=1 from `python -m bench.gemv_tune` on one H200 (2026-11-30, per call inside a
+# CUDA graph over 28 weight copies; "unfused": the add_rms_norm / linear / silu_and_mul kernels it replaces). Each
+# entry beat the unfused kernels; the figures are in docs/benchmarks.md (tenth session) and
+# docs/results/gemv_tune_s10.log.
 _CONFIGS: dict[tuple[int, int, int, int, bool], tuple[int, int, int, int]] = {
-    (4096, 1024, 1, 2, False): (2, 1024, 4, 1),  # qkv M=1: 4.94 us, unfused 5.98, roofline 1.97
-    (4096, 1024, 2, 2, False): (16, 1024, 4, 1),  # qkv M=2: 5.89 us, unfused 6.68, roofline 1.97
-    (1024, 2048, 1, 0, False): (4, 2048, 4, 1),  # o_proj M=1: 3.33 us, unfused 4.62, roofline 0.99
-    (1024, 2048, 2, 0, False): (4, 2048, 4, 1),  # o_proj M=2: 3.58 us, unfused 4.68, roofline 0.99
-    (3072, 1024, 1, 2, True): (4, 1024, 4, 1),  # gate_up M=1: 6.64 us, unfused 8.83, roofline 2.96
-    (3072, 1024, 2, 2, True): (4, 1024, 4, 1),  # gate_up M=2: 7.70 us, unfused 8.81, roofline 2.96
-    (1024, 3072, 1, 0, False): (2, 4096, 4, 1),  # down M=1: 4.19 us, unfused 5.25, roofline 1.48
-    (1024, 3072, 2, 0, False): (4, 4096, 4, 1),  # down M=2: 4.81 us, unfused 5.27, roofline 1.48
+    (4096, 1024, 1, 2, False): (2, 1024, 4, 1),  # qkv M=1
+    (4096, 1024, 2, 2, False): (16, 1024, 4, 1),  # qkv M=2
+    (1024, 2048, 1, 0, False): (4, 2048, 4, 1),  # o_proj M=1
+    (1024, 2048, 2, 0, False): (4, 2048, 4, 1),  # o_proj M=2
+    (3072, 1024, 1, 2, True): (4, 1024, 4, 1),  # gate_up M=1
+    (3072, 1024, 2, 2, True): (4, 1024, 4, 1),  # gate_up M=2
+    (1024, 3072, 1, 0, False): (2, 4096, 4, 1),  # down M=1
+    (1024, 3072, 2, 0, False): (4, 4096, 4, 1),  # down M=2
 }
 _MAX_SINGLE_K = 8192  # up to here a program holds whole weight rows (one chunk); longer rows loop over 4096-chunks
 

@@ -1,11 +1,12 @@
 """Compile Triton kernel variants side by side before serving.
 
 A cold Triton cache costs about a second per kernel variant, partly outside the GIL (ptxas is a subprocess), so
-compiles on several threads overlap in part: 8 threads halve the attention variants' time. `run_side_by_side`
-runs warm-up calls (each one launch) on worker threads bound to the caller's CUDA device, current stream and
-inference mode: every launch still lands on that one stream, in some order, so stream-ordered kernels (split-K
-and split-KV arrival counters) stay correct. `prime_kernel_caches` creates each kernel's per-device cache entry on the calling
-thread first: two threads that met an unseen kernel together could each build one and lose a compiled variant.
+compiles on several threads overlap in part (the measured gain: docs/benchmarks.md, seventh session, "Attention
+compiles side by side"). `run_side_by_side` runs warm-up calls (each one launch) on worker threads bound to the
+caller's CUDA device, current stream and inference mode: every launch still lands on that one stream, in some
+order, so stream-ordered kernels (split-K and split-KV arrival counters) stay correct. `prime_kernel_caches` creates
+each kernel's per-device cache entry on the calling thread first: two threads that met an unseen kernel together
+could each build one and lose a compiled variant.
 """
 from __future__ import annotations
 
