@@ -9,8 +9,8 @@ class SchedulerConfig:
     """max_num_seqs: running sequences per DP rank; max_num_batched_tokens: tokens of one step (chunked: decode
     rows plus prefill chunks; phased: one prefill step, a single longer sequence still admitted alone);
     watermark_blocks: free blocks kept back when admitting next to running sequences (damps admit/preempt
-    ping-pong); decode_steps: decode steps per scheduling round when no running sequence needs sampler extras (multi-step
-    decode); enable_chunked_prefill: the chunked policy (`engine.chunking`), in force when the budget is below
+    ping-pong); decode_steps: decode steps per scheduling round when no running sequence needs sampler extras
+    (multi-step decode); enable_chunked_prefill: the chunked policy (`engine.chunking`), in force when the budget is below
     max_model_len; enable_prefix_caching: reuse cached full blocks (`engine.block_manager`)."""
 
     max_num_seqs: int = 256
