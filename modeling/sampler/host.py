@@ -150,7 +150,7 @@ class HostBatch:
             self._check("top_k", self.top_k < self.vocab_size, f"< vocab_size {self.vocab_size} (0 = off)")
         self._check("top_p", np.isfinite(self.top_p) & (self.top_p > 0) & (self.top_p <= 1), "in (0, 1]")
         self._check("top_p_fixed", (self.top_p_fixed >= 0) & (self.top_p_fixed < TOP_P_ONE),
-                    f"in [0, 2^24) (0 = off)")
+                    "in [0, 2^24) (0 = off)")
         self._check("min_p", np.isfinite(self.min_p) & (self.min_p >= 0) & (self.min_p <= 1), "in [0, 1]")
         self._check("log_min_p", ~np.isnan(self.log_min_p) & (self.log_min_p <= 0), "<= 0 or -inf (off)")
         self._check("position", self.position >= 0, ">= 0")
