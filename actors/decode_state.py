@@ -16,7 +16,7 @@ from graphrunner.step import ForwardStep
 from modeling.attn_metadata import build_decode_step_host
 
 GREEDY_HEAD = "greedy"  # decode epilogue: int64 greedy tokens `[bucket]`
-LOGITS_HEAD = "logits"  # decode epilogue: fp32 logits `[bucket, V]` and their argmax, int64 `[bucket]`
+LOGITS_HEAD = "logits"  # decode epilogue: fp32 logits `[bucket, V]` (under TP the rank's shard) and greedy tokens
 
 
 def forward_step(input_ids: torch.Tensor, position_ids: torch.Tensor, kv_caches: Any, attn_metadata: Any,

@@ -74,12 +74,15 @@ class StepSampler:
             return logits
         return logits[:, sh.offset: sh.offset + sh.width]
 
-    def _host_batch(self, batch: StepBatch) -> HostBatch:
+    def _host_batch(self, batch: StepBatch, lists: bool = True) -> HostBatch:
+        """The batch's sampling rows; `lists=False` leaves out the per-row lists (bias, bans, penalties), keeping
+        min_p: for the captured heads, whose parameter block has no room for them."""
         ex = batch.extras
         position = batch.num_history.astype(np.int64) + batch.q_seqlens
-        kw = {} if ex is None else dict(min_p=ex.min_p, penalties=ex.penalties, bias_ids=ex.bias_ids,
-                                        bias_vals=ex.bias_vals, ban_ids=ex.ban_ids, pen_ids=ex.pen_ids,
-                                        pen_counts=ex.pen_counts)
+        kw = {} if ex is None else dict(min_p=ex.min_p)
+        if ex is not None and lists:
+            kw.update(penalties=ex.penalties, bias_ids=ex.bias_ids, bias_vals=ex.bias_vals, ban_ids=ex.ban_ids,
+                      pen_ids=ex.pen_ids, pen_counts=ex.pen_counts)
         return host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
                                       vocab_size=self.vocab_size, **kw)
 
@@ -111,11 +114,9 @@ class StepSampler:
         params = self._graph_params
         if params is None or bucket > params.max_batch or (ex is not None and (ex.num_logprobs >= 0 or ex.processed)):
             return None
-        position = batch.num_history.astype(np.int64) + batch.q_seqlens
-        host = host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
-                                      vocab_size=self.vocab_size, min_p=None if ex is None else ex.min_p)
+        host = self._host_batch(batch, lists=False)
         need = host.variant()
-        if need.processed or need.large_top_k:
+        if need.large_top_k:
             return None
         name = _BY_FLAGS[(need.top_k, need.top_p)]
         if captured(bucket, name) is None:

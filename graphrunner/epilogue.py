@@ -84,9 +84,6 @@ class DecodeEpilogues:
         self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
         self.capture_seconds += time.perf_counter() - t0
 
-    def has(self, bucket: int, name: str) -> bool:
-        return (bucket, name) in self._graphs
-
     def outputs(self, bucket: int, name: str) -> Optional[tuple]:
         g = self._graphs.get((bucket, name))
         return None if g is None else g.outputs

@@ -36,7 +36,8 @@ from typing import Optional
 
 import numpy as np
 
-from launch.bench_chat import ChatPrompts, load_bench_tokenizer, one_chat_request, print_ratios, ratios, timings
+from launch.bench_chat import (ChatPrompts, load_bench_tokenizer, one_chat_request, print_ratios, ratios,
+                               stream_events, timings)
 from launch.options import LaunchError
 
 APIS = ("completions", "chat")
@@ -106,22 +107,13 @@ async def one_request(session, url: str, model: Optional[str], prompt: list[int]
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **sampling, "stream": True}
     t0 = time.perf_counter()
     times, ntok = [], 0
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            for ch in chunk["choices"]:
-                k = len(ch.get("token_ids") or [])
-                if k:
-                    times.append((time.perf_counter(), k))
-                    ntok += k
-    return timings(t0, [t for t, _ in times], ntok, time.perf_counter())
+    async for chunk in stream_events(session, f"{url}/v1/completions", body):
+        for ch in chunk["choices"]:
+            k = len(ch.get("token_ids") or [])
+            if k:
+                times.append(time.perf_counter())
+                ntok += k
+    return timings(t0, times, ntok, time.perf_counter())
 
 
 def _prompts(api: str, clients: int, per_client: int, prompt_len: int, vocab: int,

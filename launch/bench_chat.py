@@ -85,15 +85,10 @@ class ChatPrompts:
         return conv(words), ids
 
 
-async def one_chat_request(session, url: str, model: Optional[str], messages: list[dict], max_tokens: int,
-                           sampling: dict) -> dict:
-    """One streamed chat completion with the never-matching stop string; raises on an HTTP error or an error
-    event. Returns what `launch.bench.one_request` does, plus `prompt_tokens` (the server's usage)."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, **sampling, "stop": [CHAT_STOP],
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    times, usage = [], None
-    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+async def stream_events(session, url: str, body: dict):
+    """POST `body` (a streaming request) to `url` and yield each server-sent event's JSON payload up to
+    `[DONE]`; raises RuntimeError on an HTTP error status or an error event."""
+    async with session.post(url, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
         async for raw in resp.content:
@@ -103,10 +98,22 @@ async def one_chat_request(session, url: str, model: Optional[str], messages: li
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            usage = chunk.get("usage") or usage
-            for ch in chunk["choices"]:
-                if ch["delta"].get("content") or ch.get("finish_reason"):
-                    times.append(time.perf_counter())
+            yield chunk
+
+
+async def one_chat_request(session, url: str, model: Optional[str], messages: list[dict], max_tokens: int,
+                           sampling: dict) -> dict:
+    """One streamed chat completion with the never-matching stop string; raises on an HTTP error or an error
+    event. Returns what `launch.bench.one_request` does, plus `prompt_tokens` (the server's usage)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, **sampling, "stop": [CHAT_STOP],
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    times, usage = [], None
+    async for chunk in stream_events(session, f"{url}/v1/chat/completions", body):
+        usage = chunk.get("usage") or usage
+        for ch in chunk["choices"]:
+            if ch["delta"].get("content") or ch.get("finish_reason"):
+                times.append(time.perf_counter())
     t_end = time.perf_counter()
     if usage is None:
         raise RuntimeError("the stream ended without a usage chunk")

@@ -99,7 +99,6 @@ class SamplerParams:
         # a ring of pinned mirrors: staging the next step never waits for the upload of the one before it
         self._mirrors = [_Mirror(max_batch, self.layout.width, pin) for _ in range(MIRRORS if pin else 1)]
         self._cur = 0
-        self._staged = 0  # rows written by the last stage()
         for m in self._mirrors:
             self._reset_rows(m, 0, max_batch)
         self.upload(max_batch, lists=True)
@@ -162,7 +161,6 @@ class SamplerParams:
         hl[:n, lay.pen_counts: lay.pen_counts + host.pen_counts.shape[1]] = host.pen_counts
         self._reset_rows(m, n, m.dirty)
         m.dirty = n
-        self._staged = n
 
     def upload(self, rows: Optional[int] = None, *, lists: bool = True) -> None:
         """Copy rows [0, rows) (default: max_batch) of the mirror to the device on the current stream."""
