@@ -62,7 +62,7 @@ def _prefill_step(rt: RankRuntime, tokens: int) -> ForwardStep:
     tables = np.zeros((1, width), dtype=np.int32)
     tables[0, :per] = np.arange(1, per + 1)
     rng = np.random.default_rng(tokens)
-    ids, pos, meta = build_step_from_arrays(rng.integers(1, 1000, tokens).astype(np.int64),
+    ids, pos, meta = build_step_from_arrays(rng.integers(1, min(1000, rt.model_config.vocab_size), tokens).astype(np.int64),
                                             np.array([tokens], dtype=np.int32), np.zeros(1, dtype=np.int32), tables, bs,
                                             rt.device)
     return ForwardStep(ids, pos, rt.kv_cache.layers, meta)

@@ -166,7 +166,7 @@ def sweep_shape(name: str, args, bw: float, rate: float) -> dict:
     graph = GraphRunnerConfig(max_decode_batch=max(sizes), decode_capture_sizes=tuple(sizes),
                               pcg_max_tokens=max(prefills) if prefills else 0, pcg_token_stride=512)
     max_len = max([args.context] + long_ctx + prefills) + 64
-    rt_cfg = RuntimeConfig(model=preset, device="cuda", num_kv_blocks=64, max_model_len=max_len, graph=graph)
+    rt_cfg = RuntimeConfig(model=preset, device=("cuda" if torch.cuda.is_available() else "cpu"), num_kv_blocks=64, max_model_len=max_len, graph=graph)
     rt = RankRuntime(rt_cfg, ParallelContext(), dev)
     rt.load_model()
     bs = rt_cfg.block_size

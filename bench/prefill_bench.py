@@ -204,7 +204,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.smoke:
         sizes = SMOKE
         args.device = "cpu" if args.device == "auto" else args.device
-        args.max_model_len = min(args.max_model_len, 256)
+        args.max_model_len = min(args.max_model_len or 256, 256)
         if args.max_num_batched_tokens is None:
             args.max_num_batched_tokens = 64
         if args.num_kv_blocks is None:

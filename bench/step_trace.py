@@ -2,6 +2,11 @@
 
     python -m bench.step_trace --out artifacts/step_trace.json                  # qwen3-0.6b, GPUs
     python -m bench.step_trace --model qwen3-tiny --device cpu --steps 20        # CPU smoke check
+    python -m bench.step_trace --batches "" --prefill 128,512,2048 --pcg-max-tokens 2048   # prefill steps
+
+`--prefill T,...` also traces prefill steps: one new sequence of T prompt tokens (no history), the step that
+yields a request's first token, through the same segments (the plan replay, attention boundaries and sampling
+are inside `launch` / `wait`; `--profile` splits the rank's host part by function).
 
 Starts the deployment with `DriverOptions(step_trace=True)`, so the driver's `PipeStepper` and every rank's step
 loop record perf_counter timestamps (one clock on one host) and each rank times its forward stream
@@ -79,6 +84,21 @@ def trace_steps(coord: Any, batch: Any, steps: int, warmup: int) -> dict[str, fl
     return {k: 1e6 * statistics.median(v) for k, v in rows.items()}
 
 
+def prefill_batch(tokens: int, block_size: int, vocab: int) -> Any:
+    """One sequence of `tokens` prompt tokens and no history (the step that yields its first token), greedy."""
+    import numpy as np
+
+    from actors.batch import StepBatch
+
+    per = -(-(tokens + 1) // block_size)
+    rng = np.random.default_rng(tokens)
+    return StepBatch(token_ids=rng.integers(0, vocab, tokens, dtype=np.int64),
+                     q_seqlens=np.array([tokens], np.int32), num_history=np.zeros(1, np.int32),
+                     block_tables=np.arange(1, per + 1, dtype=np.int32)[None, :],
+                     temperature=np.zeros(1, np.float32), top_k=np.zeros(1, np.int32),
+                     top_p=np.ones(1, np.float32), seeds=np.full(1, -1, np.int64))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from actors.options import DriverOptions
     from bench.dist_bench import add_armed_wait_arg, armed_waits, decode_batch, make_coordinator
@@ -87,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--device", default="auto", help="auto (GPUs when the cluster has them) or cpu")
     p.add_argument("--tp", default="1", help="TP sizes to run (comma list)")
-    p.add_argument("--batches", default="1,64")
+    p.add_argument("--batches", default="1,64", help="decode batches (comma list; empty for none)")
+    p.add_argument("--prefill", default="", help="prefill steps of these prompt lengths (comma list)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--context", type=int, default=128)
@@ -112,13 +133,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             try:
                 if coord.step_path != "pipe":
                     raise SystemExit(f"step path is {coord.step_path}, the trace needs the pipe path")
-                for b in (int(x) for x in args.batches.split(",")):
-                    batch = decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks,
-                                         coord.model_config.vocab_size)
+                vocab = coord.model_config.vocab_size
+                armed = "" if wait is None else f" armed_wait_ms={wait:g}"
+                for b in (int(x) for x in args.batches.split(",") if x):
+                    batch = decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks, vocab)
                     r = trace_steps(coord, batch, args.steps, args.warmup)
                     res["runs"].append({"tp": tp, "armed_wait_ms": wait, "batch": b, "us": r})
-                    armed = "" if wait is None else f" armed_wait_ms={wait:g}"
                     print(f"tp={tp}{armed} batch={b}: " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()), flush=True)
+                for t in (int(x) for x in args.prefill.split(",") if x):
+                    r = trace_steps(coord, prefill_batch(t, coord.block_size, vocab), args.steps, args.warmup)
+                    res["runs"].append({"tp": tp, "armed_wait_ms": wait, "prefill_tokens": t, "us": r})
+                    print(f"tp={tp}{armed} prefill={t}: " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()),
+                          flush=True)
             finally:
                 coord.shutdown()
     finally:
