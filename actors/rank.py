@@ -162,7 +162,7 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
 
     def runner_has_graphs(self) -> bool:
         snap = self.runner.stats.snapshot()
-        return bool(snap.get("captured_decode") or snap.get("captured_prefill"))
+        return bool(snap.get("captured_decode") or snap.get("captured_prefill") or snap.get("captured_prefill_graphs"))
 
     def capture_sizes(self) -> tuple[list[int], list[int]]:
         return list(self.runner.decode_capture_sizes()), list(self.runner.prefill_capture_sizes())

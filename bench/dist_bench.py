@@ -139,7 +139,8 @@ def make_coordinator(args: Any, tp: int, armed_wait_ms: Optional[float] = None,
     from actors.environment import options_from_environ
 
     opts = options_from_environ()
-    graph = GraphRunnerConfig(max_decode_batch=args.max_decode_batch, pcg_max_tokens=args.pcg_max_tokens)
+    graph = GraphRunnerConfig(max_decode_batch=args.max_decode_batch, pcg_max_tokens=args.pcg_max_tokens,
+                              prefill_graph_max_tokens=getattr(args, "prefill_graph_max_tokens", 0) or 0)
     kv_blocks = getattr(args, "kv_blocks", 0)
     extra = {} if armed_wait_ms is None else {"armed_decode_wait_ms": armed_wait_ms}
     rt = RuntimeConfig(model=args.model, device=args.device, graph=graph, num_kv_blocks=kv_blocks or None,

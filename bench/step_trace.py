@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--max-decode-batch", type=int, default=64)
     p.add_argument("--pcg-max-tokens", type=int, default=512)
+    p.add_argument("--prefill-graph-max-tokens", type=int, default=0,
+                   help="full prefill graphs up to this many tokens (0 = off: prefill steps replay piecewise plans)")
     p.add_argument("--num-cpus", type=int, default=None)
     add_armed_wait_arg(p)
     p.add_argument("--profile", default=None, help="also cProfile each rank's step loop into PROFILE.rank<r>")

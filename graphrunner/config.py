@@ -7,6 +7,8 @@ from typing import Optional, Sequence
 from .buckets import DEFAULT_TOKEN_STRIDE, _is_int, decode_buckets, prefill_token_buckets, validate_sizes
 from .errors import GraphRunnerConfigError
 
+PREFILL_GRAPH_MIN_TOKENS = 16  # the smallest full prefill graph token bucket
+
 
 @dataclass(frozen=True)
 class GraphRunnerConfig:
@@ -23,6 +25,10 @@ class GraphRunnerConfig:
     pcg_capture_guard: while building a plan, check that captured work never
         consumes eager-only results, start-up request tensors, or reusable
         bridges after their declared last use (start-up cost only).
+    prefill_graph_max_tokens: largest token bucket of the full prefill graphs (`graphrunner.prefill_graph`):
+        a whole non-decode step of at most this many tokens and `prefill_graph_max_seqs` sequences, attention
+        included, replayed as one CUDA graph from live metadata. 0 = off (steps take the piecewise plans).
+    prefill_graph_max_seqs: most sequences such a step may hold (sequence buckets: powers of two up to it).
     """
 
     eager_mode: bool = False
@@ -32,6 +38,8 @@ class GraphRunnerConfig:
     pcg_token_stride: int = DEFAULT_TOKEN_STRIDE
     pcg_min_tokens: Optional[int] = None
     pcg_capture_guard: bool = True
+    prefill_graph_max_tokens: int = 0
+    prefill_graph_max_seqs: int = 4
 
     def __post_init__(self) -> None:
         if not isinstance(self.eager_mode, bool):
@@ -59,6 +67,11 @@ class GraphRunnerConfig:
                     f"pcg_min_tokens ({self.pcg_min_tokens}) must be below pcg_token_stride ({self.pcg_token_stride})"
                 )
 
+        for name in ("prefill_graph_max_tokens", "prefill_graph_max_seqs"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < (0 if name == "prefill_graph_max_tokens" else 1):
+                raise GraphRunnerConfigError(f"{name} must be an int >= {0 if 'tokens' in name else 1}, got {v!r}")
+
     @property
     def pcg_enabled(self) -> bool:
         """Piecewise plans are configured (the model and device may still rule them out)."""
@@ -75,3 +88,15 @@ class GraphRunnerConfig:
     def prefill_buckets(self) -> tuple[int, ...]:
         """Ascending piecewise token buckets (() when pcg_max_tokens is None/0); independent of `eager_mode`."""
         return prefill_token_buckets(self.pcg_max_tokens, self.pcg_token_stride, self.pcg_min_tokens)
+
+    def prefill_graph_buckets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(ascending token buckets, ascending sequence buckets) of the full prefill graphs; ((), ()) when off.
+        Tokens: powers of two from 16 below the piecewise stride, then multiples of the stride, then the maximum
+        (`buckets.prefill_token_buckets`); sequences: powers of two up to `prefill_graph_max_seqs`, and it."""
+        if not self.prefill_graph_max_tokens:
+            return (), ()
+        low = PREFILL_GRAPH_MIN_TOKENS if PREFILL_GRAPH_MIN_TOKENS < self.pcg_token_stride else None
+        tokens = prefill_token_buckets(self.prefill_graph_max_tokens, self.pcg_token_stride, low)
+        seqs = sorted({1 << i for i in range(self.prefill_graph_max_seqs.bit_length())
+                       if (1 << i) <= self.prefill_graph_max_seqs} | {self.prefill_graph_max_seqs})
+        return tokens, tuple(seqs)

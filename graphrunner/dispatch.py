@@ -1,6 +1,8 @@
 """The three-way dispatch decision, as a side-effect-free policy (CPU-testable).
 
     decode, model supports it, batch <= max, captured  -> full CUDA graph
+    otherwise, tokens and sequences within a captured
+    full prefill graph the model supports              -> full prefill graph
     token-bucket plan published                          -> piecewise replay
     start-up preparation context, no plan yet            -> build the plan
     everything else                                      -> eager (reason recorded)
@@ -20,12 +22,14 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 from .buckets import round_up_decode
 from .forward_args import scalar_constants
 from .full_graph import DecodeGraphKey, decode_graph_key
+from .prefill_graph import PrefillGraphKey
 from .stats import EagerReason
 from .step import ForwardStep
 
 
 class Path(str, enum.Enum):
     FULL_GRAPH = "full_graph"
+    PREFILL_GRAPH = "prefill_graph"
     PIECEWISE = "piecewise"
     BUILD = "piecewise_build"
     EAGER = "eager"
@@ -37,6 +41,7 @@ class Decision:
     reason: Optional[EagerReason] = None
     decode_key: Optional[DecodeGraphKey] = None
     descriptor: Optional[Any] = None
+    prefill_key: Optional[PrefillGraphKey] = None
 
 
 class PiecewiseSelector(Protocol):
@@ -45,12 +50,19 @@ class PiecewiseSelector(Protocol):
     def has_plan(self, descriptor: Any) -> bool: ...
 
 
+class PrefillGraphSelector(Protocol):
+    def key_for(self, step: ForwardStep) -> Optional[PrefillGraphKey]: ...
+
+    def has_graph(self, key: PrefillGraphKey) -> bool: ...
+
+
 class DispatchPolicy:
     """Decides a step's path from static facts and the published graphs; never touches the device.
 
     cuda: the runner's device is CUDA. decode_buckets: ascending decode buckets.
     has_decode_graph: whether a decode key is captured. piecewise: the standard
-    runtime (None when PCG is off, `piecewise_off_reason` says why).
+    runtime (None when PCG is off, `piecewise_off_reason` says why). prefill_graphs: the full prefill graphs
+    (None when off).
     """
 
     def __init__(
@@ -63,6 +75,7 @@ class DispatchPolicy:
         has_decode_graph: Callable[[DecodeGraphKey], bool],
         piecewise: Optional[PiecewiseSelector],
         piecewise_off_reason: Optional[EagerReason] = None,
+        prefill_graphs: Optional[PrefillGraphSelector] = None,
     ):
         self.model = model
         self.eager_mode = eager_mode
@@ -71,6 +84,7 @@ class DispatchPolicy:
         self.has_decode_graph = has_decode_graph
         self.piecewise = piecewise
         self.piecewise_off_reason = piecewise_off_reason or EagerReason.PCG_DISABLED
+        self.prefill_graphs = prefill_graphs
 
     def decide(self, step: ForwardStep, preparing: bool = False) -> Decision:
         if self.eager_mode:
@@ -84,6 +98,9 @@ class DispatchPolicy:
             decode_reason, key = self.decode_choice(step)
             if decode_reason is None:
                 return Decision(Path.FULL_GRAPH, decode_key=key)
+        prefill_key = self.prefill_graph_choice(step)
+        if prefill_key is not None:
+            return Decision(Path.PREFILL_GRAPH, prefill_key=prefill_key)
         choice = self.piecewise_choice(step, preparing)
         if isinstance(choice, Decision):
             return choice
@@ -108,6 +125,16 @@ class DispatchPolicy:
         if not self.has_decode_graph(key):
             return EagerReason.NOT_CAPTURED, None
         return None, key
+
+    def prefill_graph_choice(self, step: ForwardStep) -> Optional[PrefillGraphKey]:
+        """The captured full prefill graph serving `step`, or None (then piecewise or eager decide)."""
+        pg = self.prefill_graphs
+        if pg is None or step.micro_batch or step.adapter_ids is not None or step.chunked_prefill:
+            return None
+        if not self.model.supports_prefill_graph(step):
+            return None
+        key = pg.key_for(step)
+        return key if key is not None and pg.has_graph(key) else None
 
     def piecewise_choice(self, step: ForwardStep, preparing: bool) -> Union[Decision, EagerReason]:
         if self.piecewise is None:

@@ -23,6 +23,7 @@ from .errors import GraphCaptureError
 from .forward_args import model_kwargs
 from .full_graph import FullGraphRunner, decode_graph_key
 from .piecewise import PiecewiseGraphManager
+from .prefill_graph import PrefillGraphKey, PrefillGraphRunner
 from .standard import REQUEST_LIFETIME_FRAME_NAMES, StandardPiecewiseRuntime
 from .stats import EagerReason, ExecPath, RunnerStats
 from .step import ForwardStep, GraphMeta
@@ -58,6 +59,7 @@ class CUDAGraphRunner:
         self._cuda = self.device.type == "cuda"
         self._decode_buckets = config.decode_buckets()
         self._prefill_buckets = config.prefill_buckets()
+        self._prefill_graph_tokens, self._prefill_graph_seqs = config.prefill_graph_buckets()
         self._reset_hooks: list[Callable[[], None]] = []
         self._preparing = 0
         self.stream: Optional[Any] = None
@@ -68,7 +70,8 @@ class CUDAGraphRunner:
             if self.stream == torch.cuda.default_stream(self.device):
                 self.stream = torch.cuda.Stream(self.device)
         max_batch = self._decode_buckets[-1] if self._decode_buckets else 0
-        max_tokens = max(max_batch, self._prefill_buckets[-1] if self._prefill_buckets else 0, 1)
+        max_tokens = max(max_batch, self._prefill_buckets[-1] if self._prefill_buckets else 0,
+                         self._prefill_graph_tokens[-1] if self._prefill_graph_tokens else 0, 1)
         self.graph_meta = GraphMeta(max_batch, max_tokens, max_blocks_per_seq, self.device)
         graphs = self._cuda and not config.eager_mode
         self._full: Optional[FullGraphRunner] = (
@@ -76,6 +79,11 @@ class CUDAGraphRunner:
         )
         self._epilogues: Optional[DecodeEpilogues] = (
             DecodeEpilogues(self.device, self._full.pool) if self._full is not None else None
+        )
+        self._prefill_graphs: Optional[PrefillGraphRunner] = (
+            PrefillGraphRunner(model, self._prefill_graph_tokens, self._prefill_graph_seqs, self.graph_meta,
+                               self.stream)
+            if graphs and self._prefill_graph_tokens and hasattr(model, "make_prefill_buffers") else None
         )
         self._decisions: dict[tuple, Decision] = {}  # memoised decode decisions (see `decide_decode`)
         self._pcg: Optional[StandardPiecewiseRuntime] = None
@@ -90,6 +98,7 @@ class CUDAGraphRunner:
             has_decode_graph=self._full.has_graph if self._full is not None else (lambda key: False),
             piecewise=self._pcg,
             piecewise_off_reason=off_reason,
+            prefill_graphs=self._prefill_graphs,
         )
 
     def _enable_piecewise(self) -> EagerReason:
@@ -122,6 +131,10 @@ class CUDAGraphRunner:
     @property
     def num_decode_graphs(self) -> int:
         return self._full.num_graphs if self._full is not None else 0
+
+    @property
+    def num_prefill_graphs(self) -> int:
+        return self._prefill_graphs.num_graphs if self._prefill_graphs is not None else 0
 
     @property
     def num_plans(self) -> int:
@@ -197,6 +210,11 @@ class CUDAGraphRunner:
             out = self._full.replay(decision.decode_key, step)
             self.stats.record_step(ExecPath.FULL_GRAPH, step.num_tokens, decision.decode_key.batch)
             return out
+        if path is Path.PREFILL_GRAPH:
+            key = decision.prefill_key
+            out = self._prefill_graphs.replay(key, step)
+            self.stats.record_step(ExecPath.PREFILL_GRAPH, step.num_tokens, key.tokens)
+            return out
         if path is Path.PIECEWISE:
             out = self._pcg.replay(decision.descriptor, step)
             if serving:
@@ -236,8 +254,8 @@ class CUDAGraphRunner:
         return sorted(self._decode_buckets, reverse=True)
 
     def prefill_capture_sizes(self) -> list[int]:
-        """Piecewise token buckets in capture order (largest first)."""
-        return sorted(self._prefill_buckets, reverse=True)
+        """Token buckets of the piecewise plans and the full prefill graphs, in capture order (largest first)."""
+        return sorted(set(self._prefill_buckets) | set(self._prefill_graph_tokens), reverse=True)
 
     @contextlib.contextmanager
     def preparing_prefill(self) -> Iterator[None]:
@@ -277,30 +295,53 @@ class CUDAGraphRunner:
         return seconds
 
     def capture_prefill(self, tokens: int) -> float:
-        """Build and publish the piecewise plan of token bucket `tokens`; returns seconds (0.0 if present).
+        """Build the piecewise plan of token bucket `tokens` and capture its full prefill graphs (one per sequence
+        bucket), whichever it is a bucket of; returns seconds. CPU / eager mode / off: one eager warm-up instead."""
+        if tokens not in self._prefill_buckets and tokens not in self._prefill_graph_tokens:
+            raise GraphCaptureError(f"{tokens} is not a prefill token bucket {self.prefill_capture_sizes()[::-1]}")
+        seconds = self._capture_plan(tokens) if tokens in self._prefill_buckets else 0.0
+        if tokens in self._prefill_graph_tokens:
+            seconds += self._capture_prefill_graphs(tokens)
+        return seconds
 
-        CPU / eager mode / PCG off: one eager warm-up forward of the bucket instead.
-        """
-        if tokens not in self._prefill_buckets:
-            raise GraphCaptureError(f"{tokens} is not a piecewise token bucket {list(self._prefill_buckets)}")
+    def _capture_plan(self, tokens: int) -> float:
         step = self.dummy_step_factory(tokens, 1, False)
         self._decisions.clear()  # a new plan may serve decode steps that have no full graph
         with torch.inference_mode(), self._on_rank_stream(), self.preparing_prefill():
-            decision = self._policy.decide(step, preparing=True)
-            if decision.path is Path.PIECEWISE:
+            decision = self._policy.piecewise_choice(step, preparing=True)
+            if isinstance(decision, Decision) and decision.path is Path.PIECEWISE:
                 return 0.0
-            if decision.path is Path.BUILD:
-                t0 = time.perf_counter()
-                self._execute(step, decision, serving=False)
-                return time.perf_counter() - t0
-            if decision.path is Path.FULL_GRAPH:
-                raise GraphCaptureError("the prefill dummy step was dispatched to a decode graph")
+            built = isinstance(decision, Decision)  # Path.BUILD: the build records its own capture
             t0 = time.perf_counter()
-            self._execute(step, decision, serving=False)
+            self._execute(step, decision if built else Decision(Path.EAGER, decision), serving=False)
+            if built:
+                return time.perf_counter() - t0
             if self._cuda:
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
         self.stats.record_capture("prefill", tokens, seconds, False)
+        return seconds
+
+    def _capture_prefill_graphs(self, tokens: int) -> float:
+        """The full prefill graphs of token bucket `tokens`, one per sequence bucket, largest first."""
+        step = self.dummy_step_factory(tokens, 1, False)
+        pg = self._prefill_graphs
+        self._decisions.clear()
+        with torch.inference_mode(), self._on_rank_stream():
+            t0 = time.perf_counter()
+            as_graph = pg is not None and bool(self.model.supports_prefill_graph(step))
+            if as_graph:
+                extra = pg.key_for(step).extra
+                for seqs in sorted(self._prefill_graph_seqs, reverse=True):
+                    if not pg.has_graph(PrefillGraphKey(tokens, seqs, extra)):
+                        pg.capture(step, tokens, seqs)
+            elif tokens not in self._prefill_buckets:  # the plan's capture already ran this bucket's warm-up
+                self.model(**model_kwargs(step))
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - t0
+        self.stats.record_capture("prefill_graph", tokens, seconds, as_graph)
+        self._refresh_memory_stats()
         return seconds
 
     # ------------------------------------------------------------------ invalidation
@@ -321,6 +362,8 @@ class CUDAGraphRunner:
             self._epilogues.reset()
         if self._full is not None:
             self._full.reset()
+        if self._prefill_graphs is not None:
+            self._prefill_graphs.reset()
         if self._pcg is not None:
             self._pcg.reset()
         gc.collect()
@@ -346,6 +389,9 @@ class CUDAGraphRunner:
         s = self.stats
         s.decode_graph_pool_bytes = self._full.pool_bytes if self._full is not None else 0
         s.static_buffer_bytes = self._full.buffer_bytes if self._full is not None else 0
+        if self._prefill_graphs is not None:
+            s.prefill_graph_pool_bytes = self._prefill_graphs.pool_bytes
+            s.static_buffer_bytes += self._prefill_graphs.buffer_bytes
         if self._pcg is not None:
             m = self._pcg.manager
             s.piecewise_graph_pool_bytes = m.pool_bytes

@@ -9,8 +9,12 @@ class ExecPath(str, enum.Enum):
     """Which path served a step."""
 
     FULL_GRAPH = "full_graph"
+    PREFILL_GRAPH = "prefill_graph"
     PIECEWISE = "piecewise"
     EAGER = "eager"
+
+
+CAPTURE_KINDS = ("decode", "prefill", "prefill_graph")
 
 
 class EagerReason(str, enum.Enum):
@@ -42,9 +46,10 @@ class RunnerStats:
         self.eager_reasons: dict[str, int] = {}
         self.real_tokens: dict[str, int] = {p.value: 0 for p in ExecPath}
         self.padded_tokens: dict[str, int] = {p.value: 0 for p in ExecPath}
-        self.capture_seconds: dict[str, dict[int, float]] = {"decode": {}, "prefill": {}}
-        self.captured_as_graph: dict[str, dict[int, bool]] = {"decode": {}, "prefill": {}}
+        self.capture_seconds: dict[str, dict[int, float]] = {k: {} for k in CAPTURE_KINDS}
+        self.captured_as_graph: dict[str, dict[int, bool]] = {k: {} for k in CAPTURE_KINDS}
         self.decode_graph_pool_bytes = 0
+        self.prefill_graph_pool_bytes = 0
         self.piecewise_graph_pool_bytes = 0
         self.bridge_bytes = 0
         self.static_buffer_bytes = 0
@@ -61,18 +66,20 @@ class RunnerStats:
             self.eager_reasons[reason.value] = self.eager_reasons.get(reason.value, 0) + 1
 
     def record_capture(self, kind: str, bucket: int, seconds: float, as_graph: bool) -> None:
-        """Record one start-up bucket (`kind` is "decode" or "prefill"); `as_graph` False = eager warm-up only."""
+        """Record one start-up bucket (`kind`: one of `CAPTURE_KINDS`; "prefill_graph" records every sequence
+        bucket of a token bucket as one); `as_graph` False = eager warm-up only."""
         if kind not in self.capture_seconds:
-            raise ValueError(f"capture kind must be 'decode' or 'prefill', got {kind!r}")
+            raise ValueError(f"capture kind must be one of {CAPTURE_KINDS}, got {kind!r}")
         self.capture_seconds[kind][int(bucket)] = float(seconds)
         self.captured_as_graph[kind][int(bucket)] = bool(as_graph)
 
     def on_reset(self) -> None:
         """Forget the current graph generation (capture tables, memory); keep step counters."""
         self.resets += 1
-        self.capture_seconds = {"decode": {}, "prefill": {}}
-        self.captured_as_graph = {"decode": {}, "prefill": {}}
+        self.capture_seconds = {k: {} for k in CAPTURE_KINDS}
+        self.captured_as_graph = {k: {} for k in CAPTURE_KINDS}
         self.decode_graph_pool_bytes = 0
+        self.prefill_graph_pool_bytes = 0
         self.piecewise_graph_pool_bytes = 0
         self.bridge_bytes = 0
         self.static_buffer_bytes = 0
@@ -90,9 +97,11 @@ class RunnerStats:
 
         n_decode = sum(self.captured_as_graph["decode"].values())
         n_prefill = sum(self.captured_as_graph["prefill"].values())
+        n_prefill_graphs = sum(self.captured_as_graph["prefill_graph"].values())
         return {
             "captured_decode": n_decode,  # decode graphs alive now (eager warm-ups not counted)
             "captured_prefill": n_prefill,  # piecewise plans alive now
+            "captured_prefill_graphs": n_prefill_graphs,  # token buckets with full prefill graphs alive now
             "steps": dict(self.steps),
             "eager_reasons": dict(sorted(self.eager_reasons.items())),
             "tokens": {
@@ -107,12 +116,16 @@ class RunnerStats:
                 "prefill": per_bucket("prefill"),
                 "decode_seconds_total": sum(self.capture_seconds["decode"].values()),
                 "prefill_seconds_total": sum(self.capture_seconds["prefill"].values()),
+                "prefill_graph": per_bucket("prefill_graph"),
+                "prefill_graph_seconds_total": sum(self.capture_seconds["prefill_graph"].values()),
                 "decode_graphs": n_decode,
                 "prefill_plans": n_prefill,
+                "prefill_graphs": n_prefill_graphs,
             },
             "memory": {
                 "decode_graph_pool_bytes": self.decode_graph_pool_bytes,
                 "piecewise_graph_pool_bytes": self.piecewise_graph_pool_bytes,
+                "prefill_graph_pool_bytes": self.prefill_graph_pool_bytes,
                 "bridge_bytes": self.bridge_bytes,
                 "static_buffer_bytes": self.static_buffer_bytes,
             },

@@ -49,7 +49,7 @@ class _StatusCollector:
                   ["rank", "kind"])
         capb = fam(GaugeMetricFamily, "graphline_bucket_capture_seconds", "Capture seconds per bucket",
                    ["rank", "kind", "bucket"])
-        graphs = fam(GaugeMetricFamily, "graphline_captured_graphs", "Decode graphs / prefill plans captured",
+        graphs = fam(GaugeMetricFamily, "graphline_captured_graphs", "Decode graphs / prefill plans / token buckets with full prefill graphs captured",
                      ["rank", "kind"])
         pool = fam(GaugeMetricFamily, "graphline_graph_pool_bytes", "CUDA graph memory pool bytes", ["rank", "kind"])
         bridge = fam(GaugeMetricFamily, "graphline_bridge_bytes", "Piecewise bridge bytes", ["rank"])
@@ -76,15 +76,17 @@ class _StatusCollector:
                 padded.add_metric([rk, path], n)
             waste.add_metric([rk], float(r.get("padding_waste") or 0.0))
             c = r.get("capture") or {}
-            for kind in ("decode", "prefill"):
+            for kind in ("decode", "prefill", "prefill_graph"):
                 cap.add_metric([rk, kind], float(c.get(f"{kind}_seconds_total") or 0.0))
                 for b, v in (c.get(kind) or {}).items():
                     capb.add_metric([rk, kind, str(b)], float(v.get("seconds", 0.0) if isinstance(v, dict) else v))
             graphs.add_metric([rk, "decode"], float(c.get("decode_graphs") or 0))
             graphs.add_metric([rk, "prefill"], float(c.get("prefill_plans") or 0))
+            graphs.add_metric([rk, "prefill_graph"], float(c.get("prefill_graphs") or 0))
             m = r.get("memory") or {}
             pool.add_metric([rk, "decode"], float(m.get("decode_graph_pool_bytes") or 0))
             pool.add_metric([rk, "piecewise"], float(m.get("piecewise_graph_pool_bytes") or 0))
+            pool.add_metric([rk, "prefill_graph"], float(m.get("prefill_graph_pool_bytes") or 0))
             bridge.add_metric([rk], float(m.get("bridge_bytes") or 0))
             static.add_metric([rk], float(m.get("static_buffer_bytes") or 0))
             resets.add_metric([rk], float(r.get("resets") or 0))

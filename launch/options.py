@@ -69,6 +69,12 @@ def add_model_args(p: argparse.ArgumentParser, executor_default: str = "ray") ->
                    help="largest piecewise prefill bucket, 0 = off (default 4096; 512 on CPU)")
     r.add_argument("--pcg-token-stride", type=int, default=512)
     r.add_argument("--pcg-min-tokens", type=int, default=None, help="finer power-of-two prefill buckets from here")
+    r.add_argument("--prefill-graph-max-tokens", type=int, default=None,
+                   help="largest token bucket of the full prefill graphs (a whole prefill step of up to this many "
+                        "tokens as one CUDA graph), 0 = off (default 2048 on GPUs, at most --max-model-len; off on "
+                        "CPU)")
+    r.add_argument("--prefill-graph-max-seqs", type=int, default=4,
+                   help="most sequences a step served by a full prefill graph may hold")
     r.add_argument("--armed-decode-wait-ms", type=float, default=20.0,
                    help="a rank with TP and EP size 1 enqueues its next greedy decode step behind a gate while it "
                         "waits for the request, for up to this long (0 = never; see actors/armed.py)")
@@ -108,6 +114,9 @@ def resolve_max_model_len(args: argparse.Namespace) -> None:
     args._max_model_len_resolved = True
 
 
+PREFILL_GRAPH_MAX_TOKENS = 2048  # default largest full prefill graph bucket on GPUs (the GPU step budget)
+
+
 def resolve_graph_defaults(args: argparse.Namespace) -> None:
     """Fill graph options left unset: GPU-sized by default, small on CPU (eager warm-up of every bucket)."""
     resolve_max_model_len(args)
@@ -119,6 +128,13 @@ def resolve_graph_defaults(args: argparse.Namespace) -> None:
     elif args.pcg_max_tokens > args.max_model_len:
         raise LaunchError(f"--pcg-max-tokens {args.pcg_max_tokens} exceeds --max-model-len {args.max_model_len} "
                           "(the start-up prefill of the largest bucket is one sequence)")
+    if getattr(args, "prefill_graph_max_tokens", None) is None:
+        args.prefill_graph_max_tokens = 0 if cpu or args.eager else min(PREFILL_GRAPH_MAX_TOKENS, args.max_model_len)
+    elif args.prefill_graph_max_tokens < 0 or args.prefill_graph_max_tokens > args.max_model_len:
+        raise LaunchError(f"--prefill-graph-max-tokens {args.prefill_graph_max_tokens} must be in 0..--max-model-len "
+                          f"({args.max_model_len}): the start-up capture of the largest bucket is one sequence")
+    if getattr(args, "prefill_graph_max_seqs", 4) < 1:
+        raise LaunchError(f"--prefill-graph-max-seqs must be >= 1, got {args.prefill_graph_max_seqs}")
 
 
 def runtime_config(args: argparse.Namespace, kernels: Any = None):
@@ -133,7 +149,8 @@ def runtime_config(args: argparse.Namespace, kernels: Any = None):
     resolve_graph_defaults(args)
     graph = GraphRunnerConfig(eager_mode=args.eager, max_decode_batch=args.max_decode_batch,
                               pcg_max_tokens=args.pcg_max_tokens or None, pcg_token_stride=args.pcg_token_stride,
-                              pcg_min_tokens=args.pcg_min_tokens)
+                              pcg_min_tokens=args.pcg_min_tokens, prefill_graph_max_tokens=args.prefill_graph_max_tokens,
+                              prefill_graph_max_seqs=getattr(args, "prefill_graph_max_seqs", 4))
     block = args.block_size or (16 if _on_cpu(args) else 64)
     return RuntimeConfig(model=args.model, seed=args.seed, dtype=args.dtype, device=args.device, block_size=block,
                          num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
@@ -290,7 +307,8 @@ def deployment_summary(args: argparse.Namespace, kind: str) -> dict:
     return {"executor": kind, "model": args.model, "tp": args.tp, "dp": args.dp, "ep": args.ep,
             "ep_backend": args.ep_backend, "address": args.address, "device": args.device, "eager": args.eager,
             "max_decode_batch": args.max_decode_batch, "pcg_max_tokens": args.pcg_max_tokens,
-            "pcg_token_stride": args.pcg_token_stride, "max_model_len": args.max_model_len,
+            "pcg_token_stride": args.pcg_token_stride,
+            "prefill_graph_max_tokens": getattr(args, "prefill_graph_max_tokens", None), "max_model_len": args.max_model_len,
             "num_kv_blocks": args.num_kv_blocks, "chunked_prefill": not getattr(args, "no_chunked_prefill", False),
             "prefix_caching": not getattr(args, "no_prefix_caching", False),
             "max_num_batched_tokens": args.max_num_batched_tokens}

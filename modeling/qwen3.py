@@ -17,6 +17,7 @@ from modeling.config import ModelConfig
 from modeling.cudagraph import DecodeGraphBuffersMixin
 from modeling.layers import Qwen3Attention, Qwen3MLP, RMSNorm, RotaryEmbedding, project_add_norm
 from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
+from modeling.prefill_buffers import PrefillGraphBuffersMixin
 from modeling.moe import SparseMoeBlock
 from modeling.ops import KernelOps, get_kernel_ops
 from parallel.context import ParallelContext
@@ -68,7 +69,7 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class Qwen3ForCausalLM(DecodeGraphBuffersMixin, nn.Module):
+class Qwen3ForCausalLM(DecodeGraphBuffersMixin, PrefillGraphBuffersMixin, nn.Module):
     """Qwen3 dense or MoE (by `cfg.num_experts`). Parameters are created on `device` uninitialised;
     fill them with `modeling.loader` (`load_checkpoint` or `init_random`)."""
 

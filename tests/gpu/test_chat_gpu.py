@@ -183,8 +183,8 @@ def test_chat_with_cuda_graphs_answers_as_eager(fixture_checkpoint):
     for r in graphs["status"]["ranks"]:
         assert r["capture"]["decode_graphs"] > 0 and r["capture"]["prefill_plans"] > 0, r["capture"]
         assert r["steps"].get("full_graph", 0) > 0, r["steps"]  # decode served by full CUDA graphs
-        assert r["steps"].get("piecewise", 0) > 0, r["steps"]  # prefill served by piecewise plans
+        assert r["steps"].get("prefill_graph", 0) > 0, r["steps"]  # prefill served by full prefill graphs
     for r in eager["status"]["ranks"]:
-        assert not r["steps"].get("full_graph") and not r["steps"].get("piecewise"), r["steps"]
+        assert not any(r["steps"].get(k) for k in ("full_graph", "prefill_graph", "piecewise")), r["steps"]
     print(f"stop string {graphs['stop']!r}; graph server steps {[r['steps'] for r in graphs['status']['ranks']]}; "
           f"answers {[c['text'] for c in graphs['chat_stream']]}")

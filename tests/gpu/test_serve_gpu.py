@@ -53,7 +53,8 @@ def _exercise(url: str, nranks: int) -> dict:
         cap = r["capture"]
         assert cap["decode_graphs"] > 0 and cap["prefill_plans"] > 0, cap
         assert r["steps"]["full_graph"] > 0, r["steps"]  # decode served by full CUDA graphs
-        assert r["steps"]["piecewise"] > 0, r["steps"]  # prefill served by piecewise plans
+        assert r["steps"]["prefill_graph"] > 0, r["steps"]  # a lone prompt's prefill: one full prefill graph
+        assert cap["prefill_graphs"] > 0, cap
         assert r["memory"]["decode_graph_pool_bytes"] > 0
     assert "graphline_runner_steps_total" in metrics
     return st

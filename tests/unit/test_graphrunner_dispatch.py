@@ -205,7 +205,7 @@ def test_cpu_runner_is_eager_and_equals_model(model, kv):
     assert torch.equal(kv[0][0], ref_kv[0][0])
     runner(decode(kv, 2))
     snap = runner.stats.snapshot()
-    assert snap["steps"] == {"full_graph": 0, "piecewise": 0, "eager": 2}
+    assert snap["steps"] == {"full_graph": 0, "prefill_graph": 0, "piecewise": 0, "eager": 2}
     assert snap["eager_reasons"] == {"no_cuda": 2}
     assert runner.decide(decode(kv, 2)).reason is EagerReason.NO_CUDA
 
@@ -282,7 +282,7 @@ def test_stats_snapshot_is_json_and_counts():
     s.record_capture("prefill", 512, 1.5, True)
     s.decode_graph_pool_bytes = 1 << 20
     snap = json.loads(json.dumps(s.snapshot()))
-    assert snap["steps"] == {"full_graph": 1, "piecewise": 1, "eager": 2}
+    assert snap["steps"] == {"full_graph": 1, "prefill_graph": 0, "piecewise": 1, "eager": 2}
     assert snap["eager_reasons"] == {"chunked_prefill": 2}
     assert snap["tokens"]["real_total"] == 123 and snap["tokens"]["padded_total"] == 536
     assert snap["capture"]["decode"]["4"] == {"seconds": 0.5, "graph": True}
