@@ -103,7 +103,11 @@ class RankDecodeSteps:
             else:
                 name = self.sampler().stage_graph_rows(sampled_batch, bucket, self.runner.epilogue_outputs)
                 if name is not None:
-                    return None, run_head(bucket, name)[0][:n]
+                    outs = run_head(bucket, name)
+                    if len(outs) > 1:  # a logprob head: the batch's top-N of its GRAPH_LOGPROBS entries
+                        k = sampled_batch.extras.num_logprobs
+                        self._step_logprobs = (outs[1][:n], outs[2][:n, :k], outs[3][:n, :k])
+                    return None, outs[0][:n]
         sharded_head = self.ctx.tp_size > 1  # under TP the logits head yields this rank's shard only
         outs = None if sharded_head and self.logits_observer is not None else run_head(bucket, LOGITS_HEAD)
         if outs is None:

@@ -21,15 +21,22 @@ from modeling.sampler.host import HostBatch, host_batch_from_arrays
 MAX_BIAS = 300  # = engine.sampling_params.LOGIT_BIAS_MAX_ENTRIES
 MAX_BAN = 1040  # stop token ids (at most 1024) and EOS ids, banned while a request is below min_tokens
 
-# the sampler variants captured as LM-head epilogues per decode bucket (`StepSampler.graph_heads`); batches that
-# need another stage (logit bias, bans, penalties, top-k above TOP_K_FAST) or logprobs sample eagerly
+# the sampler variants captured as LM-head epilogues per decode bucket (`StepSampler.graph_heads`): name ->
+# (variant, logprobs: -1 = none, else the top-N the head yields: rows asking for at most that many take it and
+# read back their first N); batches that need another stage (logit bias, bans, penalties, top-k above
+# TOP_K_FAST) or more logprobs sample eagerly
+GRAPH_LOGPROBS = 5
 GRAPH_HEADS = {
-    "sample": SamplerVariant(),
-    "sample_k": SamplerVariant(top_k=True),
-    "sample_p": SamplerVariant(top_p=True),
-    "sample_kp": SamplerVariant(top_k=True, top_p=True),
+    "sample": (SamplerVariant(), -1),
+    "sample_k": (SamplerVariant(top_k=True), -1),
+    "sample_p": (SamplerVariant(top_p=True), -1),
+    "sample_kp": (SamplerVariant(top_k=True, top_p=True), -1),
+    "sample_lp": (SamplerVariant(), GRAPH_LOGPROBS),
+    "sample_k_lp": (SamplerVariant(top_k=True), GRAPH_LOGPROBS),
+    "sample_p_lp": (SamplerVariant(top_p=True), GRAPH_LOGPROBS),
+    "sample_kp_lp": (SamplerVariant(top_k=True, top_p=True), GRAPH_LOGPROBS),
 }
-_BY_FLAGS = {(v.top_k, v.top_p): name for name, v in GRAPH_HEADS.items()}
+_BY_FLAGS = {(v.top_k, v.top_p, n >= 0): name for name, (v, n) in GRAPH_HEADS.items()}
 
 
 class VocabShard(NamedTuple):
@@ -90,35 +97,43 @@ class StepSampler:
     def graph_heads(self, logits_fn: Callable[[torch.Tensor, int], torch.Tensor], max_rows: int
                     ) -> Iterator[tuple[str, Callable[[torch.Tensor, int], tuple]]]:
         """(name, fn) of every captured sampler variant (`GRAPH_HEADS`) for the graph runner to capture per
-        decode bucket: fn(hidden, bucket) -> (int64 tokens `[bucket]`,), sampling `logits_fn(hidden, bucket)`
-        (fp32 `[bucket, V]`) with the parameter block `stage_graph_rows` fills (`max_rows` rows, fixed address)."""
+        decode bucket: fn(hidden, bucket) -> (int64 tokens `[bucket]`,), and for the logprob heads also (chosen
+        fp32 `[bucket]`, top ids int64 `[bucket, GRAPH_LOGPROBS]`, top logprobs fp32 `[bucket, GRAPH_LOGPROBS]`),
+        sampling `logits_fn(hidden, bucket)` (fp32 `[bucket, V]`) with the parameter block `stage_graph_rows`
+        fills (`max_rows` rows, fixed address)."""
         if self._graph_params is None or self._graph_params.max_batch < max_rows:
             self._graph_params = SamplerParams(max_rows, self.device, max_bias=1, max_ban=1, max_penalty_tokens=1)
         params = self._graph_params
 
-        def head(variant: SamplerVariant) -> Callable[[torch.Tensor, int], tuple]:
+        def head(variant: SamplerVariant, logprobs: int) -> Callable[[torch.Tensor, int], tuple]:
             def fn(hidden: torch.Tensor, bucket: int) -> tuple:
-                return (sample(logits_fn(hidden, bucket), params, variant=variant, **self._shard_args()).tokens,)
+                out = sample(logits_fn(hidden, bucket), params, num_logprobs=max(0, logprobs), variant=variant,
+                             **self._shard_args())
+                if logprobs < 0:
+                    return (out.tokens,)
+                return out.tokens, out.chosen_logprob, out.top_ids, out.top_logprobs
             return fn
 
-        for name, variant in GRAPH_HEADS.items():
-            yield name, head(variant)
+        for name, (variant, logprobs) in GRAPH_HEADS.items():
+            yield name, head(variant, logprobs)
 
     def stage_graph_rows(self, batch: StepBatch, bucket: int, captured: Callable[[int, str], object]
                          ) -> Optional[str]:
         """For a sampled decode batch about to replay a decode graph of `bucket`: the name of the captured sampler
         head that serves it, its rows staged and uploaded (current stream) into the heads' parameter block; or None
-        (nothing enqueued) when the batch needs the eager sampler (logprobs, logit bias, bans, penalties, a large
-        top-k) or no head of that bucket was captured (`captured(bucket, name)` is None)."""
+        (nothing enqueued) when the batch needs the eager sampler (more than `GRAPH_LOGPROBS` logprobs, logit bias,
+        bans, penalties, a large top-k) or no head of that bucket was captured (`captured(bucket, name)` is None).
+        A logprob head's outputs hold `GRAPH_LOGPROBS` top entries: the caller keeps the batch's first N."""
         ex = batch.extras
         params = self._graph_params
-        if params is None or bucket > params.max_batch or (ex is not None and (ex.num_logprobs >= 0 or ex.processed)):
+        if params is None or bucket > params.max_batch or (ex is not None and (ex.num_logprobs > GRAPH_LOGPROBS
+                                                                                  or ex.processed)):
             return None
         host = self._host_batch(batch, lists=False)
         need = host.variant()
         if need.large_top_k:
             return None
-        name = _BY_FLAGS[(need.top_k, need.top_p)]
+        name = _BY_FLAGS[(need.top_k, need.top_p, ex is not None and ex.num_logprobs >= 0)]
         if captured(bucket, name) is None:
             return None
         params.stage(host)

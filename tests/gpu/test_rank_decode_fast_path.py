@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from actors.batch import BatchError, StepBatch, prev_token
+import dataclasses
+
+from actors.batch import BatchError, SamplerExtras, StepBatch, prev_token
 from actors.protocol import StepHints
 from graphrunner.step import ForwardStep
 from modeling.attn_metadata import build_step_from_arrays
@@ -62,7 +64,8 @@ def test_fast_path_equals_general_path(rt, n):
 def test_head_graphs_cover_small_buckets_only(rt):
     st = rt.stats()
     assert st["head_graphs"]["buckets"] == [1, 2, 4, 8, 16]
-    assert set(st["head_graphs"]["names"]) == {"greedy", "logits", "sample", "sample_k", "sample_p", "sample_kp"}
+    assert set(st["head_graphs"]["names"]) == {"greedy", "logits", "sample", "sample_k", "sample_p", "sample_kp",
+                                               "sample_lp", "sample_k_lp", "sample_p_lp", "sample_kp_lp"}
     assert 0 < st["head_graphs"]["pool_bytes"] < 256 << 20
     rt.reset()
     assert rt.stats()["head_graphs"]["buckets"] == []
@@ -210,6 +213,51 @@ def test_captured_sampler_head_equals_eager_sampler(rt, case, n):
         rt.logits_observer = None
     np.testing.assert_array_equal(graph, eager)
     assert graph.min() >= 0 and graph.max() < vocab
+
+
+def _logprob_extras(n: int, num_logprobs: int) -> SamplerExtras:
+    """Sampler extras that ask only for logprobs (no min_p, penalties, bias or bans)."""
+    none_i, none_f = np.full((n, 1), -1, np.int32), np.zeros((n, 1), np.float32)
+    return SamplerExtras(np.zeros(n, np.float32), np.tile(np.array([0.0, 0.0, 1.0], np.float32), (n, 1)), none_i,
+                         none_f, none_i.copy(), none_i.copy(), np.zeros((n, 1), np.int32), num_logprobs)
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+@pytest.mark.parametrize("case,num_logprobs", [("sample", 0), ("sample_p", 5), ("sample_k", 3), ("sample_kp", 1)])
+@torch.inference_mode()
+def test_captured_logprob_head_equals_eager_sampler(rt, case, num_logprobs, n):
+    """A decode step asking for up to GRAPH_LOGPROBS logprobs is served by the captured logprob head of its
+    variant and returns exactly the eager sampler's tokens, chosen logprobs and top-N (ids and values)."""
+    rng = np.random.default_rng(600 + n + num_logprobs)
+    seqs, vocab = Seqs(rt), rt.model_config.vocab_size
+    prompts = [random_tokens(rng, int(rng.integers(5, 150)), vocab) for _ in range(n)]
+    tables = [seqs.new(len(p) + 4) for p in prompts]
+    first = rt.execute(StepBatch.from_sequences(prompts, [0] * n, tables))
+    t, k, p = (v * n for v in SAMPLED_CASES[case])
+    t = [0.0 if i % 3 == 2 else x for i, x in enumerate(t)]  # greedy rows with logprobs among the sampled
+    dec = StepBatch.from_sequences([[int(x)] for x in first], [len(q) for q in prompts], tables, temperature=t,
+                                   top_k=k, top_p=p, seeds=[2000 + i for i in range(n)])
+    dec = dataclasses.replace(dec, extras=_logprob_extras(n, num_logprobs))
+    staged = []
+    orig = rt.sampler().stage_graph_rows
+    rt.sampler().stage_graph_rows = lambda *a: staged.append(orig(*a)) or staged[-1]
+    try:
+        graph = rt.execute(dec)
+    finally:
+        del rt.sampler().stage_graph_rows
+    assert staged == [case + "_lp"]
+    rt.logits_observer = lambda lg: None
+    try:
+        eager = rt.execute(dec)
+    finally:
+        rt.logits_observer = None
+    np.testing.assert_array_equal(graph.tokens, eager.tokens)
+    assert graph.logprobs.top_ids.shape == (n, num_logprobs)
+    np.testing.assert_array_equal(graph.logprobs.top_ids, eager.logprobs.top_ids)
+    # the head samples the bucket's rows: other chunk counts, so sums of exponentials round differently
+    np.testing.assert_allclose(graph.logprobs.chosen, eager.logprobs.chosen, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(graph.logprobs.top_logprobs, eager.logprobs.top_logprobs, rtol=1e-5, atol=1e-5)
+    assert (graph.logprobs.chosen <= 0).all()
 
 
 @torch.inference_mode()
