@@ -105,6 +105,8 @@ def rows(ckpt: Path, token_file: Path) -> list[tuple[str, callable]]:
          g("--max-num-seqs", "2", "--max-num-batched-tokens", "8", "--random", "4", "--prompt-len", "6")),
         ("generate --max-decode-batch 8 --pcg-max-tokens 64 --pcg-token-stride 32 --pcg-min-tokens 16",
          g("--max-decode-batch", "8", "--pcg-max-tokens", "64", "--pcg-token-stride", "32", "--pcg-min-tokens", "16")),
+        ("generate --prefill-graph-max-tokens 64 --prefill-graph-max-seqs 2",
+         g("--prefill-graph-max-tokens", "64", "--prefill-graph-max-seqs", "2")),
         ("generate --decode-steps 4 --overlap --overlap-max-seqs 8", g("--decode-steps", "4", "--overlap",
                                                                       "--overlap-max-seqs", "8")),
         ("generate --no-chunked-prefill --no-prefix-caching", g("--no-chunked-prefill", "--no-prefix-caching")),

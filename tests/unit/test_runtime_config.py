@@ -49,3 +49,25 @@ def test_max_model_len_defaults_to_the_models_positions_and_refuses_more(tmp_pat
     assert preset.max_model_len == 4096  # 40960 positions: the 4096 default
     with pytest.raises(LaunchError, match="max_position_embeddings"):
         resolve_max_model_len(argparse.Namespace(model=str(ckpt), max_model_len=1000))
+
+
+def _graph_args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    return p.parse_args(["--model", "qwen3-tiny", *argv])
+
+
+def test_prefill_graph_defaults_on_gpus_off_on_cpu_and_bounded_by_max_model_len():
+    on_gpu = runtime_config(_graph_args("--device", "cuda", "--max-model-len", "1024"))
+    assert on_gpu.graph.prefill_graph_max_tokens == 1024 and on_gpu.graph.prefill_graph_max_seqs == 4
+    assert runtime_config(_graph_args("--device", "cuda")).graph.prefill_graph_max_tokens == 2048
+    assert runtime_config(_graph_args("--device", "cuda", "--eager")).graph.prefill_graph_max_tokens == 0
+    assert runtime_config(_graph_args("--device", "cpu")).graph.prefill_graph_max_tokens == 0
+    explicit = runtime_config(_graph_args("--device", "cpu", "--prefill-graph-max-tokens", "64",
+                                          "--prefill-graph-max-seqs", "2"))
+    assert (explicit.graph.prefill_graph_max_tokens, explicit.graph.prefill_graph_max_seqs) == (64, 2)
+    for argv, field in ((("--prefill-graph-max-tokens", "5000", "--max-model-len", "4096"), "--prefill-graph-max-tokens"),
+                        (("--prefill-graph-max-tokens", "-1"), "--prefill-graph-max-tokens"),
+                        (("--prefill-graph-max-seqs", "0"), "--prefill-graph-max-seqs")):
+        with pytest.raises(LaunchError, match=field):
+            runtime_config(_graph_args("--device", "cpu", *argv))
