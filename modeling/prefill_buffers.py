@@ -34,14 +34,15 @@ class PrefillGraphBuffersMixin:
     """Mixed into the model; needs `self.attn_ops` (capturability), `self.ctx` and `self.layers`."""
 
     def supports_prefill_graph(self, step: Any) -> bool:
-        """Whether a full prefill graph may serve `step`: capturable kernels, TP = 1 (the all-reduce paths of
-        prefill-sized steps are not validated inside graphs yet), and no MoE layer (the expert paths choose by
-        token count on the host)."""
+        """Whether a full prefill graph may serve `step`: capturable kernels, TP = EP = 1 (the all-reduce and
+        expert-dispatch paths of prefill-sized steps are not validated inside graphs yet), and MoE layers only on
+        the routed-expert kernel (device-side grouping at every size; the torch paths sync with the host)."""
         if not self.attn_ops.capturable or step.mrope_position_ids is not None or step.state_ids is not None:
             return False
-        if self.ctx.tp_size != 1:
+        if self.ctx.tp_size != 1 or self.ctx.ep_size != 1:
             return False
-        return not any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.layers)
+        return all(layer.mlp.routed_kernel is not None for layer in self.layers
+                   if isinstance(layer.mlp, SparseMoeBlock))
 
     def make_prefill_buffers(self, max_tokens: int, max_seqs: int, max_blocks: int,
                              device: torch.device) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Full prefill graphs on one GPU (qwen3-0.6b, Triton kernels): a captured prefill step equals the model run
+"""Full prefill graphs on one GPU (qwen3-0.6b and the MoE preset qwen3-moe-small, Triton kernels): a captured prefill step equals the model run
 eagerly over the same bucket-padded buffers exactly and the live step closely, at every token and sequence
 bucket shape, with and without cached history; greedy tokens through the rank equal those without prefill
 graphs (fp32); steps that do not fit take the piecewise plans; reset drops the graphs and capture restores them."""
@@ -18,9 +18,9 @@ pytestmark = pytest.mark.gpu
 MAX_TOKENS, MAX_SEQS = 1024, 4
 
 
-@pytest.fixture(scope="module")
-def pg_rt():
-    rt = make_runtime("qwen3-0.6b", max_decode_batch=8, pcg_max_tokens=1024, pcg_token_stride=512,
+@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-moe-small"])
+def pg_rt(request):
+    rt = make_runtime(request.param, max_decode_batch=8, pcg_max_tokens=1024, pcg_token_stride=512,
                       prefill_graph_max_tokens=MAX_TOKENS, prefill_graph_max_seqs=MAX_SEQS)
     yield rt
     del rt

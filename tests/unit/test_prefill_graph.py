@@ -173,11 +173,11 @@ def test_fill_rejects_a_step_over_the_bucket(qwen):
         qwen.fill_prefill_buffers(bufs, ForwardStep(i, p, [], meta), 16, 1)
 
 
-def test_moe_model_declines_prefill_graphs():
+def test_models_without_capturable_kernels_decline_prefill_graphs():
     moe = Qwen3ForCausalLM(get_preset("qwen3-moe-tiny"))
     dense = Qwen3ForCausalLM(get_preset("qwen3-tiny"))
     i, p, meta = build_step_from_arrays(np.arange(1, 5, dtype=np.int64), np.array([4], np.int32),
                                         np.zeros(1, np.int32), np.array([[1]], np.int32), 16, "cpu")
     step = ForwardStep(i, p, [], meta)
-    assert not moe.supports_prefill_graph(step)
-    assert not dense.supports_prefill_graph(step)  # the torch backend is not capturable
+    assert not moe.supports_prefill_graph(step)  # the torch backend: neither capturable nor routed experts
+    assert not dense.supports_prefill_graph(step)
