@@ -18,7 +18,8 @@ import os
 from typing import Mapping, MutableMapping, NamedTuple, Optional
 
 from actors.options import DRIVER_POLL_ENV, STEP_PATH_ENV, STEP_PROFILE_ENV, STEP_TRACE_ENV, DriverOptions
-from modeling.ops.options import COMPILE_THREADS_ENV, DECODE_SINGLE_LAUNCH_ENV, GEMV_ENV, PDL_ENV, KernelOptions
+from modeling.ops.options import (COMPILE_THREADS_ENV, DECODE_SINGLE_LAUNCH_ENV, GEMV_ENV, PDL_ENV,
+                                  PROJECTION_MEASURE_ENV, KernelOptions)
 from parallel.options import (DEEPEP_MAX_TOKENS_ENV, TP_ALLREDUCE_ENV, TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV,
                               CommOptions)
 
@@ -26,9 +27,9 @@ LOG_DIR_ENV = "GRAPHLINE_LOG_DIR"
 ADMIN_TOKEN_ENV = "GRAPHLINE_ADMIN_TOKEN"
 
 
-OPTION_VARIABLES = (PDL_ENV, GEMV_ENV, DECODE_SINGLE_LAUNCH_ENV, COMPILE_THREADS_ENV, TP_ALLREDUCE_ENV,
-                    TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV, DEEPEP_MAX_TOKENS_ENV, STEP_PATH_ENV, DRIVER_POLL_ENV,
-                    STEP_TRACE_ENV, STEP_PROFILE_ENV)
+OPTION_VARIABLES = (PDL_ENV, GEMV_ENV, DECODE_SINGLE_LAUNCH_ENV, COMPILE_THREADS_ENV, PROJECTION_MEASURE_ENV,
+                    TP_ALLREDUCE_ENV, TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV, DEEPEP_MAX_TOKENS_ENV, STEP_PATH_ENV,
+                    DRIVER_POLL_ENV, STEP_TRACE_ENV, STEP_PROFILE_ENV)
 
 
 class EnvironmentValueError(ValueError):
@@ -74,7 +75,9 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Environment
         gemv=_flag(environ, GEMV_ENV, True, "the decode GEMV, the default", "off"),
         decode_single_launch=_flag(environ, DECODE_SINGLE_LAUNCH_ENV, True, "one launch, the default",
                                    "split-KV decode attention in two launches"),
-        compile_threads=threads)
+        compile_threads=threads,
+        measure_projections=_flag(environ, PROJECTION_MEASURE_ENV, True, "measure untuned projection shapes at "
+                                  "start-up, the default", "the safe config for them"))
     cap = _int(environ, DEEPEP_MAX_TOKENS_ENV)
     comm = CommOptions(
         tp_allreduce=environ.get(TP_ALLREDUCE_ENV, "").strip().lower() or CommOptions.tp_allreduce,

@@ -206,9 +206,6 @@ def sweep_shape(name: str, args, bw: float, rate: float) -> dict:
               "capture_s": capture_s, "decode": decode, "long_context": long_rows, "prefill": prefill, "paths": paths,
               "bytes_model": dataclasses.asdict(nbytes)}
     rt.reset()
-    del rt
-    gc.collect()
-    torch.cuda.empty_cache()
     return result
 
 
@@ -229,7 +226,11 @@ def main() -> None:
     rate = matmul_rate(dev)
     print(f"# {machine()} | copy bw {bw / 1e12:.2f} TB/s | bf16 matmul {rate / 1e12:.0f} TFLOP/s | "
           f"layers {args.layers or 'all'}")
-    results = [sweep_shape(s, args, bw, rate) for s in args.shapes.split(",")]
+    results = []
+    for shape in args.shapes.split(","):
+        results.append(sweep_shape(shape, args, bw, rate))
+        gc.collect()  # the shape's runtime (weights, KV cache, graphs) went out of scope
+        torch.cuda.empty_cache()
     print(f"\n{'shape':>22} {'b1 x roof':>9} {'b_max x roof':>12} {'long b1 x roof':>14} {'prefill x floor':>15}")
     for r in results:
         d, lc, p = r["decode"], r["long_context"], r["prefill"]

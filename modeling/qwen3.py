@@ -20,6 +20,7 @@ from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
 from modeling.prefill_buffers import PrefillGraphBuffersMixin
 from modeling.moe import SparseMoeBlock
 from modeling.ops import KernelOps, get_kernel_ops
+from modeling.ops.projection_choice import projection_shapes
 from parallel.context import ParallelContext
 from parallel.layers import (ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
@@ -122,7 +123,9 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, PrefillGraphBuffersMixin, nn.Mod
     def warm_up_kernels(self, kv_caches: Sequence[Any]) -> int:
         """Compile every attention kernel variant serving can pick over these caches (`KernelOps.warm_up_attention`)
         and every projection variant of the decode graphs (`decode_projection_warm_up_calls`), each side by side on
-        threads, on the current stream, outside graph capture; returns the number of launches (0 for the torch
+        threads, on the current stream, outside graph capture; then choose the decode projection fallbacks of every
+        (N, K) this model has that the tuning table lacks (`KernelOps.measure_projections`, from the disk cache or
+        measured: `modeling.ops.projection_choice`). Returns the number of warm-up launches (0 for the torch
         backend)."""
         attn = self.layers[0].self_attn
         k_cache, v_cache = kv_caches[0]
@@ -130,7 +133,9 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, PrefillGraphBuffersMixin, nn.Mod
         mlp = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, Qwen3MLP)), None)
         calls = decode_projection_warm_up_calls(attn.qkv_proj, attn.o_proj, mlp, self.layers[0].input_layernorm,
                                                 self.ctx.tp_size, self.kernels)
-        return launches + run_projection_warm_up(calls, self.device, self.kernels.options.compile_threads)
+        launches += run_projection_warm_up(calls, self.device, self.kernels.options.compile_threads)
+        self.kernels.measure_projections(projection_shapes(self), self.device, self.config.dtype)
+        return launches
 
     def compute_logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""

@@ -2,7 +2,9 @@
 Triton CUDA kernels (GPU). `get_kernel_ops(device, prefer, options)` returns a `KernelOps` whose
 functions have identical signatures in both backends (see `attention_ref.py`, `fused_ref.py`).
 The Triton backend binds the rank's `KernelOptions` (PDL mode for this device, GEMV on/off, decode
-combine) into its functions once, so a launch reads no option and no process-wide state."""
+combine, projection measurement) into its functions once, so a launch reads no option; the process-wide state a
+launch does read (split-K counters, the projection fallbacks chosen at warm-up) is documented where it lives
+(`triton_gemm`, `projection_choice`)."""
 from __future__ import annotations
 
 import functools
@@ -46,6 +48,9 @@ class KernelOps:
     # None where the backend has none (the MoE block then takes the torch paths of `moe_ref`).
     moe_routed: Callable | None = None
     moe_packed: Callable | None = None
+    # (shapes [(N, K)], device, dtype) -> {(N, K, row class): Choice}: choose the decode projections' fallbacks
+    # outside capture (`triton_gemm_measure`); nothing to choose for the torch backend or with the option off.
+    measure_projections: Callable = lambda shapes, device, dtype: {}
 
 
 def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, linear_add_rms_norm: Callable,
@@ -97,11 +102,13 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto",
 
 
 def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
-    from modeling.ops import triton_attention, triton_fused, triton_gemm, triton_gemv, triton_moe
+    from modeling.ops import triton_attention, triton_fused, triton_gemm, triton_gemm_measure, triton_gemv, triton_moe
     from modeling.ops.pdl import pdl_mode
 
     pdl, gemv, single = pdl_mode(dev, options.pdl), options.gemv, options.decode_single_launch
     bind = functools.partial
+    measure = (bind(triton_gemm_measure.measure_projection_fallbacks, gemv=gemv, pdl=pdl)
+               if options.measure_projections else KernelOps.measure_projections)
     return KernelOps(
         name="triton", store_kv=triton_attention.store_kv, prefill_attention=triton_attention.prefill_attention,
         decode_attention=bind(triton_attention.decode_attention, single_launch=single, pdl=pdl),
@@ -115,4 +122,5 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         prologue_norm_max_tokens=triton_gemv.GEMV_MAX_M if gemv else 0,
         warm_up_attention=bind(triton_attention.warm_up_attention, threads=options.compile_threads, pdl=pdl,
                                single_launch=single),
-        moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts, options=options)
+        moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts, measure_projections=measure,
+        options=options)

@@ -1,7 +1,8 @@
 """`KernelOptions`: how a rank's operators launch (PDL, the decode GEMV, the decode attention's combine, compile
-threads). Built once on the driver (`actors.environment.options_from_environ` reads the `GRAPHLINE_*` variables)
-and sent to every rank inside `actors.rank.RuntimeConfig.kernels`; `modeling.ops.get_kernel_ops` binds them into
-the `KernelOps` a model calls, so no launch reads anything process-wide. Torch- and Triton-free."""
+threads, the start-up measurement of untuned decode projections). Built once on the driver
+(`actors.environment.options_from_environ` reads the `GRAPHLINE_*` variables) and sent to every rank inside
+`actors.rank.RuntimeConfig.kernels`; `modeling.ops.get_kernel_ops` binds them into the `KernelOps` a model calls,
+so no launch reads an option. Torch- and Triton-free."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ PDL_ENV = "GRAPHLINE_PDL"
 GEMV_ENV = "GRAPHLINE_GEMV"
 DECODE_SINGLE_LAUNCH_ENV = "GRAPHLINE_DECODE_SINGLE_LAUNCH"
 COMPILE_THREADS_ENV = "GRAPHLINE_COMPILE_THREADS"
+PROJECTION_MEASURE_ENV = "GRAPHLINE_PROJECTION_MEASURE"
 PDL_CHOICES = ("0", "1", "early")
 
 
@@ -23,18 +25,23 @@ class KernelOptions:
     """pdl: programmatic dependent launch on sm_90+ (`modeling.ops.pdl`): "0" off, "1", or "early" (the default).
     gemv: the decode GEMV at 1-2 rows and the model's norm-first layout with it (`modeling.ops.triton_gemv`).
     decode_single_launch: split-KV decode attention combines its splits in the split kernel (False: two launches).
-    compile_threads: threads compiling Triton variants at start-up; None: up to 8 of the rank's host cores."""
+    compile_threads: threads compiling Triton variants at start-up; None: up to 8 of the rank's host cores.
+    measure_projections: at warm-up, time cuBLAS against the safe skinny-GEMM config for every decode projection
+    shape the tuning table lacks and keep the faster, cached on disk (`modeling.ops.projection_choice`); False:
+    neither measure nor read the cache, untuned shapes take the safe config."""
 
     pdl: str = "early"
     gemv: bool = True
     decode_single_launch: bool = True
     compile_threads: Optional[int] = None
+    measure_projections: bool = True
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_CHOICES:
             raise KernelOptionsError(f"{PDL_ENV}={self.pdl!r}: use 0 (off), 1 (trigger after the wait) or early "
                                      "(the default)")
-        for name, env in (("gemv", GEMV_ENV), ("decode_single_launch", DECODE_SINGLE_LAUNCH_ENV)):
+        for name, env in (("gemv", GEMV_ENV), ("decode_single_launch", DECODE_SINGLE_LAUNCH_ENV),
+                          ("measure_projections", PROJECTION_MEASURE_ENV)):
             if not isinstance(getattr(self, name), bool):
                 raise KernelOptionsError(f"{name} ({env}) must be a bool, got {getattr(self, name)!r}")
         n = self.compile_threads

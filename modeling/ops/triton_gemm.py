@@ -22,8 +22,9 @@ device are unsupported. Every launch leaves the counters at zero.
 
 Configs come from `_CONFIGS`, keyed by (N, K, M class) with M class 1 (M == 1),
 4 (M <= 4) or 16 (M <= 16), values (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages);
-shapes not in the table use `default_config`. `python -m bench.gemm_tune` prints a
-ready-to-paste table.
+shapes not in the table take the faster of cuBLAS and `default_config` as chosen at
+warm-up (`projection_choice`, `triton_gemm_measure`), `default_config` before that.
+`python -m bench.gemm_tune` prints a ready-to-paste table.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from modeling.ops import triton_gemv
+from modeling.ops import projection_choice, triton_gemv
 from modeling.ops.pdl import PDL_LAUNCH, pdl_launch_dependents, pdl_wait
 from modeling.ops.triton_fused import add_rms_norm, add_rms_norm_row, rms_norm, silu_and_mul
 
@@ -221,9 +222,7 @@ def split_k_counters(device: torch.device) -> torch.Tensor:
     return cnt
 
 
-def m_class(m: int) -> int:
-    """Config row class of M rows: 1, 4 (M <= 4) or 16 (M <= 16)."""
-    return 1 if m == 1 else 4 if m <= 4 else 16
+m_class = projection_choice.m_class  # config row class of M rows: 1, 4 (M <= 4) or 16 (M <= 16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,16 +246,22 @@ def default_config(n: int, k: int, mc: int, sms: int = 132) -> GemmConfig:
 
 def config_for(n: int, k: int, m: int, device: torch.device | None = None, gated: bool = False) -> GemmConfig | None:
     """The launch config `linear` (gated: `silu_mul_linear`) uses for weight `[n, k]` and `m` rows; None = cuBLAS
-    (gated: the unfused pair) is faster there."""
+    (gated: the unfused pair) is faster there. Ungated: `projection_choice.choose` (the table, else the fallback
+    chosen on this device at warm-up, else `default_config`)."""
     mc = m_class(m)
     if gated and (n, k, mc) in _GATED_CONFIGS:
         entry = _GATED_CONFIGS[(n, k, mc)]
         return None if entry is None else GemmConfig(*entry)
-    if (n, k, mc) in _CONFIGS:
-        entry = _CONFIGS[(n, k, mc)]
-        return None if entry is None else GemmConfig(*entry)
-    sms = _sm_count(device.index if device is not None and device.index is not None else torch.cuda.current_device())
-    return default_config(n, k, mc, sms)
+
+    def index() -> int:
+        return device.index if device is not None and device.index is not None else torch.cuda.current_device()
+
+    def safe() -> tuple[int, int, int, int, int]:
+        c = default_config(n, k, mc, _sm_count(index()))
+        return (c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages)
+
+    choice = projection_choice.choose(n, k, m, _CONFIGS, safe, index)
+    return None if choice.kernel == "cublas" else GemmConfig(*choice.config)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig, y: torch.Tensor, gated: bool,

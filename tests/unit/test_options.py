@@ -24,13 +24,15 @@ def test_defaults_without_any_variable():
 
 def test_every_variable_reaches_its_field():
     env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0",
-           "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_TP_ALLREDUCE": "symm", "GRAPHLINE_TP_FUSED_KIND": "pull",
-           "GRAPHLINE_TP_FUSED_NORM": "0", "GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK": "128",
+           "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_TP_ALLREDUCE": "symm",
+           "GRAPHLINE_TP_FUSED_KIND": "pull", "GRAPHLINE_TP_FUSED_NORM": "0",
+           "GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK": "128",
            "GRAPHLINE_STEP_PATH": "plain", "GRAPHLINE_DRIVER_POLL_S": "0.001", "GRAPHLINE_STEP_TRACE": "1",
            "GRAPHLINE_STEP_PROFILE": "/tmp/prof"}
     assert set(env) == set(OPTION_VARIABLES)
     k, c, d = options_from_environ(env)
-    assert k == KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=2)
+    assert k == KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=2,
+                              measure_projections=False)
     assert c == CommOptions(tp_allreduce="symm", tp_fused_kind="pull", tp_fused_norm=False,
                             deepep_max_tokens_per_rank=128)
     assert d == DriverOptions(step_path="plain", poll_s=0.001, step_trace=True, step_profile="/tmp/prof")
@@ -39,6 +41,7 @@ def test_every_variable_reaches_its_field():
 @pytest.mark.parametrize("name,raw,match", [
     ("GRAPHLINE_PDL", "on", r"GRAPHLINE_PDL='on': use 0 \(off\), 1 .* or early"),
     ("GRAPHLINE_DECODE_SINGLE_LAUNCH", "yes", r"GRAPHLINE_DECODE_SINGLE_LAUNCH='yes': use 1 .* or 0"),
+    ("GRAPHLINE_PROJECTION_MEASURE", "no", r"GRAPHLINE_PROJECTION_MEASURE='no': use 1 \(measure .* or 0"),
     ("GRAPHLINE_STEP_PATH", "fast", r"GRAPHLINE_STEP_PATH must be one of .*'fast'"),
     ("GRAPHLINE_DRIVER_POLL_S", "soon", r"GRAPHLINE_DRIVER_POLL_S='soon'"),
     ("GRAPHLINE_DRIVER_POLL_S", "-1", r"GRAPHLINE_DRIVER_POLL_S=-1.0 must be a number of seconds >= 0"),
@@ -57,6 +60,8 @@ def test_empty_overrides_mean_unset():
 def test_options_are_frozen_and_checked():
     with pytest.raises(dataclasses.FrozenInstanceError):
         KernelOptions().pdl = "0"
+    with pytest.raises(ValueError, match=r"measure_projections \(GRAPHLINE_PROJECTION_MEASURE\) must be a bool"):
+        KernelOptions(measure_projections=1)
     with pytest.raises(DriverOptionsError, match="GRAPHLINE_STEP_PATH"):
         DriverOptions(step_path="bogus")
     with pytest.raises(ValueError, match="GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK"):
@@ -65,7 +70,7 @@ def test_options_are_frozen_and_checked():
 
 def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     pytest.importorskip("triton", reason="the Triton backend's modules need triton")
-    from modeling.ops import get_kernel_ops, pdl, triton_attention, triton_gemm
+    from modeling.ops import KernelOps, get_kernel_ops, pdl, triton_attention, triton_gemm, triton_gemm_measure
 
     monkeypatch.setattr(pdl, "_INTERPRETED", False)
     monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: True)
@@ -78,6 +83,8 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.decode_attention.keywords == {"pdl": 2, "single_launch": True}
     assert ops.warm_up_attention.func is triton_attention.warm_up_attention
     assert ops.warm_up_attention.keywords == {"threads": None, "pdl": 2, "single_launch": True}
+    assert ops.measure_projections.func is triton_gemm_measure.measure_projection_fallbacks
+    assert ops.measure_projections.keywords == {"gemv": True, "pdl": 2}
     opts = KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=3)
     ops = get_kernel_ops(dev, "triton", opts)
     assert ops.options == opts and ops.prologue_norm_max_tokens == 0
@@ -85,6 +92,10 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.silu_and_mul.keywords == ops.rms_norm.keywords == {"pdl": 1}
     assert ops.decode_attention.keywords == {"pdl": 1, "single_launch": False}
     assert ops.warm_up_attention.keywords == {"threads": 3, "pdl": 1, "single_launch": False}
+    assert ops.measure_projections.keywords == {"gemv": False, "pdl": 1}
+    off = get_kernel_ops(dev, "triton", KernelOptions(measure_projections=False))
+    assert off.measure_projections is KernelOps.measure_projections  # measures nothing, reads no cache
+    assert off.measure_projections([(3072, 1024)], dev, torch.bfloat16) == {}
     assert get_kernel_ops(dev, "triton", KernelOptions(pdl="0")).linear.keywords["pdl"] == 0
 
 
