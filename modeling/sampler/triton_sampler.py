@@ -30,9 +30,11 @@ from .reference import SampleOutput
 BLOCK = 1024  # elements per inner step (tests lower it under the interpreter)
 MAX_CHUNK = 16384
 TARGET_PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
-# the same for the top-k variants: fewer, longer chunks keep the union of per-chunk candidates that one program
-# per row searches small (`bench.sampler_bench --topk-programs` sweeps it)
+# the same for the top-k variants (`bench.sampler_bench --topk-programs` sweeps it), and at most TOPK_MAX_CHUNKS
+# chunks per row: fewer, longer chunks keep the union of per-chunk candidates that one program per row searches
+# small (docs/benchmarks.md, thirteenth session: 16 chunks won at batches 1 and 8)
 TOPK_TARGET_PROGRAMS = 264
+TOPK_MAX_CHUNKS = 16
 NUM_WARPS = 4
 _OPTS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
@@ -41,10 +43,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def chunking(batch: int, width: int, target: int = TARGET_PROGRAMS) -> tuple[int, int]:
-    """(chunk size, chunks per row): a multiple of BLOCK, about `target` programs at small batches.
-    Depends only on (batch, width, target), so every TP rank passing the same shard_width chunks alike."""
-    want = max(1, -(-target // batch))
+def chunking(batch: int, width: int, target: int = TARGET_PROGRAMS, max_chunks: int = 1 << 30) -> tuple[int, int]:
+    """(chunk size, chunks per row): a multiple of BLOCK, about `target` programs at small batches, at most about
+    `max_chunks` per row. Depends only on its arguments, so every TP rank passing the same shard_width chunks
+    alike."""
+    want = max(1, min(-(-target // batch), max_chunks))
     ch = max(BLOCK, min(MAX_CHUNK, width // want))
     ch = 1 << (ch.bit_length() - 1)  # round down to a power of two (>= BLOCK, itself one)
     ch = max(ch, BLOCK)
@@ -55,7 +58,8 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
                   group: ShardGroup, shard_width: int) -> SampleOutput:
     b, v = logits.shape
     dev = logits.device
-    ch, c = chunking(b, max(shard_width, v), TOPK_TARGET_PROGRAMS if variant.top_k else TARGET_PROGRAMS)
+    ch, c = (chunking(b, max(shard_width, v), TOPK_TARGET_PROGRAMS, TOPK_MAX_CHUNKS) if variant.top_k
+             else chunking(b, max(shard_width, v)))
     nt = group.size
     npp2 = _pow2(nt * c)
     np2 = max(2, _pow2(n)) if n else 2
