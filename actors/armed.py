@@ -102,7 +102,7 @@ class ArmedDecode:
                 seqs.append(self.gate.take_seq())
 
             try:
-                runner.full_graphs.arm(lane.key, gate)
+                runner.arm_decode(lane.key, gate)
                 lane.replay_head(runner)
                 host.copy_(lane.head_out[:p], non_blocking=True)
                 event.record()
@@ -140,8 +140,7 @@ class ArmedDecode:
         if (arm.lane is not lane and arm.lane.key != lane.key) or stale:
             self._spend(arm, "cancelled")  # stale arms are not raced against the gate's own deadline
             return None
-        runner.full_graphs.stage_armed(lane.key, batch.token_ids, batch.num_history, batch.block_tables,
-                                       lane.block_size)
+        runner.stage_armed_decode(lane.key, batch.token_ids, batch.num_history, batch.block_tables, lane.block_size)
         self.gate.open(arm.seq, True)
         if not self._acknowledged(arm.seq):  # the gate gave up first: its replay ran on padding (or see below)
             self._spend(arm, "expired")

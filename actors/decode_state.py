@@ -72,8 +72,8 @@ class _DecodeLane:
     step of that shape without the runner's dispatch: the graph runner's decision is a pure function of the shape
     and hints and of the captured graphs, and a lane lives only while those stay (`RankRuntime._forget_lanes`
     runs on every capture and reset).
-    The model's buffer contract is kept: `FullGraphRunner.replay` fills the buffers, redirects the context and
-    replays."""
+    The model's buffer contract is kept: `CUDAGraphRunner.replay_decode` fills the buffers, redirects the context
+    and replays."""
 
     __slots__ = ("key", "head_out", "hints", "tokens", "kv_layers", "block_size")
 
@@ -93,6 +93,6 @@ class _DecodeLane:
         valid until the next step of this bucket)."""
         ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.block_size)
         step = forward_step(ids_h if ids_dev is None else ids_dev, pos, self.kv_layers, meta, self.hints)
-        runner.full_graphs.replay(self.key, step)
+        runner.replay_decode(self.key, step)
         self.replay_head(runner)
         return self.tokens

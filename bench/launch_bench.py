@@ -121,6 +121,7 @@ def model_segments(model_name: str, splits: list[str]) -> list[dict[str, Any]]:
     from bench.graph_bench import _decode_step
     from graphrunner.config import GraphRunnerConfig
     from graphrunner.forward_args import model_kwargs
+    from graphrunner.staging import staging_for
     from parallel.context import ParallelContext
 
     graph = GraphRunnerConfig(max_decode_batch=8, pcg_max_tokens=512, pcg_token_stride=512)
@@ -131,7 +132,7 @@ def model_segments(model_name: str, splits: list[str]) -> list[dict[str, Any]]:
     rt.build_runner()
     model = rt.model
     step = _decode_step(rt, 1, 512)
-    buffers = model.make_buffers(rt.runner.graph_meta)
+    buffers = model.make_buffers(rt.runner.graph_meta, staging_for(model, rt.runner.graph_meta))
     model.fill_buffers(buffers, step, 1)
     kwargs = model_kwargs(model.update_context(buffers, step, 1))
     rows = []

@@ -1,7 +1,8 @@
 """Full CUDA graphs for decode steps: one graph per key (batch bucket, query length 1, model extra key).
 
 Lifecycle of one `DecodeGraph` (seed):
-    model-owned static buffers (made once per runner lifetime, shared by every decode graph)
+    model-owned static buffers (made once per runner lifetime, shared by every decode graph; the per-step fields a
+    model declares as its `decode_staging` are views of the runner-owned `staging.HostStaging`)
     -> fill buffers + redirect the context (`update_context`) -> eager warm-up
     -> capture the complete model call into the shared pool on the rank stream
     -> keep the output buffer -> later: fill, redirect, replay, slice.
@@ -19,6 +20,7 @@ import torch
 from .capture import KeepOriginalErrorGraph
 from .errors import GraphCaptureError
 from .forward_args import model_kwargs, scalar_constants
+from .staging import HostStaging, staging_for
 from .step import ForwardStep, GraphMeta
 
 
@@ -50,7 +52,8 @@ class DecodeGraph:
 
 
 class FullGraphRunner:
-    """Owns every decode graph of one runner, the model's static buffers and the shared graph pool."""
+    """Owns every decode graph of one runner, the model's static buffers, their host staging (when the model
+    declares a `decode_staging` spec) and the shared graph pool."""
 
     def __init__(self, model: Any, graph_meta: GraphMeta, stream: Any):
         self.model = model
@@ -59,6 +62,7 @@ class FullGraphRunner:
         self.stream = stream
         self._graphs: dict[DecodeGraphKey, DecodeGraph] = {}
         self._buffers: Optional[dict[str, torch.Tensor]] = None
+        self._staging: Optional[HostStaging] = None
         self._pool: Optional[Any] = None
 
     # ---- queries
@@ -81,16 +85,31 @@ class FullGraphRunner:
         if not self._buffers:
             return 0
         storages = {}  # buffers may be views of one staging tensor: count each device storage once
+        if self._staging is not None:
+            st = self._staging.tensor.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
         for b in self._buffers.values():
             if isinstance(b, torch.Tensor) and b.device.type == self.device.type:
                 st = b.untyped_storage()
                 storages[st.data_ptr()] = st.nbytes()
         return sum(storages.values())
 
+    @property
+    def staging(self) -> Optional[HostStaging]:
+        """The host staging of the model's static buffers (None before the first capture, after `reset()`, or
+        when the model declares no `decode_staging`)."""
+        return self._staging
+
     def _ensure_buffers(self) -> dict[str, torch.Tensor]:
         if self._buffers is None:
-            self._buffers = self.model.make_buffers(self.graph_meta)
+            self._staging = staging_for(self.model, self.graph_meta)
+            self._buffers = self.model.make_buffers(self.graph_meta, self._staging)
         return self._buffers
+
+    def _host_staging(self) -> HostStaging:
+        if self._staging is None:
+            raise GraphCaptureError("armed decode replays need a model that declares a decode_staging spec")
+        return self._staging
 
     # ---- start-up
     def capture(self, step: ForwardStep, padded_batch: int) -> tuple[DecodeGraphKey, torch.Tensor]:
@@ -141,26 +160,27 @@ class FullGraphRunner:
         return self.model.get_outputs(g.output, step.num_tokens)
 
     def arm(self, key: DecodeGraphKey, gate: Callable[[], Any]) -> None:
-        """Enqueue a replay of `key` before its step is known: the model's host-staged buffers become padding
-        rows, then `gate()` enqueues device work that holds the stream until the host opens it, then the staged
-        transfer and the replay follow. Before opening, the caller writes the live step into the staged buffers
-        (`stage_armed`); a gate opened without it replays padding rows, which write nothing. Needs a model with
-        host staging (`stage_host_padding`, `stage_host_decode`, `copy_staged`, `wait_staged`). Stream: the
-        current one (the rank's forward stream)."""
+        """Enqueue a replay of `key` before its step is known: once the previous transfer out of the host
+        staging has run (`HostStaging.wait`), rows [0, bucket) of the mirror become padding rows, then `gate()`
+        enqueues device work that holds the stream until the host opens it, then the staged transfer
+        (`copy_prefix`) and the replay follow. Before opening, the caller writes the live step into the mirror
+        (`stage_armed`); a gate opened without it replays padding rows, which write nothing. Needs a model that
+        declares a `decode_staging` spec. Stream: the current one (the rank's forward stream)."""
         g = self._graphs[key]
-        buffers = self._buffers
-        self.model.wait_staged(buffers)
-        self.model.stage_host_padding(buffers, key.batch)
+        staging = self._host_staging()
+        staging.wait()
+        staging.pad_rows(0, key.batch)
         gate()
-        self.model.copy_staged(buffers, key.batch)
+        staging.copy_prefix(key.batch)
         g.graph.replay()
 
     def stage_armed(self, key: DecodeGraphKey, ids: Any, num_history: Any, block_tables: Any,
                     block_size: int) -> None:
         """Write a live decode step, given as host arrays (token ids int64 `[n]`, cached tokens int32 `[n]`,
-        block tables int32 `[n, W]`, validated), into the staged buffers of an armed replay of `key` whose gate
-        is still closed (the model's `stage_host_decode`)."""
-        self.model.stage_host_decode(self._buffers, ids, num_history, block_tables, block_size, key.batch)
+        block tables int32 `[n, W]`, validated), into the host staging of an armed replay of `key` whose gate
+        is still closed (`HostStaging.stage_decode`: the model's declared `stage_decode`, then padding rows up
+        to the bucket). Host only: the transfer is already enqueued behind the gate."""
+        self._host_staging().stage_decode(ids, num_history, block_tables, block_size, key.batch)
 
     def output_of(self, batch: int) -> Optional[torch.Tensor]:
         """The captured output buffer of the graph of bucket `batch` (graph-pool storage, valid until `reset()`);
@@ -176,8 +196,10 @@ class FullGraphRunner:
 
     # ---- invalidation
     def reset(self) -> None:
-        """Drop every graph, the static buffers and the shared pool (caller synchronizes first)."""
+        """Drop every graph, the static buffers, their host staging and the shared pool (caller synchronizes
+        first)."""
         self._graphs.clear()
         self._buffers = None
+        self._staging = None
         self._pool = None
 

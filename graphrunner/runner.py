@@ -21,7 +21,7 @@ from .dispatch import Decision, DispatchPolicy, Path
 from .epilogue import DecodeEpilogues, EpilogueFn
 from .errors import GraphCaptureError
 from .forward_args import model_kwargs
-from .full_graph import FullGraphRunner, decode_graph_key
+from .full_graph import DecodeGraphKey, FullGraphRunner, decode_graph_key
 from .piecewise import PiecewiseGraphManager
 from .prefill_graph import PrefillGraphKey, PrefillGraphRunner
 from .standard import REQUEST_LIFETIME_FRAME_NAMES, StandardPiecewiseRuntime
@@ -126,6 +126,8 @@ class CUDAGraphRunner:
 
     @property
     def full_graphs(self) -> Optional[FullGraphRunner]:
+        """The decode graphs (introspection for tests and benchmarks; product code serves them through
+        `run`, `replay_decode`, `arm_decode` and `stage_armed_decode`)."""
         return self._full
 
     @property
@@ -203,6 +205,21 @@ class CUDAGraphRunner:
                 with self._on_rank_stream():
                     return self._execute(step, decision, serving=True)
             return self._execute(step, decision, serving=True)
+
+    # Decode graphs by the `decode_key` of a FULL_GRAPH decision the caller holds (the rank's decode lanes and armed
+    # steps). Current stream: the forward stream, in inference mode; no stats recorded (the caller records).
+    def replay_decode(self, key: DecodeGraphKey, step: ForwardStep) -> torch.Tensor:
+        """`FullGraphRunner.replay`: fill, redirect, replay; the output `[num_tokens, H]` (a graph-pool view)."""
+        return self._full.replay(key, step)
+
+    def arm_decode(self, key: DecodeGraphKey, gate: Callable[[], Any]) -> None:
+        """`FullGraphRunner.arm`: enqueue a replay of `key` on padding rows behind `gate()`."""
+        self._full.arm(key, gate)
+
+    def stage_armed_decode(self, key: DecodeGraphKey, ids: Any, num_history: Any, block_tables: Any,
+                           block_size: int) -> None:
+        """`FullGraphRunner.stage_armed`: write a step's host arrays into `key`'s armed replay, gate still closed."""
+        self._full.stage_armed(key, ids, num_history, block_tables, block_size)
 
     def _execute(self, step: ForwardStep, decision: Decision, serving: bool) -> torch.Tensor:
         path = decision.path
@@ -386,16 +403,5 @@ class CUDAGraphRunner:
             raise first_error
 
     def _refresh_memory_stats(self) -> None:
-        s = self.stats
-        s.decode_graph_pool_bytes = self._full.pool_bytes if self._full is not None else 0
-        s.static_buffer_bytes = self._full.buffer_bytes if self._full is not None else 0
-        if self._prefill_graphs is not None:
-            s.prefill_graph_pool_bytes = self._prefill_graphs.pool_bytes
-            s.static_buffer_bytes += self._prefill_graphs.buffer_bytes
-        if self._pcg is not None:
-            m = self._pcg.manager
-            s.piecewise_graph_pool_bytes = m.pool_bytes
-            s.bridge_bytes = m.bridge_bytes
-            s.static_buffer_bytes += sum(
-                b.numel() * b.element_size() for d in m.descriptors() for b in m.plan(d).inputs.values()
-            )
+        pcg = self._pcg.manager if self._pcg is not None else None
+        self.stats.refresh_memory(self._full, self._prefill_graphs, pcg)

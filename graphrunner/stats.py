@@ -65,6 +65,21 @@ class RunnerStats:
         if reason is not None:
             self.eager_reasons[reason.value] = self.eager_reasons.get(reason.value, 0) + 1
 
+    def refresh_memory(self, full: Any, prefill_graphs: Any, piecewise: Any) -> None:
+        """Memory figures of the graphs alive now: the decode graphs (`FullGraphRunner`), the full prefill graphs
+        (`PrefillGraphRunner`) and the piecewise plans (`PiecewiseGraphManager`), each None when absent."""
+        self.decode_graph_pool_bytes = full.pool_bytes if full is not None else 0
+        self.static_buffer_bytes = full.buffer_bytes if full is not None else 0
+        if prefill_graphs is not None:
+            self.prefill_graph_pool_bytes = prefill_graphs.pool_bytes
+            self.static_buffer_bytes += prefill_graphs.buffer_bytes
+        if piecewise is not None:
+            self.piecewise_graph_pool_bytes = piecewise.pool_bytes
+            self.bridge_bytes = piecewise.bridge_bytes
+            self.static_buffer_bytes += sum(
+                b.numel() * b.element_size() for d in piecewise.descriptors() for b in piecewise.plan(d).inputs.values()
+            )
+
     def record_capture(self, kind: str, bucket: int, seconds: float, as_graph: bool) -> None:
         """Record one start-up bucket (`kind`: one of `CAPTURE_KINDS`; "prefill_graph" records every sequence
         bucket of a token bucket as one); `as_graph` False = eager warm-up only."""

@@ -220,7 +220,8 @@ class ToyDecoder(nn.Module):
     def graph_extra_key(self, step: ForwardStep) -> tuple:
         return ()
 
-    def make_buffers(self, meta: GraphMeta) -> dict[str, torch.Tensor]:
+    def make_buffers(self, meta: GraphMeta, staging: Any = None) -> dict[str, torch.Tensor]:
+        # the toy declares no `decode_staging`: the runner passes None and the toy fills device buffers itself
         dev, b, w = meta.device, meta.max_batch_size, meta.max_blocks_per_seq
         return {
             "input_ids": torch.zeros(b, dtype=torch.int64, device=dev),
@@ -352,8 +353,9 @@ def bucket_shaped_eager(model: Any, step: ForwardStep, bucket: int) -> torch.Ten
 def decode_bucket_eager(model: Any, step: ForwardStep, bucket: int, graph_meta: GraphMeta) -> torch.Tensor:
     """What a full decode graph must equal exactly: the forward on the model's own padded buffers."""
     from .forward_args import model_kwargs
+    from .staging import staging_for
 
-    buffers = model.make_buffers(graph_meta)
+    buffers = model.make_buffers(graph_meta, staging_for(model, graph_meta))
     model.fill_buffers(buffers, step, bucket)
     ctx = model.update_context(buffers, step, bucket)
     return model.get_outputs(model(**model_kwargs(ctx)), step.num_tokens)

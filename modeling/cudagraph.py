@@ -5,44 +5,78 @@ every decode graph. Padded rows are harmless by construction: slot -1 (the store
 kernel skips it), kv_seqlen 1 and a block table pointing at the reserved padding
 block 0 (attention stays in bounds), token 0 at position 0 (output ignored).
 
-The per-step fields live in one device staging tensor, field after field (input_ids,
-position_ids, slot_mapping as int64, then kv_seqlens and the block table as int32), with
-a pinned host mirror. A step whose tensors are on the host (the rank's decode fast path)
-is written into the mirror with numpy and reaches the device in ONE host-to-device copy
-of the prefix the bucket needs; a step already on the device is copied field by field.
+The per-step fields are declared as the staging spec `DECODE_STAGING` (input_ids,
+position_ids, slot_mapping as int64 `[B]`, then kv_seqlens int32 `[B]` and the block table
+int32 `[B, W]`); the graph runner owns their `graphrunner.staging.HostStaging` (one device
+staging tensor, a pinned host mirror, its event) and hands it to `make_buffers`, whose
+buffers are its device views. A step whose tensors are on the host (the rank's decode fast
+path) is written into the mirror with numpy (`_stage_decode`: positions, slots and lengths
+from the cached-token counts and block tables) and reaches the device in ONE host-to-device
+copy of the prefix the bucket needs; a step already on the device is copied field by field.
 Token ids already on the device (a step that continues the previous step's tokens without
 a round trip through the host) are copied device-to-device after that transfer. The mirror
-is rewritten only after the previous step's transfer finished (an event recorded after it):
-a rank may enqueue the next step while the device still runs the current one. An armed
-replay (`FullGraphRunner.arm`) enqueues the transfer before its step is known, behind a gate:
-the mirror holds padding rows until the host stages the live step and opens the gate.
+is rewritten only after the previous step's transfer finished (`HostStaging.wait`): a rank
+may enqueue the next step while the device still runs the current one. An armed replay
+(`FullGraphRunner.arm`) enqueues the transfer before its step is known, behind a gate: the
+mirror holds padding rows until the host stages the live step and opens the gate.
 """
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from graphrunner.staging import HostStaging, StagingField, StagingSpec
 from modeling.attn_metadata import AttentionMetadata, HostDecodeMetadata
 
-_ROW_BUFFERS = ("q_seqlens", "kv_seqlens", "q_start_loc", "last_token_index")
+
+def _stage_decode(staging: HostStaging, ids: Optional[np.ndarray], hist: np.ndarray, tables: np.ndarray,
+                  bs: int) -> None:
+    """Write rows [0, n) of a decode step into the staging's host mirror only: token ids int64 `[n]` (None: leave
+    them), positions = `hist` (int32 `[n]` cached tokens per sequence), the slot of each position, lengths =
+    hist + 1, block tables int32 `[n, W']` (validated; columns past W' zeroed). `HostStaging.stage_decode` pads
+    the rows after n; its precondition holds (no transfer out of the mirror running or due)."""
+    h = staging.host_fields
+    n = int(hist.shape[0])
+    if ids is not None:
+        h.input_ids[:n] = ids
+    pos, slots = h.position_ids[:n], h.slot_mapping[:n]
+    if n == 1:
+        x = int(hist[0])
+        pos[0] = x
+        slots[0] = int(tables[0, x // bs]) * bs + x % bs
+        h.kv_seqlens[0] = x + 1
+    else:
+        pos[:] = hist
+        np.add(hist, 1, out=h.kv_seqlens[:n])
+        blocks = pos // bs
+        np.multiply(tables[staging.row_index[:n], blocks], bs, out=slots, casting="unsafe")
+        slots += pos - blocks * bs
+    width = tables.shape[1]
+    bt = h.block_tables
+    bt[:n, :width] = tables
+    bt[:n, width:] = 0
 
 
-def _pad_host_rows(h: dict[str, Any], lo: int, hi: int) -> None:
-    """Rows [lo, hi) of the pinned mirror's fields `h` become padding rows (token 0 at position 0, slot -1,
-    length 1, block table of the padding block 0)."""
-    if hi > lo:
-        h["input_ids"][lo:hi] = 0
-        h["position_ids"][lo:hi] = 0
-        h["slot_mapping"][lo:hi] = -1
-        h["kv_seqlens"][lo:hi] = 1
-        h["block_tables"][lo:hi] = 0
+# The per-step fields of the decode graphs, in staging layout order, with their padding rows' values.
+DECODE_STAGING = StagingSpec(
+    fields=(
+        StagingField("input_ids", torch.int64, pad=0),
+        StagingField("position_ids", torch.int64, pad=0),
+        StagingField("slot_mapping", torch.int64, pad=-1),
+        StagingField("kv_seqlens", torch.int32, pad=1),
+        StagingField("block_tables", torch.int32, pad=0, blocks=True),
+    ),
+    stage_decode=_stage_decode,
+)
 
 
 class DecodeGraphBuffersMixin:
     """Mixed into the model; needs `self.attn_ops` (capturability) and `self.config`."""
+
+    decode_staging = DECODE_STAGING  # the graph runner makes its `HostStaging` and passes it to `make_buffers`
 
     def supports_cuda_graph(self, step: Any) -> bool:
         return bool(step.is_decoding) and self.attn_ops.capturable
@@ -50,44 +84,45 @@ class DecodeGraphBuffersMixin:
     def graph_extra_key(self, step: Any) -> tuple:
         return ()
 
-    def make_buffers(self, graph_meta: Any) -> dict[str, Any]:
+    def make_buffers(self, graph_meta: Any, staging: Optional[HostStaging]) -> dict[str, Any]:
+        """The decode graphs' buffers: the staged fields are `staging`'s device views (the `HostStaging` of
+        `decode_staging` at `graph_meta`'s sizes, `graphrunner.staging.staging_for`), plus q_seqlens (ones),
+        q_start_loc (int32 0..B-1) and last_token_index (int64 0..B-1), which no step changes."""
         dev, b, w = graph_meta.device, graph_meta.max_batch_size, graph_meta.max_blocks_per_seq
-        n64 = 3 * b + -(-(b + b * w) // 2)  # three int64 fields, then the int32 fields packed in pairs
-        staging = torch.zeros(n64, dtype=torch.int64, device=dev)
-        host = torch.zeros(n64, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        h64, h32 = host.numpy(), host.numpy()[3 * b:].view(np.int32)
-        d32 = staging[3 * b:].view(torch.int32)
-        bufs: dict[str, Any] = {
-            "input_ids": staging[0:b],
-            "position_ids": staging[b:2 * b],
-            "slot_mapping": staging[2 * b:3 * b],
-            "kv_seqlens": d32[0:b],
-            "block_tables": d32[b:b + b * w].view(b, w),
+        if staging is None or staging.spec is not self.decode_staging or (staging.rows, staging.width) != (b, w):
+            raise ValueError(f"make_buffers needs the HostStaging of this model's decode_staging at {b} x {w}")
+        d = staging.device_fields
+        return {
+            "input_ids": d.input_ids,
+            "position_ids": d.position_ids,
+            "slot_mapping": d.slot_mapping,
+            "kv_seqlens": d.kv_seqlens,
+            "block_tables": d.block_tables,
             "q_seqlens": torch.ones(b, dtype=torch.int32, device=dev),
             "q_start_loc": torch.arange(b, dtype=torch.int32, device=dev),
             "last_token_index": torch.arange(b, dtype=torch.int64, device=dev),
-            "_staging": staging,
-            "_host": host,
-            "_host_copied": torch.cuda.Event() if dev.type == "cuda" else None,  # recorded after each transfer
-            "_host_fields": {"input_ids": h64[0:b], "position_ids": h64[b:2 * b], "slot_mapping": h64[2 * b:3 * b],
-                             "kv_seqlens": h32[0:b], "block_tables": h32[b:b + b * w].reshape(b, w),
-                             "rows": np.arange(b)},
-            "_copy_views": {},  # padded batch -> (staging bytes, mirror bytes) of its one transfer
+            "staging": staging,
             "_contexts": {},  # (padded batch, block size) -> the step fields `update_context` redirects
         }
-        bufs["slot_mapping"].fill_(-1)
-        bufs["kv_seqlens"].fill_(1)
-        return bufs
 
     def fill_buffers(self, buffers: dict[str, Any], step: Any, padded_batch: int) -> None:
-        """Copy a live decode step (one token per sequence) into rows [0, n) and pad rows [n, padded_batch)."""
+        """Copy a live decode step (one token per sequence) into rows [0, n) and pad rows [n, padded_batch).
+        A host step (`HostDecodeMetadata`): wait for the previous transfer, stage it into the mirror, one
+        transfer of the bucket's prefix, then token ids already on the device copied device-to-device."""
         meta = step.attn_metadata
         n = step.batch_size
         width = meta.block_tables.shape[1]
         if width > buffers["block_tables"].shape[1]:
             raise ValueError(f"block table width {width} exceeds the graph buffers' {buffers['block_tables'].shape[1]}")
         if isinstance(meta, HostDecodeMetadata):
-            self._fill_from_host(buffers, step, meta, padded_batch)
+            staging: HostStaging = buffers["staging"]
+            ids_on_device = step.input_ids.is_cuda
+            staging.wait()
+            staging.stage_decode(None if ids_on_device else step.input_ids.numpy(), meta.num_history,
+                                 meta.block_tables, meta.block_size, padded_batch)
+            staging.copy_prefix(padded_batch)
+            if ids_on_device:
+                buffers["input_ids"][:meta.batch_size].copy_(step.input_ids, non_blocking=True)
             return
         buffers["input_ids"][:n].copy_(step.input_ids, non_blocking=True)
         buffers["position_ids"][:n].copy_(step.position_ids, non_blocking=True)
@@ -103,85 +138,6 @@ class DecodeGraphBuffersMixin:
             buffers["slot_mapping"][n:padded_batch].fill_(-1)
             buffers["kv_seqlens"][n:padded_batch].fill_(1)
             bt[n:padded_batch].zero_()
-
-    @classmethod
-    def _fill_from_host(cls, buffers: dict[str, Any], step: Any, meta: HostDecodeMetadata, p: int) -> None:
-        """Write a host decode step into the pinned mirror and copy the prefix bucket `p` needs in one transfer.
-        Token ids already on the device are copied device-to-device after it."""
-        cls.wait_staged(buffers)
-        cls.stage_host_step(buffers, step, p)
-        cls.copy_staged(buffers, p)
-        if step.input_ids.is_cuda:
-            buffers["input_ids"][:meta.batch_size].copy_(step.input_ids, non_blocking=True)
-
-    @staticmethod
-    def wait_staged(buffers: dict[str, Any]) -> None:
-        """Block until the latest transfer out of the pinned mirror has run (no-op before the first), so the
-        mirror may be rewritten."""
-        copied = buffers["_host_copied"]
-        if copied is not None:
-            copied.synchronize()
-
-    @staticmethod
-    def stage_host_padding(buffers: dict[str, Any], p: int) -> None:
-        """Make rows [0, p) of the pinned mirror padding rows (token 0 at position 0, slot -1, length 1, block
-        table of the padding block): a transfer of it makes a replay of bucket `p` write no KV. Host only; the
-        same precondition as `stage_host_decode`."""
-        _pad_host_rows(buffers["_host_fields"], 0, p)
-
-    @classmethod
-    def stage_host_step(cls, buffers: dict[str, Any], step: Any, p: int) -> None:
-        """`stage_host_decode` for a host decode step (`HostDecodeMetadata`); ids already on the device are not
-        written (the caller copies them)."""
-        meta = step.attn_metadata
-        ids = None if step.input_ids.is_cuda else step.input_ids.numpy()
-        cls.stage_host_decode(buffers, ids, meta.num_history, meta.block_tables, meta.block_size, p)
-
-    @staticmethod
-    def stage_host_decode(buffers: dict[str, Any], ids: Any, hist: np.ndarray, tables: np.ndarray, bs: int,
-                          p: int) -> None:
-        """Write a decode step into the pinned mirror only: token ids int64 `[n]` (None: leave them), positions =
-        `hist` (int32 `[n]` cached tokens per sequence), the slot of each position, lengths = hist + 1, block
-        tables int32 `[n, W]` (validated), padding rows up to bucket `p`. Nothing is enqueued. Precondition: no
-        transfer out of the mirror is running or due before the caller's next `copy_staged` (`wait_staged`, or a
-        transfer still held behind a closed gate, `FullGraphRunner.arm`)."""
-        h = buffers["_host_fields"]
-        n = int(hist.shape[0])
-        if ids is not None:
-            h["input_ids"][:n] = ids
-        pos, slots = h["position_ids"][:n], h["slot_mapping"][:n]
-        if n == 1:
-            x = int(hist[0])
-            pos[0] = x
-            slots[0] = int(tables[0, x // bs]) * bs + x % bs
-            h["kv_seqlens"][0] = x + 1
-        else:
-            pos[:] = hist
-            np.add(hist, 1, out=h["kv_seqlens"][:n])
-            blocks = pos // bs
-            np.multiply(tables[h["rows"][:n], blocks], bs, out=slots, casting="unsafe")
-            slots += pos - blocks * bs
-        width = tables.shape[1]
-        bt = h["block_tables"]
-        bt[:n, :width] = tables
-        bt[:n, width:] = 0
-        _pad_host_rows(h, n, p)
-
-    @staticmethod
-    def copy_staged(buffers: dict[str, Any], p: int) -> None:
-        """Enqueue the one host-to-device transfer of the mirror prefix bucket `p` reads (the int64 fields,
-        kv_seqlens, the first `p` block-table rows) on the current stream, then record `_host_copied` (what
-        `wait_staged` waits for). The transfer reads the mirror when the stream reaches it, not now."""
-        views = buffers["_copy_views"].get(p)
-        if views is None:
-            b, w = buffers["_host_fields"]["block_tables"].shape
-            nbytes = 3 * b * 8 + (b + p * w) * 4
-            views = buffers["_copy_views"][p] = (buffers["_staging"].view(torch.uint8)[:nbytes],
-                                                 buffers["_host"].view(torch.uint8)[:nbytes])
-        views[0].copy_(views[1], non_blocking=True)
-        copied = buffers["_host_copied"]
-        if copied is not None:
-            copied.record()
 
     def update_context(self, buffers: dict[str, torch.Tensor], step: Any, padded_batch: int) -> Any:
         """A step whose tensors are bucket-shaped views of `buffers` (what the graph is captured on). The views

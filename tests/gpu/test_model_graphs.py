@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from graphrunner.runner import CUDAGraphRunner
+from graphrunner.staging import staging_for
 from modeling.generate import generate
 from tests.gpu.helpers import Seqs, eager_bucket, make_runtime, random_tokens
 
@@ -42,7 +43,7 @@ def test_decode_graph_equals_bucket_eager_exactly_and_raw_eager_closely(decode_r
         graph_out = rt.runner(step).clone()
         assert rt.runner.stats.snapshot()["steps"]["full_graph"] == before + 1
         padded = min(x for x in buckets if x >= b)
-        bufs = rt.model.make_buffers(rt.runner.graph_meta)
+        bufs = rt.model.make_buffers(rt.runner.graph_meta, staging_for(rt.model, rt.runner.graph_meta))
         rt.model.fill_buffers(bufs, step, padded)
         s2 = rt.model.update_context(bufs, step, padded)
         bucket_out = rt.model(s2.input_ids, s2.position_ids, s2.kv_caches, s2.attn_metadata)[:b]

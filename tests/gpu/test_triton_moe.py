@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from graphrunner.staging import staging_for
 from tests.gpu.helpers import Seqs, make_runtime, random_tokens
 
 pytestmark = pytest.mark.gpu
@@ -263,7 +264,7 @@ def test_moe_decode_graph_equals_bucket_eager_exactly():
         step = seqs.step([random_tokens(rng, 1, vocab) for _ in prompts], [len(p) for p in prompts], tables)
         graph_out = rt.runner(step).clone()
         padded = min(x for x in buckets if x >= b)
-        bufs = rt.model.make_buffers(rt.runner.graph_meta)
+        bufs = rt.model.make_buffers(rt.runner.graph_meta, staging_for(rt.model, rt.runner.graph_meta))
         rt.model.fill_buffers(bufs, step, padded)
         s2 = rt.model.update_context(bufs, step, padded)
         bucket_out = rt.model(s2.input_ids, s2.position_ids, s2.kv_caches, s2.attn_metadata)[:b]

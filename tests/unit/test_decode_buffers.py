@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from graphrunner.staging import staging_for
 from graphrunner.step import ForwardStep, GraphMeta
 from modeling.attn_metadata import HostDecodeMetadata, build_decode_step_host, build_step_from_arrays
 from modeling.config import get_preset
@@ -28,6 +29,10 @@ def _batch(rng, n, width):
     return rng.integers(0, 1000, n).astype(np.int64), hist, tables
 
 
+def _buffers(model, meta):
+    return model.make_buffers(meta, staging_for(model, meta))
+
+
 def _fill(model, buffers, step, p):
     model.fill_buffers(buffers, step, p)
     return {f: buffers[f][:p].clone() for f in FIELDS}
@@ -37,7 +42,7 @@ def _fill(model, buffers, step, p):
 def test_host_fill_equals_tensor_fill(model, n, p, width):
     rng = np.random.default_rng(n * 100 + p * 10 + width)
     meta = GraphMeta(max_batch_size=8, max_tokens=8, max_blocks_per_seq=8, device=torch.device("cpu"))
-    host_bufs, dev_bufs = model.make_buffers(meta), model.make_buffers(meta)
+    host_bufs, dev_bufs = _buffers(model, meta), _buffers(model, meta)
     for _ in range(3):  # successive steps: stale rows of a wider/larger earlier step must not survive
         ids, hist, tables = _batch(rng, n, width)
         ids_h, pos_h, hmeta = build_decode_step_host(ids, hist, tables, BS)
@@ -53,7 +58,7 @@ def test_host_fill_equals_tensor_fill(model, n, p, width):
 
 def test_host_fill_after_a_wider_step_clears_old_table_columns(model):
     meta = GraphMeta(max_batch_size=4, max_tokens=4, max_blocks_per_seq=6, device=torch.device("cpu"))
-    bufs = model.make_buffers(meta)
+    bufs = _buffers(model, meta)
     wide = np.arange(1, 7, dtype=np.int32)[None, :]
     ids, pos, hmeta = build_decode_step_host(np.array([3]), np.array([21], np.int32), wide, BS)
     model.fill_buffers(bufs, ForwardStep(ids, pos, [], hmeta), 1)
@@ -66,22 +71,25 @@ def test_host_fill_after_a_wider_step_clears_old_table_columns(model):
 
 
 def test_armed_staging_pads_then_stages_the_live_step(model):
-    """An armed replay's staging (`FullGraphRunner.arm` / `stage_armed`): padding rows over a previous step's
-    rows, then the live step's host arrays written before the transfer, equal the ordinary host fill."""
+    """An armed replay's staging (`FullGraphRunner.arm` / `stage_armed`, through the `HostStaging`): padding
+    rows over a previous step's rows, then the live step's host arrays written before the transfer, equal the
+    ordinary host fill."""
     rng = np.random.default_rng(7)
     meta = GraphMeta(max_batch_size=8, max_tokens=8, max_blocks_per_seq=8, device=torch.device("cpu"))
-    bufs, ref = model.make_buffers(meta), model.make_buffers(meta)
+    bufs, ref = _buffers(model, meta), _buffers(model, meta)
+    staging = bufs["staging"]
     ids, hist, tables = _batch(rng, 5, 6)
     ids_h, pos_h, hmeta = build_decode_step_host(ids, hist, tables, BS)
     _fill(model, bufs, ForwardStep(ids_h, pos_h, [], hmeta), 8)
-    model.stage_host_padding(bufs, 8)
-    model.copy_staged(bufs, 8)
+    staging.wait()
+    staging.pad_rows(0, 8)
+    staging.copy_prefix(8)
     pad = {f: bufs[f][:8].clone() for f in FIELDS}
     assert (pad["input_ids"] == 0).all() and (pad["position_ids"] == 0).all() and (pad["block_tables"] == 0).all()
     assert (pad["slot_mapping"] == -1).all() and (pad["kv_seqlens"] == 1).all()  # writes no KV
     ids, hist, tables = _batch(rng, 3, 4)
-    model.stage_host_decode(bufs, ids, hist, tables, BS, 4)
-    model.copy_staged(bufs, 4)
+    staging.stage_decode(ids, hist, tables, BS, 4)
+    staging.copy_prefix(4)
     ids_h, pos_h, hmeta = build_decode_step_host(ids, hist, tables, BS)
     want = _fill(model, ref, ForwardStep(ids_h, pos_h, [], hmeta), 4)
     for f in FIELDS:
@@ -90,7 +98,7 @@ def test_armed_staging_pads_then_stages_the_live_step(model):
 
 def test_update_context_views_the_buffers(model):
     meta = GraphMeta(max_batch_size=4, max_tokens=4, max_blocks_per_seq=3, device=torch.device("cpu"))
-    bufs = model.make_buffers(meta)
+    bufs = _buffers(model, meta)
     ids, pos, hmeta = build_decode_step_host(np.array([1, 2]), np.array([0, 4], np.int32),
                                              np.array([[1, 0], [2, 3]], np.int32), BS)
     step = ForwardStep(ids, pos, [], hmeta, batch_bucket_hint=4)
