@@ -129,6 +129,13 @@ class PrefillGraphRunner:
         self._graphs[key] = (graph, output, pool_bytes)
         return key, self.model.get_outputs(warm, step.num_tokens)
 
+    def capture_token_bucket(self, step: ForwardStep, tokens: int) -> None:
+        """`capture` every sequence bucket of token bucket `tokens` not captured yet, largest first."""
+        extra = tuple(self.model.graph_extra_key(step)) + (scalar_constants(step.extras) or ())
+        for seqs in sorted(self.seq_buckets, reverse=True):
+            if PrefillGraphKey(tokens, seqs, extra) not in self._graphs:
+                self.capture(step, tokens, seqs)
+
     # ---- serving
     def replay(self, key: PrefillGraphKey, step: ForwardStep) -> torch.Tensor:
         """Fill the buffers from the live step, replay, and return the output rows of its real tokens (a view of

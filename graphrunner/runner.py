@@ -23,7 +23,7 @@ from .errors import GraphCaptureError
 from .forward_args import model_kwargs
 from .full_graph import DecodeGraphKey, FullGraphRunner, decode_graph_key
 from .piecewise import PiecewiseGraphManager
-from .prefill_graph import PrefillGraphKey, PrefillGraphRunner
+from .prefill_graph import PrefillGraphRunner
 from .standard import REQUEST_LIFETIME_FRAME_NAMES, StandardPiecewiseRuntime
 from .stats import EagerReason, ExecPath, RunnerStats
 from .step import ForwardStep, GraphMeta
@@ -126,8 +126,7 @@ class CUDAGraphRunner:
 
     @property
     def full_graphs(self) -> Optional[FullGraphRunner]:
-        """The decode graphs (introspection for tests and benchmarks; product code serves them through
-        `run`, `replay_decode`, `arm_decode` and `stage_armed_decode`)."""
+        """The decode graphs, for tests and benchmarks (product code: `run`, `replay_decode`, `arm_decode`...)."""
         return self._full
 
     @property
@@ -348,10 +347,7 @@ class CUDAGraphRunner:
             t0 = time.perf_counter()
             as_graph = pg is not None and bool(self.model.supports_prefill_graph(step))
             if as_graph:
-                extra = pg.key_for(step).extra
-                for seqs in sorted(self._prefill_graph_seqs, reverse=True):
-                    if not pg.has_graph(PrefillGraphKey(tokens, seqs, extra)):
-                        pg.capture(step, tokens, seqs)
+                pg.capture_token_bucket(step, tokens)
             elif tokens not in self._prefill_buckets:  # the plan's capture already ran this bucket's warm-up
                 self.model(**model_kwargs(step))
             if self._cuda:
@@ -387,20 +383,17 @@ class CUDAGraphRunner:
         if self._cuda:
             # A cuBLAS workspace first used during a capture lives in that graph's private pool
             # and would pin it; workspaces are re-created lazily (outside capture) on next use.
-            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear_workspaces is not None:
-                clear_workspaces()
+            getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
             torch.cuda.empty_cache()
         self.stats.on_reset()
-        first_error: Optional[BaseException] = None
+        errors: list[BaseException] = []
         for hook in self._reset_hooks:
             try:
                 hook()
             except BaseException as e:  # noqa: BLE001 - run every hook, re-raise the first
-                if first_error is None:
-                    first_error = e
-        if first_error is not None:
-            raise first_error
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def _refresh_memory_stats(self) -> None:
         pcg = self._pcg.manager if self._pcg is not None else None
