@@ -2,9 +2,8 @@
 # One device call: the GPU test suites and the benchmarks, logs and JSON into $OUT.
 #   bash bench/device_suite.sh tests     # gpu + multigpu tests, graph and launch benchmarks
 #   bash bench/device_suite.sh benches   # all-reduce, GEMM sweep, distributed and serving benchmarks
-#   bash bench/device_suite.sh owed      # the figures the open issues still owe (see docs/benchmarks.md, twelfth
-#                                        # session); the before/after A/B needs `git worktree add .old1638171
-#                                        # 1638171` (ignored; carry it) next to this checkout
+#   bash bench/device_suite.sh owed      # the figures the open issues still owe (docs/benchmarks.md, thirteenth
+#                                        # session)
 set -u
 out="${OUT:-artifacts}"; mkdir -p "$out"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -37,16 +36,14 @@ benches)
   timeout 110 python3 bench/serve_bench.py --model qwen3-0.6b --server-arg=--overlap --out "$out/serve_bench_overlap.json" 2>&1 | grep -v "\[server\]" | tee "$out/serve_bench_overlap.log" | tail -6
   ;;
 owed)
-  # sampled vs greedy through the coordinator, with top_k 50 and logprobs, armed and not
+  # issue 20: sampled vs greedy through the coordinator, with top_k 50 and logprobs, armed and not
   timeout 110 python3 -m bench.dist_bench --model qwen3-0.6b --tp 1 --batches 1,8,64 --paths pipe --sampling greedy,t1_p0.9,t1_k50,greedy_lp5,t1_p0.9_lp5 --steps 150 --armed-wait-ms 20,0 --out "$out/dist_bench_sampling.json" 2>&1 | quiet | tee "$out/dist_bench_sampling.log" | grep -E "^1 |sampled /"
-  # issue 19: dist_bench within 3% of commit 1638171, both in this run
-  if [ -d .old1638171 ]; then
-    (cd .old1638171 && PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 70 python3 -m bench.dist_bench --model qwen3-0.6b --tp 1 --batches 1,64 --paths pipe --steps 200 --decode-steps 1 --out "$out/dist_bench_old.json" 2>&1 | quiet | grep -E "^1 ")
-  fi
-  timeout 70 python3 -m bench.dist_bench --model qwen3-0.6b --tp 1 --batches 1,64 --paths pipe --steps 200 --decode-steps 1 --out "$out/dist_bench_new.json" 2>&1 | quiet | grep -E "^1 "
-  # issue 18: the stall per failure over each kill's window
-  timeout 150 python3 -m bench.soak --model qwen3-0.6b --device cuda --dp 1 --duration-s 90 --kill-every-s 30 --reset-every-s 45 --max-tokens 64 --out "$out/soak_gpu.json" 2>&1 | grep -v "\[server\]" | quiet | tail -3
-  # issue 22: TTFT, chunked prefill, prefix caching
-  timeout 300 python3 -m bench.prefill_bench --model qwen3-0.6b --out "$out/prefill_bench.json" 2>&1 | quiet | tee "$out/prefill_bench.log" | tail -16
+  # issue 22: TTFT over HTTP at 1 client with and without full prefill graphs; TTFT, chunking, prefix caching
+  for pg in 2048 0; do
+    timeout 60 python3 bench/serve_bench.py --model qwen3-0.6b --concurrency 1 --requests-per-client 24 --server-arg=--prefill-graph-max-tokens=$pg --out "$out/serve_ttft_pg$pg.json" 2>&1 | grep -v "\[server\]" | tail -4
+  done
+  timeout 120 python3 -m bench.prefill_bench --model qwen3-0.6b --out "$out/prefill_bench.json" 2>&1 | quiet | tee "$out/prefill_bench.log" | tail -16
+  # issue 24: every layer of every shape
+  timeout 400 python3 -m bench.model_sweep --out "$out/model_sweep.json" 2>&1 | quiet | tee "$out/model_sweep.log" | tail -8
   ;;
 esac
