@@ -183,6 +183,24 @@ SAMPLED_CASES = {  # name of the captured head that must serve it: temperature, 
 }
 
 
+def _graph_and_eager(rt, dec: StepBatch):
+    """Run `dec` twice: on the fast path (recording which captured sampler head `stage_graph_rows` picked) and on
+    the eager sampler (a logits observer forces it). Returns (fast result, eager result, [head name or None])."""
+    staged = []
+    orig = rt.sampler().stage_graph_rows
+    rt.sampler().stage_graph_rows = lambda *a: staged.append(orig(*a)) or staged[-1]
+    try:
+        graph = rt.execute(dec)
+    finally:
+        del rt.sampler().stage_graph_rows
+    rt.logits_observer = lambda lg: None
+    try:
+        eager = rt.execute(dec)
+    finally:
+        rt.logits_observer = None
+    return graph, eager, staged
+
+
 @pytest.mark.parametrize("n", [1, 3, 16])
 @pytest.mark.parametrize("case", sorted(SAMPLED_CASES))
 @torch.inference_mode()
@@ -198,19 +216,8 @@ def test_captured_sampler_head_equals_eager_sampler(rt, case, n):
     t = [0.0 if i % 3 == 2 else x for i, x in enumerate(t)]  # some greedy rows among the sampled
     dec = StepBatch.from_sequences([[int(x)] for x in first], [len(q) for q in prompts], tables, temperature=t,
                                    top_k=k, top_p=p, seeds=[1000 + i for i in range(n)])
-    staged = []
-    orig = rt.sampler().stage_graph_rows
-    rt.sampler().stage_graph_rows = lambda *a: staged.append(orig(*a)) or staged[-1]
-    try:
-        graph = rt.execute(dec)
-    finally:
-        del rt.sampler().stage_graph_rows
+    graph, eager, staged = _graph_and_eager(rt, dec)
     assert staged == [case]
-    rt.logits_observer = lambda lg: None
-    try:
-        eager = rt.execute(dec)
-    finally:
-        rt.logits_observer = None
     np.testing.assert_array_equal(graph, eager)
     assert graph.min() >= 0 and graph.max() < vocab
 
@@ -238,19 +245,8 @@ def test_captured_logprob_head_equals_eager_sampler(rt, case, num_logprobs, n):
     dec = StepBatch.from_sequences([[int(x)] for x in first], [len(q) for q in prompts], tables, temperature=t,
                                    top_k=k, top_p=p, seeds=[2000 + i for i in range(n)])
     dec = dataclasses.replace(dec, extras=_logprob_extras(n, num_logprobs))
-    staged = []
-    orig = rt.sampler().stage_graph_rows
-    rt.sampler().stage_graph_rows = lambda *a: staged.append(orig(*a)) or staged[-1]
-    try:
-        graph = rt.execute(dec)
-    finally:
-        del rt.sampler().stage_graph_rows
+    graph, eager, staged = _graph_and_eager(rt, dec)
     assert staged == [case + "_lp"]
-    rt.logits_observer = lambda lg: None
-    try:
-        eager = rt.execute(dec)
-    finally:
-        rt.logits_observer = None
     np.testing.assert_array_equal(graph.tokens, eager.tokens)
     assert graph.logprobs.top_ids.shape == (n, num_logprobs)
     np.testing.assert_array_equal(graph.logprobs.top_ids, eager.logprobs.top_ids)
