@@ -181,3 +181,25 @@ def test_models_without_capturable_kernels_decline_prefill_graphs():
     step = ForwardStep(i, p, [], meta)
     assert not moe.supports_prefill_graph(step)  # the torch backend: neither capturable nor routed experts
     assert not dense.supports_prefill_graph(step)
+
+
+def test_capture_token_bucket_captures_each_sequence_bucket_once_largest_first(qwen):
+    """The start-up loop over sequence buckets (the CUDA capture itself is replaced by a recorder here; the GPU
+    tests capture for real): every missing (T, S) once, largest S first, none twice."""
+    meta = GraphMeta(8, 64, 4, torch.device("cpu"))
+    pg = PrefillGraphRunner(qwen, (16, 32, 64), (1, 2, 4), meta, None)
+    calls = []
+
+    def record(step, tokens, seqs):
+        calls.append((tokens, seqs))
+        pg._graphs[PrefillGraphKey(tokens, seqs, ())] = (None, None, 0)
+
+    pg.capture = record
+    i, p, m = build_step_from_arrays(np.zeros(32, np.int64), np.array([32], np.int32), np.zeros(1, np.int32),
+                                     np.zeros((1, 4), np.int32), 16, "cpu")
+    step = ForwardStep(i, p, [], m)
+    pg.capture_token_bucket(step, 32)
+    assert calls == [(32, 4), (32, 2), (32, 1)]
+    pg.capture_token_bucket(step, 32)
+    assert len(calls) == 3 and pg.num_graphs == 3
+    assert pg.key_for(step) == PrefillGraphKey(32, 1) and pg.has_graph(pg.key_for(step))
