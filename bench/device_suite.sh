@@ -42,6 +42,7 @@ owed)
   for pg in 2048 0; do
     timeout 60 python3 bench/serve_bench.py --model qwen3-0.6b --concurrency 1 --requests-per-client 24 --server-arg=--prefill-graph-max-tokens=$pg --out "$out/serve_ttft_pg$pg.json" 2>&1 | grep -v "\[server\]" | tail -4
   done
+  timeout 90 python3 -m bench.ttft_trace --model qwen3-0.6b --out "$out/ttft_trace.json" 2>&1 | quiet | tail -9
   timeout 120 python3 -m bench.prefill_bench --model qwen3-0.6b --out "$out/prefill_bench.json" 2>&1 | quiet | tee "$out/prefill_bench.log" | tail -16
   # issue 24: every layer of every shape
   timeout 400 python3 -m bench.model_sweep --out "$out/model_sweep.json" 2>&1 | quiet | tee "$out/model_sweep.log" | tail -8
