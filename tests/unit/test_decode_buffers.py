@@ -10,6 +10,7 @@ from graphrunner.step import ForwardStep, GraphMeta
 from modeling.attn_metadata import HostDecodeMetadata, build_decode_step_host, build_step_from_arrays
 from modeling.config import get_preset
 from modeling.qwen3 import Qwen3ForCausalLM
+from tests.unit._decode_rows import random_decode_rows
 
 BS = 4
 FIELDS = ("input_ids", "position_ids", "slot_mapping", "kv_seqlens", "block_tables")
@@ -21,12 +22,7 @@ def model():
 
 
 def _batch(rng, n, width):
-    hist = rng.integers(0, width * BS - 1, n).astype(np.int32)
-    tables = np.zeros((n, width), np.int32)
-    for i in range(n):
-        used = (int(hist[i]) + 1 + BS - 1) // BS
-        tables[i, :used] = rng.choice(np.arange(1, 200), used, replace=False)
-    return rng.integers(0, 1000, n).astype(np.int64), hist, tables
+    return random_decode_rows(rng, n, width, BS)
 
 
 def _buffers(model, meta):

@@ -18,6 +18,7 @@ from modeling.attn_metadata import build_decode_step_host, build_step_from_array
 from modeling.config import get_preset
 from modeling.cudagraph import DECODE_STAGING
 from modeling.qwen3 import Qwen3ForCausalLM
+from tests.unit._decode_rows import random_decode_rows
 
 BS = 4
 CPU = torch.device("cpu")
@@ -35,12 +36,7 @@ def _meta(b, w):
 
 
 def _batch(rng, n, width):
-    hist = rng.integers(0, width * BS - 1, n).astype(np.int32)
-    tables = np.zeros((n, width), np.int32)
-    for i in range(n):
-        used = (int(hist[i]) + 1 + BS - 1) // BS
-        tables[i, :used] = rng.choice(np.arange(1, 200), used, replace=False)
-    return rng.integers(0, 1000, n).astype(np.int64), hist, tables
+    return random_decode_rows(rng, n, width, BS)
 
 
 class _Legacy:
