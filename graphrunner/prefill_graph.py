@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .buckets import round_up_decode, round_up_tokens
 from .capture import KeepOriginalErrorGraph
 from .errors import GraphCaptureError
 from .forward_args import model_kwargs, scalar_constants
@@ -32,13 +33,6 @@ class PrefillGraphKey:
     tokens: int
     seqs: int
     extra: tuple = ()
-
-
-def _round_up(n: int, buckets: Sequence[int]) -> Optional[int]:
-    for b in buckets:
-        if b >= n:
-            return b
-    return None
 
 
 class PrefillGraphRunner:
@@ -61,17 +55,21 @@ class PrefillGraphRunner:
         self._pool: Optional[Any] = None
 
     # ---- queries
+    def _extra(self, step: ForwardStep) -> Optional[tuple]:
+        """The key's extra part: the model's graph key, then the step's scalar extras (baked into the captured
+        call); None when an extra is dynamic (no prefill graph serves the step)."""
+        constants = scalar_constants(step.extras)
+        return None if constants is None else tuple(self.model.graph_extra_key(step)) + constants
+
     def key_for(self, step: ForwardStep) -> Optional[PrefillGraphKey]:
         """The key that would serve `step` (None: too many tokens or sequences, or dynamic extras); whether it
         is captured is `has_graph`."""
-        constants = scalar_constants(step.extras)
-        if constants is None:
+        extra = self._extra(step)
+        want = max(step.num_tokens, int(step.token_bucket_hint or 0))
+        if extra is None or want > self.token_buckets[-1] or step.batch_size > self.seq_buckets[-1]:
             return None
-        tokens = _round_up(max(step.num_tokens, int(step.token_bucket_hint or 0)), self.token_buckets)
-        seqs = _round_up(step.batch_size, self.seq_buckets)
-        if tokens is None or seqs is None:
-            return None
-        return PrefillGraphKey(tokens, seqs, tuple(self.model.graph_extra_key(step)) + constants)
+        return PrefillGraphKey(round_up_tokens(want, self.token_buckets),
+                               round_up_decode(step.batch_size, self.seq_buckets), extra)
 
     def has_graph(self, key: PrefillGraphKey) -> bool:
         return key in self._graphs
@@ -103,10 +101,10 @@ class PrefillGraphRunner:
         if tokens not in self.token_buckets or seqs not in self.seq_buckets:
             raise GraphCaptureError(f"({tokens}, {seqs}) is not a prefill graph bucket of "
                                     f"{list(self.token_buckets)} x {list(self.seq_buckets)}")
-        constants = scalar_constants(step.extras)
-        if constants is None:
+        extra = self._extra(step)
+        if extra is None:
             raise GraphCaptureError("a prefill graph cannot be captured with dynamic extras")
-        key = PrefillGraphKey(tokens, seqs, tuple(self.model.graph_extra_key(step)) + constants)
+        key = PrefillGraphKey(tokens, seqs, extra)
         if key in self._graphs:
             raise GraphCaptureError(f"prefill graph {key} is already captured")
         buffers = self._ensure_buffers()
@@ -131,7 +129,7 @@ class PrefillGraphRunner:
 
     def capture_token_bucket(self, step: ForwardStep, tokens: int) -> None:
         """`capture` every sequence bucket of token bucket `tokens` not captured yet, largest first."""
-        extra = tuple(self.model.graph_extra_key(step)) + (scalar_constants(step.extras) or ())
+        extra = self._extra(step)
         for seqs in sorted(self.seq_buckets, reverse=True):
             if PrefillGraphKey(tokens, seqs, extra) not in self._graphs:
                 self.capture(step, tokens, seqs)

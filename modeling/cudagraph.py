@@ -73,6 +73,14 @@ DECODE_STAGING = StagingSpec(
 )
 
 
+def redirected(step: Any, fields: dict[str, Any]) -> Any:
+    """A shallow copy of `step` whose `fields` (graph input views, metadata) replace its own: what a graph is
+    captured on and replays from. Cheaper than `dataclasses.replace` (no __init__), which matters per step."""
+    view = copy.copy(step)
+    view.__dict__.update(fields)
+    return view
+
+
 class DecodeGraphBuffersMixin:
     """Mixed into the model; needs `self.attn_ops` (capturability) and `self.config`."""
 
@@ -160,9 +168,7 @@ class DecodeGraphBuffersMixin:
             )
             ctx = buffers["_contexts"][(p, bs)] = {"input_ids": buffers["input_ids"][:p],
                                                    "position_ids": buffers["position_ids"][:p], "attn_metadata": meta}
-        view = copy.copy(step)
-        view.__dict__.update(ctx)
-        return view
+        return redirected(step, ctx)
 
     def get_outputs(self, output: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return output[:num_tokens]

@@ -18,12 +18,12 @@ copies the live step's device tensors (the rank built them for this step) on the
 """
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 
 from modeling.attn_metadata import AttentionMetadata
+from modeling.cudagraph import redirected
 from modeling.moe import SparseMoeBlock
 
 _TOKEN_FIELDS = (("input_ids", 0), ("position_ids", 0), ("slot_mapping", -1))
@@ -113,6 +113,4 @@ class PrefillGraphBuffersMixin:
             ctx = buffers["_contexts"][(tokens, seqs, bs)] = {
                 "input_ids": buffers["input_ids"][:tokens], "position_ids": buffers["position_ids"][:tokens],
                 "attn_metadata": meta}
-        view = copy.copy(step)
-        view.__dict__.update(ctx)
-        return view
+        return redirected(step, ctx)
