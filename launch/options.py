@@ -128,12 +128,12 @@ def resolve_graph_defaults(args: argparse.Namespace) -> None:
     elif args.pcg_max_tokens > args.max_model_len:
         raise LaunchError(f"--pcg-max-tokens {args.pcg_max_tokens} exceeds --max-model-len {args.max_model_len} "
                           "(the start-up prefill of the largest bucket is one sequence)")
-    if getattr(args, "prefill_graph_max_tokens", None) is None:
+    if args.prefill_graph_max_tokens is None:
         args.prefill_graph_max_tokens = 0 if cpu or args.eager else min(PREFILL_GRAPH_MAX_TOKENS, args.max_model_len)
     elif args.prefill_graph_max_tokens < 0 or args.prefill_graph_max_tokens > args.max_model_len:
         raise LaunchError(f"--prefill-graph-max-tokens {args.prefill_graph_max_tokens} must be in 0..--max-model-len "
                           f"({args.max_model_len}): the start-up capture of the largest bucket is one sequence")
-    if getattr(args, "prefill_graph_max_seqs", 4) < 1:
+    if args.prefill_graph_max_seqs < 1:
         raise LaunchError(f"--prefill-graph-max-seqs must be >= 1, got {args.prefill_graph_max_seqs}")
 
 
@@ -150,7 +150,7 @@ def runtime_config(args: argparse.Namespace, kernels: Any = None):
     graph = GraphRunnerConfig(eager_mode=args.eager, max_decode_batch=args.max_decode_batch,
                               pcg_max_tokens=args.pcg_max_tokens or None, pcg_token_stride=args.pcg_token_stride,
                               pcg_min_tokens=args.pcg_min_tokens, prefill_graph_max_tokens=args.prefill_graph_max_tokens,
-                              prefill_graph_max_seqs=getattr(args, "prefill_graph_max_seqs", 4))
+                              prefill_graph_max_seqs=args.prefill_graph_max_seqs)
     block = args.block_size or (16 if _on_cpu(args) else 64)
     return RuntimeConfig(model=args.model, seed=args.seed, dtype=args.dtype, device=args.device, block_size=block,
                          num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
@@ -308,7 +308,7 @@ def deployment_summary(args: argparse.Namespace, kind: str) -> dict:
             "ep_backend": args.ep_backend, "address": args.address, "device": args.device, "eager": args.eager,
             "max_decode_batch": args.max_decode_batch, "pcg_max_tokens": args.pcg_max_tokens,
             "pcg_token_stride": args.pcg_token_stride,
-            "prefill_graph_max_tokens": getattr(args, "prefill_graph_max_tokens", None), "max_model_len": args.max_model_len,
+            "prefill_graph_max_tokens": args.prefill_graph_max_tokens, "max_model_len": args.max_model_len,
             "num_kv_blocks": args.num_kv_blocks, "chunked_prefill": not getattr(args, "no_chunked_prefill", False),
             "prefix_caching": not getattr(args, "no_prefix_caching", False),
             "max_num_batched_tokens": args.max_num_batched_tokens}

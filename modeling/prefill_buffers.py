@@ -37,12 +37,15 @@ class PrefillGraphBuffersMixin:
         """Whether a full prefill graph may serve `step`: capturable kernels, TP = EP = 1 (the all-reduce and
         expert-dispatch paths of prefill-sized steps are not validated inside graphs yet), and MoE layers only on
         the routed-expert kernel (device-side grouping at every size; the torch paths sync with the host)."""
-        if not self.attn_ops.capturable or step.mrope_position_ids is not None or step.state_ids is not None:
+        if step.mrope_position_ids is not None or step.state_ids is not None:
             return False
-        if self.ctx.tp_size != 1 or self.ctx.ep_size != 1:
-            return False
-        return all(layer.mlp.routed_kernel is not None for layer in self.layers
-                   if isinstance(layer.mlp, SparseMoeBlock))
+        capable = self.__dict__.get("_prefill_graph_capable")
+        if capable is None:  # facts of the model, not of the step: decided once, not on every prefill step
+            capable = self._prefill_graph_capable = (
+                self.attn_ops.capturable and self.ctx.tp_size == 1 and self.ctx.ep_size == 1
+                and all(layer.mlp.routed_kernel is not None for layer in self.layers
+                        if isinstance(layer.mlp, SparseMoeBlock)))
+        return capable
 
     def make_prefill_buffers(self, max_tokens: int, max_seqs: int, max_blocks: int,
                              device: torch.device) -> dict[str, Any]:
