@@ -26,6 +26,7 @@ CASES: dict[str, tuple[dict, SamplerVariant, int]] = {
     "T=1 top-5 logprobs": ({"temperature": 1.0}, SamplerVariant(), 5),
     "T=1": ({"temperature": 1.0}, SamplerVariant(), 0),
     "T=0 (sampler)": ({"temperature": 0.0}, SamplerVariant(), 0),
+    "T=1 top_k=200": ({"temperature": 1.0, "top_k": 200}, SamplerVariant(top_k=True, large_top_k=True), 0),
     "T=1 top_k=50 top_p=0.9": ({"temperature": 1.0, "top_k": 50, "top_p": 0.9}, SamplerVariant(top_k=True, top_p=True), 0),
     "T=1 penalties+bias": ({"temperature": 1.0, "repetition_penalty": 1.1, "frequency_penalty": 0.2,
                             "prompt_token_ids": tuple(range(100, 140)), "output_token_ids": tuple(range(7, 20)),
