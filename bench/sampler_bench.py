@@ -72,12 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=10, help="calls per captured graph")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
-    ap.add_argument("--topk-programs", default="",
-                    help="also time the top-k cases at these TOPK_TARGET_PROGRAMS values (comma list), as '<case> @N'")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
-    from modeling.sampler import triton_sampler  # noqa: PLC0415  (Triton: CUDA only)
-
     dev = torch.device("cuda")
     batches = [int(b) for b in args.batches.split(",")]
     cases = [c.strip() for c in args.cases.split(",")]
@@ -94,13 +90,6 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.synchronize()
             row[name] = graph_us(lambda: sample(logits, params, num_logprobs=n, variant=variant), args.calls,
                                  args.replays)
-            for target in (int(x) for x in args.topk_programs.split(",") if x and variant.top_k):
-                default, triton_sampler.TOPK_TARGET_PROGRAMS = triton_sampler.TOPK_TARGET_PROGRAMS, target
-                try:
-                    row[f"{name} @{target}"] = graph_us(lambda: sample(logits, params, num_logprobs=n,
-                                                                       variant=variant), args.calls, args.replays)
-                finally:
-                    triton_sampler.TOPK_TARGET_PROGRAMS = default
         rows.append(row)
         logits = None  # free it before the next batch size
     cases = [c for c in rows[0] if c not in ("batch", "argmax_us")]

@@ -98,11 +98,12 @@ def patch_kernel(work, sw, recf, rs, li, lf, lrs, V, voff, OFF_BI: tl.constexpr,
 
 
 @triton.jit
-def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, cands, kc, hist, B, V, CH, C, voff,
-                 BLOCK: tl.constexpr, N: tl.constexpr, NP2: tl.constexpr, KF: tl.constexpr, FASTK: tl.constexpr,
-                 PROCESSED: tl.constexpr, TOPK_LARGE: tl.constexpr):
-    """Per chunk: raw max and sum of exp (log-softmax), max of z, top-N raw candidates, the k largest z of rows
-    with top-k <= KF, top-k level-1 counts of rows with larger k."""
+def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, cands, gmax, hist, B, V, CH, C, voff, KF,
+                 BLOCK: tl.constexpr, N: tl.constexpr, NP2: tl.constexpr, G: tl.constexpr,
+                 HAS_TOPK: tl.constexpr, PROCESSED: tl.constexpr, TOPK_LARGE: tl.constexpr):
+    """Per chunk: raw max and sum of exp (log-softmax), max of z, top-N raw candidates, (top-k) the int32 key of
+    the largest z of every G consecutive ids (`gmax` `[B, C * CH / G]`), top-k level-1 counts of rows with
+    k > KF."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = tl.load(recf + row * rs + F_T)
@@ -114,8 +115,6 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, cands, kc, hist, B
     zmax = float("-inf")
     hacc = tl.zeros([2048], tl.int32)
     run = tl.full([NP2], SENTINEL, tl.int64) + tl.arange(0, NP2)
-    krun = tl.full([KF], SENTINEL, tl.int64) + tl.arange(0, KF)
-    kn = tl.where(topk_on & (k <= KF), k, 0)
     lo = c * CH
     for s in range(0, CH, BLOCK):
         offs = lo + s + tl.arange(0, BLOCK)
@@ -130,8 +129,9 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, cands, kc, hist, B
         else:
             z = raw * invt
         zmax = tl.maximum(zmax, tl.max(z))
-        if FASTK:
-            krun = _merge_top(krun, tl.where(msk, pack(z, offs + voff), SENTINEL), kn, KF)
+        if HAS_TOPK:
+            gk = tl.max(tl.reshape((okey(z) - 2147483648).to(tl.int32), [BLOCK // G, G]), axis=1)
+            tl.store(gmax + row * (C * (CH // G)) + (lo + s) // G + tl.arange(0, BLOCK // G), gk)
         if TOPK_LARGE:
             hacc += digit_hist((okey(z) >> 21).to(tl.int32), tl.where(topk_on & (k > KF), msk, False), 2048)
         if N > 0:
@@ -145,8 +145,6 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, cands, kc, hist, B
         tl.atomic_add(hist + row * HS + ar, hacc.to(tl.int64), mask=hacc > 0)
     if N > 0:
         tl.store(cands + (row * C + c) * NP2 + tl.arange(0, NP2), run)
-    if FASTK:
-        tl.store(kc + (row * C + c) * KF + tl.arange(0, KF), krun)
 
 
 @triton.jit

@@ -4,16 +4,17 @@ The kernels: `triton_kernels` (processing, stats, sample, finish), `triton_selec
 Stages per call, each a `(B, C)` grid over chunks of the vocabulary shard unless noted; TP collectives between:
 
   [processed]  copy (logits -> fp32 work) + patch (grid B: bias, bans, penalties)     1 pass (write)
-  stats        raw max / sum-exp, max z, top-N raw candidates, each chunk's k largest z
-               (k <= 128), top-k level-1 counts (larger k)                            1 pass   gather, sum
-  [top_k]      grid B: the k-th largest z from the chunks' candidates                 -        (gather above)
+  stats        raw max / sum-exp, max z, top-N raw candidates, (top-k) the max key of every
+               32 ids, top-k level-1 counts (larger k)                                1 pass   gather, sum
+  [top_k]      grid B: tau, the k-th largest group max; candidates above tau; grid B:
+               the k-th largest candidate (k <= 128)                                 1 pass    gather each
   [large_top_k] top-k levels 2, 3 (rows with k > 128)                                2 passes  sum each
   [top_p]      top-p levels 1, 2, 3 (key of z, weighted by fixed-point mass)          3 passes  sum each
   sample       Gumbel-max over the allowed set, per chunk                            1 pass    gather
   finish       grid B: token, chosen logprob, top-N                                  -
 
-So 2 passes over the logits for temperature / min-p / greedy / top-k (k <= 128) batches, 5 with top-p, +2 with
-larger k, +1 when processed. All buffers are allocated per call (inside a capture: from the graph's pool, so the
+So 2 passes over the logits for temperature / min-p / greedy batches, 3 with top-k (k <= 128), 5 with top-p, +2
+with larger k, +1 when processed. All buffers are allocated per call (inside a capture: from the graph's pool, so the
 outputs stay valid until the next replay). No host synchronisation.
 """
 from __future__ import annotations
@@ -30,11 +31,9 @@ from .reference import SampleOutput
 BLOCK = 1024  # elements per inner step (tests lower it under the interpreter)
 MAX_CHUNK = 16384
 TARGET_PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
-# the same for the top-k variants (`bench.sampler_bench --topk-programs` sweeps it), and at most TOPK_MAX_CHUNKS
-# chunks per row: fewer, longer chunks keep the union of per-chunk candidates that one program per row searches
-# small (docs/benchmarks.md, thirteenth session: 16 chunks won at batches 1 and 8)
-TOPK_TARGET_PROGRAMS = 264
-TOPK_MAX_CHUNKS = 16
+TOPK_GROUP = 32  # top-k: ids per group maximum (at least; doubled until the row's maxima fit TOPK_MAX_GROUPS)
+TOPK_MAX_GROUPS = 8192  # group maxima one program per row holds in registers
+SELECT_BLOCK = 1024  # candidates per load of the top-k bisection (tests lower it)
 NUM_WARPS = 4
 _OPTS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
@@ -58,8 +57,7 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
                   group: ShardGroup, shard_width: int) -> SampleOutput:
     b, v = logits.shape
     dev = logits.device
-    ch, c = (chunking(b, max(shard_width, v), TOPK_TARGET_PROGRAMS, TOPK_MAX_CHUNKS) if variant.top_k
-             else chunking(b, max(shard_width, v)))
+    ch, c = chunking(b, max(shard_width, v))
     nt = group.size
     npp2 = _pow2(nt * c)
     np2 = max(2, _pow2(n)) if n else 2
@@ -84,18 +82,28 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
     parts = torch.empty((b, c, 4), dtype=torch.float32, device=dev)
     cands = torch.empty((b, c, np2) if n else (1,), dtype=torch.int64, device=dev)
     kf = TOP_K_FAST if variant.top_k else 2
-    kc = torch.empty((b, c, kf) if variant.top_k else (1,), dtype=torch.int64, device=dev)
+    g = TOPK_GROUP
+    while variant.top_k and nt * c * (ch // g) > TOPK_MAX_GROUPS and g < BLOCK:
+        g *= 2
+    m = c * (ch // g)  # group maxima per row and rank
+    gmax = torch.empty((b, m) if variant.top_k else (1,), dtype=torch.int32, device=dev)
     common = (logits, sl, work, sw)
     flags = {"PROCESSED": variant.processed}
-    tk.stats_kernel[grid](*common, recf, reci, rs, parts, cands, kc, hist, b, v, ch, c, voff, BLOCK=BLOCK, N=n,
-                          NP2=np2, KF=kf, FASTK=variant.top_k, TOPK_LARGE=variant.large_top_k, **flags, **_OPTS)
+    tk.stats_kernel[grid](*common, recf, reci, rs, parts, cands, gmax, hist, b, v, ch, c, voff, kf, BLOCK=BLOCK, N=n,
+                          NP2=np2, G=g, HAS_TOPK=variant.top_k, TOPK_LARGE=variant.large_top_k, **flags, **_OPTS)
     parts = group.gather(parts)
     if n:
         cands = group.gather(cands)
-    if variant.top_k:
-        kc = group.gather(kc)
-        tsel.topk_fast_kernel[(b,)](recf, reci, rs, kc, st, b, c, nt, KF=kf, CB=min(1024, _pow2(nt * c * kf)),
-                                  **_OPTS)
+    if variant.top_k:  # k <= kf: tau from the group maxima, the candidates above it, the k-th largest of those
+        tsel.topk_tau_kernel[(b,)](recf, reci, rs, group.gather(gmax), st, b, m, nt, kf, TB=_pow2(nt * m),
+                                   num_warps=8, enable_fp_fusion=False)
+        cap = kf * g  # > (k - 1) * g, the most candidates a row can have over all ranks
+        cand = torch.empty((b, cap), dtype=torch.int32, device=dev)
+        count = torch.zeros((b,), dtype=torch.int32, device=dev)
+        tsel.topk_compact_kernel[grid](*common, recf, reci, rs, st, cand, count, b, v, ch, kf, cap, BLOCK=BLOCK,
+                                       **flags, **_OPTS)
+        tsel.topk_select_kernel[(b,)](recf, reci, rs, st, group.gather(cand), group.gather(count), b, nt, kf, cap,
+                                      CB=SELECT_BLOCK, **_OPTS)
     if variant.large_top_k:
         group.sum_(hist[0])
         for level in (2, 3):

@@ -5,9 +5,11 @@ histogram helpers the other kernels (`triton_kernels.py`) read it back with; the
 Buffers (allocated by the launcher, `triton_sampler.py`): int64 histograms `[6, B, HS]` and per-row state
 `[6, B, 4]`, summed or gathered over TP ranks between passes. Every program of a pass re-derives the previous
 pass's per-row result from those buffers (a 2048-bin scan), program c == 0 stores it for the pass after, so no
-pass needs a separate resolve launch. Top-k with k <= KF: each chunk keeps its k largest z (a superset of its
-share of the row's k largest; `stats_kernel`), one program per row bisects the union for the k-th largest key
-(state 5). Larger k: radix select on the ordered key of z (digits 11 / 11 / 10 bits; histograms 0-2 count,
+pass needs a separate resolve launch. Top-k with k <= KF: `stats_kernel` stores the maximum key of every group
+of G consecutive ids; one program per row finds tau, the k-th largest of those maxima (state 5 slot 1); a pass
+appends every key above tau to the row's candidates (at most (k - 1) * G of them, since fewer than k groups
+reach above tau); one program per row bisects them for the k-th largest key (state 5 slot 0), or takes tau
+when fewer than k lie above it. Larger k: radix select on the ordered key of z (digits 11 / 11 / 10 bits; histograms 0-2 count,
 state 0-1 (prefix, remaining count)). Top-p: the same radix on the key of z, each token weighted by its
 fixed-point mass q (histograms 3-5, slot 2048 of histogram 3 = the row's total mass; state 2 key_lo, 3-4 (key_lo,
 prefix, remaining mass)).
@@ -15,7 +17,7 @@ prefix, remaining mass)).
 import triton
 import triton.language as tl
 
-from .triton_numerics import KEY_NEG_INF, SENTINEL, mass, okey, top_p_target
+from .triton_numerics import KEY_NEG_INF, mass, okey, top_p_target
 
 HS = tl.constexpr(2056)  # histogram row stride; slot 2048 = total mass
 # scalar record columns (modeling.sampler.params)
@@ -85,30 +87,80 @@ def load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED: tl.constexpr):
 
 
 @triton.jit
-def topk_fast_kernel(recf, reci, rs, kc, st, B, C, NT, KF: tl.constexpr, CB: tl.constexpr):
-    """One program per row with 0 < k <= KF: the k-th largest key of z over every chunk's k largest (bisection
-    over the 32-bit key, counting candidates), into state 5."""
+def topk_tau_kernel(recf, reci, rs, gmax, st, B, M, NT, KF, TB: tl.constexpr):
+    """One program per row with 0 < k <= KF: tau, the k-th largest of the row's group maxima (int32 keys
+    `[NT, B, M]`, every rank's; -2^31 when fewer than k groups), into state 5 slot 1. Fewer than k groups have a
+    maximum above tau, so at most (k - 1) * G tokens lie above it, and at least k at or above it."""
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.load(reci + row * rs + I_TOPK)
+    tau = tl.full((), -2147483648, tl.int64)
+    if (tl.load(recf + row * rs + F_T) > 0) & (k > 0) & (k <= KF):
+        i = tl.arange(0, TB)
+        v = tl.load(gmax + ((i // M) * B + row) * M + i % M, mask=i < NT * M, other=-2147483648)
+        lo = tl.full((), -2147483648, tl.int64)
+        hi = tl.full((), 2147483648, tl.int64)
+        for _ in range(32):  # the largest x with count(v >= x) >= k
+            mid = lo + (hi - lo) // 2
+            big = tl.sum((v.to(tl.int64) >= mid).to(tl.int32)) >= k
+            lo = tl.where(big, mid, lo)
+            hi = tl.where(big, hi, mid)
+        tau = lo
+    tl.store(st + (5 * B + row) * 4 + 1, tau)
+
+
+@triton.jit
+def topk_compact_kernel(logits, sl, work, sw, recf, reci, rs, st, cand, ccount, B, V, CH, KF, CAP,
+                        BLOCK: tl.constexpr, PROCESSED: tl.constexpr):
+    """Rows with 0 < k <= KF: append the int32 key of every z above tau to the row's candidates `[B, CAP]`
+    (order arbitrary; the count `[B]` by one atomic per block that has any)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    k = tl.load(reci + row * rs + I_TOPK)
+    if (tl.load(recf + row * rs + F_T) > 0) & (k > 0) & (k <= KF):
+        invt = tl.load(recf + row * rs + F_INVT)
+        tau = tl.load(st + (5 * B + row) * 4 + 1)
+        lo = c * CH
+        for s in range(0, CH, BLOCK):
+            offs = lo + s + tl.arange(0, BLOCK)
+            msk = offs < V
+            key = okey(load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED)) - 2147483648
+            sel = msk & (key > tau)
+            n = tl.sum(sel.to(tl.int32))
+            if n > 0:
+                pos = tl.atomic_add(ccount + row, n) + tl.cumsum(sel.to(tl.int32), 0) - 1
+                tl.store(cand + row * CAP + pos, key.to(tl.int32), mask=sel & (pos < CAP))
+
+
+@triton.jit
+def topk_select_kernel(recf, reci, rs, st, cand, ccount, B, NT, KF, CAP, CB: tl.constexpr):
+    """One program per row with 0 < k <= KF: the k-th largest key of z, into state 5: bisection over the
+    candidates above tau (every rank's, `[NT, B, CAP]`) when there are at least k of them, else tau itself."""
     row = tl.program_id(0).to(tl.int64)
     k = tl.load(reci + row * rs + I_TOPK)
     key_k = tl.zeros((), tl.int64)
     if (tl.load(recf + row * rs + F_T) > 0) & (k > 0) & (k <= KF):
-        total = NT * C * KF
-        per_rank = C * KF
-        lo = tl.zeros((), tl.int64)
-        hi = tl.full((), 4294967296, tl.int64)
-        for _ in range(32):
-            mid = lo + (hi - lo) // 2
-            cnt = tl.zeros((), tl.int32)
-            for s in range(0, total, CB):
-                ii = s + tl.arange(0, CB)
-                v = tl.load(kc + ((ii // per_rank) * B + row) * per_rank + ii % per_rank, mask=ii < total,
-                            other=SENTINEL)
-                real = v > SENTINEL + 4096
-                cnt += tl.sum((real & (((v >> 32) + 2147483648) >= mid)).to(tl.int32))
-            big = cnt >= k
-            lo = tl.where(big, mid, lo)
-            hi = tl.where(big, hi, mid)
-        key_k = lo
+        res = tl.load(st + (5 * B + row) * 4 + 1)
+        total = tl.zeros((), tl.int32)
+        for r in range(NT):
+            total += tl.minimum(tl.load(ccount + r * B + row), CAP)
+        if total >= k:
+            lo = res + 1
+            hi = tl.full((), 2147483648, tl.int64)
+            for _ in range(32):
+                mid = lo + (hi - lo) // 2
+                cnt = tl.zeros((), tl.int32)
+                for r in range(NT):
+                    nr = tl.minimum(tl.load(ccount + r * B + row), CAP)
+                    base = cand + (r * B + row) * CAP
+                    for s in range(0, nr, CB):
+                        ii = s + tl.arange(0, CB)
+                        v = tl.load(base + ii, mask=ii < nr, other=-2147483648)
+                        cnt += tl.sum((v.to(tl.int64) >= mid).to(tl.int32))
+                big = cnt >= k
+                lo = tl.where(big, mid, lo)
+                hi = tl.where(big, hi, mid)
+            res = lo
+        key_k = res + 2147483648
     tl.store(st + (5 * B + row) * 4, key_k)
 
 

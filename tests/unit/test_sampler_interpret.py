@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from modeling.sampler import HostBatch, RowSpec, SamplerParams, SamplerVariant, sample
 from modeling.sampler import triton_sampler as ts
 
-ts.BLOCK, ts.MAX_CHUNK = 256, 512
+ts.BLOCK, ts.MAX_CHUNK, ts.SELECT_BLOCK = 256, 512, 64
 CAPS = dict(max_bias=8, max_ban=4, max_penalty_tokens=16)
 V_TP, SPLIT = 2002, 1001
 
@@ -36,7 +36,8 @@ def rows(v):
                     repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2,
                     prompt_token_ids=[9, 10, v - 2], output_token_ids=[10, 10, v - 2]),
             RowSpec(logit_bias={17: 20.0}, banned_ids=[3]), RowSpec(temperature=1.0, top_k=300, seed=10),
-            RowSpec(temperature=0.9, top_k=250, top_p=0.9, seed=11)]
+            RowSpec(temperature=0.9, top_k=250, top_p=0.9, seed=11), RowSpec(temperature=1.0, top_k=100, seed=12),
+            RowSpec(temperature=0.5, top_k=128, top_p=0.95, seed=13)]
 
 
 def params(v, device="cpu", name=None):
