@@ -44,6 +44,14 @@ class CoordinatorStepPaths:
             return CompiledStepper(self._ranks)
         return PlainStepper(self._ranks)
 
+    def idle(self) -> None:
+        """The caller has no step to run for now: ranks that armed a decode step behind the last one
+        (`actors.armed`) cancel it at once (the pipe path's disarm frame), so the next request does not wait
+        behind its padded replay. A no-op off the pipe path, with arming off, or with a step in flight."""
+        if (self._state == "serving" and isinstance(self._stepper, PipeStepper) and self.topo.ep == 1
+                and self.cfg.runtime.armed_decode_wait_ms > 0):
+            self._stepper.disarm_now()
+
     @property
     def _arms_collectively(self) -> bool:
         """Whether the ranks arm decode steps only when told (`StepPlan.arm_next`): tensor parallelism on GPUs,

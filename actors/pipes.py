@@ -256,6 +256,23 @@ class PipeStepper(PipelinedStepper):
             raise RankCallError("step", self.ranks.diagnose_hung(stuck, timeout_s), results)
         return [results[r] for r in range(len(self.req_fds))]
 
+    def disarm_now(self) -> None:
+        """The driver has gone idle (no step in flight, none to send): send every rank a disarm frame now, so a
+        rank that armed behind its last step opens the gate on the padding rows while nothing waits, instead of
+        when the next request comes (which would queue behind that padded replay). Harmless where nothing is
+        armed: the rank reads the frame and answers nothing."""
+        with self._writing:
+            if self._closed or self._sent:
+                return
+            self._disarm_at = None
+            try:
+                frame = encode_disarm()
+                for fd in self.req_fds:
+                    write_all(fd, frame)
+                self.disarms_sent += 1
+            except OSError:  # a rank died: the next step reports it
+                pass
+
     def _schedule_disarm(self, at: float) -> None:
         with self._writing:
             if self._closed:

@@ -5,7 +5,8 @@ The engine drives any object with this surface (`actors.coordinator.Coordinator`
     step(batches: list[StepBatch | None], num_steps=1) -> list[np.ndarray | None] (int64 `[B]`, or
         `[B, num_steps]` for multi-step decode of greedy decode batches),
     status() -> dict, reset(recapture=True, num_kv_blocks=None, reload_weights=False) -> dict,
-    and optionally max_model_len, rebuild() (a `RebuildableExecutor`), shutdown(), and the two halves of
+    and optionally max_model_len, rebuild() (a `RebuildableExecutor`), shutdown(), idle() (called after a step
+    that left nothing to run: `Coordinator.idle` cancels decode steps the ranks armed), and the two halves of
     `step` for overlapped scheduling: submit(batches, num_steps=1) -> ticket (token ids may refer to the
     previous round's tokens, `actors.batch.prev_token`), collect(ticket) -> what `step` returns (in
     submission order).

@@ -101,6 +101,7 @@ class LLMEngine(EngineRecovery):
             and callable(getattr(executor, "collect", None))
         self._ahead: Optional[tuple[list[Optional[ScheduledBatch]], Any, float]] = None  # (round, ticket, t0)
         self.on_step: Optional[Callable[[StepInfo], None]] = None
+        self._idle = getattr(executor, "idle", None)  # optional: told when a step leaves nothing to run
         self.counters = {"requests_added": 0, "requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
                          "generated_tokens": 0, "prompt_tokens": 0, "steps": 0, "resets": 0, "executor_failures": 0,
                          "rounds_ahead": 0, "requests_requeued": 0}
@@ -202,6 +203,8 @@ class LLMEngine(EngineRecovery):
             self.on_step(StepInfo(seconds, [None if b is None else b.kind for b in scheduled],
                                   sum(b.num_tokens for b in scheduled if b is not None),
                                   sum(len(b.seqs) for b in scheduled if b is not None), steps))
+        if self._idle is not None and self._ahead is None and not self.has_unfinished():
+            self._idle()
         return outputs
 
     def _submit(self, scheduled: list[Optional[ScheduledBatch]], steps: int) -> Any:

@@ -176,6 +176,30 @@ def test_tp2_greedy_head_equals_the_logits_head(tp2):
     assert runs[0] == runs[1]
 
 
+def test_an_engine_going_idle_disarms_every_rank_once_and_later_requests_still_equal_one_rank(dp2, reference):
+    """Whenever a step leaves the engine nothing to run, `Coordinator.idle` sends every rank a disarm frame at once
+    (on GPUs a rank armed behind its last decode step cancels it while nothing waits, instead of the next request
+    waiting behind that padded replay; CPU ranks never arm and only consume the frame): one per idle transition,
+    and the requests after it are answered in order, equal to the single rank."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    eng = LLMEngine(dp2, EngineConfig(max_num_seqs=8))
+    greedy = SamplingParams(temperature=0.0)
+    before = dp2._stepper.disarms_sent
+    first = [o.token_ids for o in eng.generate(PROMPTS[:2], greedy, max_tokens=5)]
+    assert dp2._stepper.disarms_sent == before + 1
+    again = [o.token_ids for o in eng.generate(PROMPTS[:2], greedy, max_tokens=5)]
+    assert dp2._stepper.disarms_sent == before + 2 and again == first
+    for prompt, got in zip(PROMPTS[:2], first):
+        table = [40, 41, 42, 43]
+        want, b = [], StepBatch.from_sequences([prompt], [0], [table])
+        for _ in range(5):
+            tok = int(reference.execute(b)[0])
+            want.append(tok)
+            b = StepBatch.from_sequences([[tok]], [len(prompt) + len(want) - 1], [table])
+        assert list(got) == want
+
+
 def test_dp2_submitted_ahead_gathers_permuted_references(dp2, reference):
     run_submitted_ahead(dp2, reference, [PROMPTS[:2], PROMPTS[2:]], steps=5, permute=True)
 
