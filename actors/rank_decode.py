@@ -19,17 +19,20 @@ from actors.protocol import StepHints
 from actors.step_sampler import StepSampler, VocabShard
 from graphrunner.dispatch import Path as RunnerPath
 from graphrunner.step import ForwardStep
-from modeling.attn_metadata import AttentionMetadata, build_decode_step_host, build_step_from_arrays
+from modeling.attn_metadata import (AttentionMetadata, build_decode_step_host, build_prefill_step_host,
+                                    build_step_from_arrays)
 
 
 class RankDecodeSteps:
     def _step_tokens(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
                      hints: StepHints) -> torch.Tensor:
         """Enqueue one step; its next tokens, int64 `[B]` on the rank's device (not waited for)."""
-        if batch.num_tokens == batch.batch_size and self.device.type == "cuda":
-            out = self._decode_fast(batch, ids, ids_dev, hints)
-            if out is not None:
-                return out
+        if self.device.type == "cuda":
+            decoding = batch.num_tokens == batch.batch_size
+            if decoding or ids_dev is None:
+                out = (self._decode_fast if decoding else self._prefill_fast)(batch, ids, ids_dev, hints)
+                if out is not None:
+                    return out
         ids_t, pos, meta = build_step_from_arrays(ids, batch.q_seqlens, batch.num_history, batch.block_tables,
                                                   self.cfg.block_size, self.device)
         step = forward_step(ids_t if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta, hints)
@@ -68,6 +71,22 @@ class RankDecodeSteps:
             self._add_lane(step, hints)
             self._last_host_ids = ids_dev is None
         return self._sample(logits, batch) if logits is not None and sampled else tokens
+
+    def _prefill_fast(self, batch: StepBatch, ids: np.ndarray, ids_dev: None, hints: StepHints
+                      ) -> Optional[torch.Tensor]:
+        """A prefill or mixed step (token ids on the host) served by a captured full prefill graph: its metadata
+        goes from the host into the graph's buffers in one transfer (`HostPrefillMetadata`), then the replay and
+        the eager LM head on the last tokens. None when no prefill graph serves it (nothing was launched)."""
+        ids_h, meta = build_prefill_step_host(ids, batch.q_seqlens, batch.num_history, batch.block_tables,
+                                              self.cfg.block_size)
+        step = forward_step(ids_h, ids_h, self.kv_cache.layers, meta, hints)
+        decision = self.runner.decide(step)
+        if decision.path is not RunnerPath.PREFILL_GRAPH:
+            return None
+        hidden = self.runner.run(step, decision)
+        sampled = bool(batch.temperature.any()) or batch.extras is not None
+        logits, greedy = self._eager_head(hidden, meta.last_token_index, sampled)
+        return self._sample(logits, batch) if sampled else greedy
 
     def _add_lane(self, step: ForwardStep, hints: StepHints) -> None:
         """Remember the graphs that served this greedy decode step, so the next step of the same shape and hints

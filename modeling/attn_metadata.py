@@ -7,7 +7,7 @@ in a global). Lifetime: one forward step. All tensors live on the step's device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -194,3 +194,45 @@ def build_decode_step_host(
     meta = HostDecodeMetadata(np.require(num_history, np.int32), np.require(block_tables, np.int32), block_size)
     ids = torch.from_numpy(np.require(token_ids, np.int64, ("C", "W")))
     return ids, torch.from_numpy(num_history.astype(np.int64)), meta
+
+
+class HostPrefillMetadata:
+    """A prefill or mixed step's metadata still on the host, for a captured full prefill graph only
+    (`PrefillGraphBuffersMixin.fill_prefill_buffers` writes it into the graphs' pinned staging mirror and copies it
+    to the device in one transfer; no eager operator can read it).
+
+    q_seqlens / num_history int32 `[B]`, block_tables int32 `[B, W]`: validated numpy arrays owned by the caller
+    until the step is launched. Positions, slots, lengths and starts are derived while filling the mirror.
+    `last_token_index` is None until that fill sets it to the device view (int64 `[B]`) of the staged rows: what
+    the LM head reads after the replay, valid until the next prefill-graph step."""
+
+    __slots__ = ("q_seqlens", "num_history", "block_tables", "block_size", "batch_size", "num_tokens",
+                 "last_token_index")
+    is_decoding = False
+
+    def __init__(self, q_seqlens: np.ndarray, num_history: np.ndarray, block_tables: np.ndarray, block_size: int,
+                 num_tokens: int):
+        self.q_seqlens, self.num_history, self.block_tables = q_seqlens, num_history, block_tables
+        self.block_size, self.num_tokens = block_size, num_tokens
+        self.batch_size = int(q_seqlens.shape[0])
+        self.last_token_index: Optional[torch.Tensor] = None
+
+    @property
+    def max_q_seqlen(self) -> int:
+        return int(self.q_seqlens.max())
+
+
+def build_prefill_step_host(
+    token_ids: np.ndarray,
+    q_seqlens: np.ndarray,
+    num_history: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+) -> tuple[torch.Tensor, HostPrefillMetadata]:
+    """A non-decode step whose inputs stay on the host, for a captured full prefill graph: (token ids int64 `[T]`,
+    a zero-copy CPU view, which the step also carries as its positions: the fill derives them; metadata).
+    token_ids int64 `[T]`, q_seqlens / num_history int32 `[B]`, block_tables int32 `[B, W]`, already validated."""
+    ids = torch.from_numpy(np.require(token_ids, np.int64, ("C", "W")))
+    meta = HostPrefillMetadata(np.require(q_seqlens, np.int32), np.require(num_history, np.int32),
+                               np.require(block_tables, np.int32), block_size, int(ids.shape[0]))
+    return ids, meta

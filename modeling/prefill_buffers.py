@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
-from modeling.attn_metadata import AttentionMetadata
+from modeling.attn_metadata import AttentionMetadata, HostPrefillMetadata
 from modeling.cudagraph import redirected
 from modeling.moe import SparseMoeBlock
 
@@ -49,25 +50,34 @@ class PrefillGraphBuffersMixin:
 
     def make_prefill_buffers(self, max_tokens: int, max_seqs: int, max_blocks: int,
                              device: torch.device) -> dict[str, Any]:
-        """Static buffers for every prefill graph up to (`max_tokens`, `max_seqs`), block tables `max_blocks` wide."""
-        i32, i64 = torch.int32, torch.int64
-        bufs: dict[str, Any] = {
-            "input_ids": torch.zeros(max_tokens, dtype=i64, device=device),
-            "position_ids": torch.zeros(max_tokens, dtype=i64, device=device),
-            "slot_mapping": torch.full((max_tokens,), -1, dtype=i64, device=device),
-            "q_seqlens": torch.zeros(max_seqs, dtype=i32, device=device),
-            "kv_seqlens": torch.zeros(max_seqs, dtype=i32, device=device),
-            "q_start_loc": torch.zeros(max_seqs, dtype=i32, device=device),
-            "last_token_index": torch.zeros(max_seqs, dtype=i64, device=device),
-            "block_tables": torch.zeros(max_seqs, max_blocks, dtype=i32, device=device),
-            "_contexts": {},  # (T, S, block size) -> the step fields `prefill_context` redirects
-        }
+        """Static buffers for every prefill graph up to (`max_tokens`, `max_seqs`), block tables `max_blocks` wide:
+        typed views of ONE int64 device tensor (`_block`; the int64 fields, then the int32 ones), with a host
+        mirror of its words (`_mirror`, pinned on CUDA) and the event recorded after each transfer from it."""
+        t, s, w = max_tokens, max_seqs, max_blocks
+        words = 3 * t + s + -(-(3 * s + s * w) // 2)
+        block = torch.zeros(words, dtype=torch.int64, device=device)
+        mirror = torch.zeros(words, dtype=torch.int64, pin_memory=device.type == "cuda")
+        bufs: dict[str, Any] = {"_block": block, "_mirror": mirror, "_contexts": {},  # (T, S, block size) -> views
+                                "_copied": torch.cuda.Event() if device.type == "cuda" else None}
+        host: dict[str, Any] = {}
+        for src, out in ((block, bufs), (mirror, host)):
+            i64, i32 = src[:3 * t + s], src[3 * t + s:].view(torch.int32)
+            for name, lo in (("input_ids", 0), ("position_ids", t), ("slot_mapping", 2 * t)):
+                out[name] = i64[lo:lo + t]
+            out["last_token_index"] = i64[3 * t:3 * t + s]
+            for name, lo in (("q_seqlens", 0), ("kv_seqlens", s), ("q_start_loc", 2 * s)):
+                out[name] = i32[lo:lo + s]
+            out["block_tables"] = i32[3 * s:3 * s + s * w].view(s, w)
+        bufs["slot_mapping"].fill_(-1)
+        bufs["_host"] = {name: v.numpy() for name, v in host.items()}
         return bufs
 
-    @staticmethod
-    def fill_prefill_buffers(buffers: dict[str, Any], step: Any, tokens: int, seqs: int) -> None:
-        """Copy the live step (n <= `tokens` tokens, B <= `seqs` sequences, device tensors) into the buffers'
-        bucket prefix and make the rest padding (current stream, asynchronous)."""
+    @classmethod
+    def fill_prefill_buffers(cls, buffers: dict[str, Any], step: Any, tokens: int, seqs: int) -> None:
+        """Copy the live step (n <= `tokens` tokens, B <= `seqs` sequences) into the buffers' bucket prefix and make
+        the rest padding (current stream, asynchronous). A step with device tensors is copied field by field; a step
+        whose metadata is still on the host (`HostPrefillMetadata`) is written into the mirror and sent in one
+        transfer (`stage_host_prefill`)."""
         meta = step.attn_metadata
         n, b = meta.num_tokens, meta.batch_size
         width = meta.block_tables.shape[1]
@@ -75,6 +85,9 @@ class PrefillGraphBuffersMixin:
         if n > tokens or b > seqs or width > bt.shape[1]:
             raise ValueError(f"a step of {n} tokens, {b} sequences, block tables {width} wide does not fit the "
                              f"prefill graph ({tokens}, {seqs}, {bt.shape[1]})")
+        if isinstance(meta, HostPrefillMetadata):
+            cls.stage_host_prefill(buffers, step, tokens, seqs)
+            return
         live = {"input_ids": step.input_ids, "position_ids": step.position_ids, "slot_mapping": meta.slot_mapping}
         for name, pad in _TOKEN_FIELDS:
             buf = buffers[name]
@@ -91,6 +104,43 @@ class PrefillGraphBuffersMixin:
             bt[:b, width:].zero_()
         if seqs > b:
             bt[b:seqs].zero_()
+
+    @staticmethod
+    def stage_host_prefill(buffers: dict[str, Any], step: Any, tokens: int, seqs: int) -> None:
+        """Write a host step (int64 CPU token ids, `HostPrefillMetadata`) into the mirror's bucket prefix with its
+        padding, then copy the whole mirror to the device block in one transfer (current stream) and set
+        `meta.last_token_index` to the device rows. The mirror is rewritten only after the previous transfer ran."""
+        meta = step.attn_metadata
+        h = buffers["_host"]
+        copied = buffers["_copied"]
+        if copied is not None:
+            copied.synchronize()
+        q, hist, tables, bs = meta.q_seqlens, meta.num_history, meta.block_tables, meta.block_size
+        n, b, w = meta.num_tokens, meta.batch_size, tables.shape[1]
+        starts = h["q_start_loc"]
+        starts[0] = 0
+        np.cumsum(q[:-1], out=starts[1:b])
+        seq_of = np.repeat(np.arange(b), q)
+        pos = h["position_ids"]
+        np.subtract(np.arange(n, dtype=np.int64), np.repeat(starts[:b], q), out=pos[:n])
+        pos[:n] += np.repeat(hist, q)
+        h["input_ids"][:n] = step.input_ids.numpy()
+        h["slot_mapping"][:n] = tables[seq_of, pos[:n] // bs].astype(np.int64) * bs + pos[:n] % bs
+        for name, pad in _TOKEN_FIELDS:
+            h[name][n:tokens] = pad
+        np.add(starts[:b], q - 1, out=h["last_token_index"][:b])
+        h["q_seqlens"][:b] = q
+        np.add(hist, q, out=h["kv_seqlens"][:b])
+        for name in _SEQ_FIELDS:
+            h[name][b:seqs] = 0
+        bt = h["block_tables"]
+        bt[:b, :w] = tables
+        bt[:b, w:] = 0
+        bt[b:seqs] = 0
+        buffers["_block"].copy_(buffers["_mirror"], non_blocking=True)
+        if copied is not None:
+            copied.record()
+        meta.last_token_index = buffers["last_token_index"][:b]
 
     @staticmethod
     def prefill_context(buffers: dict[str, Any], step: Any, tokens: int, seqs: int) -> Any:

@@ -11,6 +11,8 @@ import torch
 from actors.batch import StepBatch
 from graphrunner.dispatch import Path
 from graphrunner.forward_args import model_kwargs
+from graphrunner.step import ForwardStep
+from modeling.attn_metadata import build_prefill_step_host
 from tests.gpu.helpers import Seqs, make_runtime, random_tokens
 
 pytestmark = pytest.mark.gpu
@@ -91,6 +93,26 @@ def test_reset_drops_prefill_graphs_and_capture_restores_them(pg_rt):
     assert snap["capture"]["prefill_graphs"] == len(rt.cfg.graph.prefill_graph_buckets()[0])
     assert snap["memory"]["prefill_graph_pool_bytes"] > 0
     test_prefill_graph_equals_bucket_eager_exactly_and_live_eager_closely(rt, [100, 300, 112], 96)
+
+
+@pytest.mark.parametrize("partition,history", [([37], 0), ([100, 300, 112], 96), ([1, 1, 200], 0)])
+@torch.inference_mode()
+def test_host_staged_prefill_graph_step_equals_the_device_step_exactly(pg_rt, partition, history):
+    """The rank's prefill fast path: the same step with its metadata on the host (`HostPrefillMetadata`, one
+    transfer from the pinned mirror) replays the same graph to the same hidden rows, bit for bit, and sets the
+    LM head's rows to the last-token indices."""
+    rt = pg_rt
+    step = _step(rt, np.random.default_rng(11 + sum(partition)), partition, history)
+    meta = step.attn_metadata
+    out = rt.runner(step).clone()
+    ids_h, host_meta = build_prefill_step_host(step.input_ids.cpu().numpy(), meta.q_seqlens.cpu().numpy(),
+                                               (meta.kv_seqlens - meta.q_seqlens).cpu().numpy(),
+                                               meta.block_tables.cpu().numpy(), meta.block_size)
+    host_step = ForwardStep(ids_h, ids_h, step.kv_caches, host_meta)
+    assert rt.runner.decide(host_step).path is Path.PREFILL_GRAPH
+    staged = rt.runner(host_step).clone()
+    assert torch.equal(staged, out)
+    assert torch.equal(host_meta.last_token_index, meta.last_token_index)
 
 
 def _generate(rt, prompts, steps):

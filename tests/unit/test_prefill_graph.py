@@ -15,7 +15,7 @@ from graphrunner.full_graph import DecodeGraphKey
 from graphrunner.prefill_graph import PrefillGraphKey, PrefillGraphRunner
 from graphrunner.step import ForwardStep, GraphMeta
 from graphrunner.testing import ToyDecoder, toy_kv_caches, toy_step
-from modeling.attn_metadata import build_step_from_arrays
+from modeling.attn_metadata import build_prefill_step_host, build_step_from_arrays
 from modeling.config import get_preset
 from modeling.kv_cache import KVCacheSpec, PagedKVCache
 from modeling.loader import init_random
@@ -163,6 +163,42 @@ def test_qwen_over_padded_prefill_buffers_equals_the_live_step(qwen, tokens_buck
     torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
     for (k1, v1), (k2, v2) in zip(live_cache.layers, padded_cache.layers):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("tokens_bucket,seqs_bucket", [(64, 4), (128, 8)])
+def test_host_staged_prefill_fills_the_buffers_exactly_as_the_device_step(qwen, tokens_bucket, seqs_bucket):
+    """The rank's prefill fast path (`HostPrefillMetadata`: the metadata derived on the host into the mirror, one
+    transfer) leaves every field's bucket prefix equal to the field-by-field fill from the device step that
+    `build_step_from_arrays` makes, over stale buffers of an earlier, larger step; the LM head's rows are the
+    staged last-token indices."""
+    bs, width = 16, 8
+    q_lens = np.array([23, 9, 1], np.int32)
+    hist = np.array([0, 20, 33], np.int32)
+    tables = np.zeros((3, width - 3), np.int32)
+    tables[0, :2], tables[1, :2], tables[2, :3] = [1, 2], [3, 4], [5, 6, 7]
+    ids = np.random.default_rng(2).integers(1, 1000, int(q_lens.sum())).astype(np.int64)
+    filled = []
+    for host in (False, True):
+        bufs = qwen.make_prefill_buffers(128, 8, width, torch.device("cpu"))
+        for name in ("input_ids", "position_ids", "slot_mapping", "last_token_index", "q_seqlens", "kv_seqlens",
+                     "q_start_loc", "block_tables"):
+            bufs[name].fill_(9)
+            bufs["_host"][name].fill(9)
+        if host:
+            i, meta = build_prefill_step_host(ids, q_lens, hist, tables, bs)
+            step = ForwardStep(i, i, [], meta)
+        else:
+            i, p, meta = build_step_from_arrays(ids, q_lens, hist, tables, bs, "cpu")
+            step = ForwardStep(i, p, [], meta)
+        qwen.fill_prefill_buffers(bufs, step, tokens_bucket, seqs_bucket)
+        filled.append((bufs, meta))
+    (dev, dev_meta), (staged, host_meta) = filled
+    for name in ("input_ids", "position_ids", "slot_mapping"):
+        assert torch.equal(staged[name][:tokens_bucket], dev[name][:tokens_bucket]), name
+    for name in ("last_token_index", "q_seqlens", "kv_seqlens", "q_start_loc", "block_tables"):
+        assert torch.equal(staged[name][:seqs_bucket], dev[name][:seqs_bucket]), name
+    assert torch.equal(host_meta.last_token_index, dev_meta.last_token_index)
+    assert host_meta.last_token_index.tolist() == [22, 31, 32]
 
 
 def test_fill_rejects_a_step_over_the_bucket(qwen):
