@@ -2,9 +2,17 @@
 
 One thread owns the `LLMEngine` and the executor (executor calls are blocking and the
 coordinator is not re-entrant): it applies queued submissions, aborts and commands
-(`call`: reset ...) between steps, runs steps while work exists and sleeps on a
-condition otherwise. Outputs go back to the event loop once per step
-(`loop.call_soon_threadsafe`) into one `RequestStream` per request.
+(`call`: reset ...) between steps, runs steps while work exists and sleeps otherwise
+(`engine.streams.Wakeup`: one raw lock, one thread hand-off to wake it). Outputs go back to the
+event loop once per step (`loop.call_soon_threadsafe`) into one `RequestStream` per request.
+
+The first token's path is kept short (time to first token): a streaming handler submits with
+`wake=False`, prepares its response and only then `wake()`s the engine thread, so that thread
+runs to the model step without waiting for the event loop to let go of the GIL; and a step that
+gives a request its first token, in a batch of at most `HANDOFF_MAX_OUTPUTS` requests, waits (at
+most `first_token_handoff_s`) until the event loop has dispatched its outputs (the streams'
+consumers have written them) before the engine thread runs the next step's host work, which
+would otherwise hold the GIL while the event loop waits for it.
 
 Requests are validated in the caller's thread (`submit` raises `RequestError`) before
 anything reaches the engine thread.
@@ -34,12 +42,13 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 from engine.engine_status import EngineStatus
 from engine.events import log_event
 from engine.llm_engine import EngineStepError, LLMEngine, RoundRejectedError, StepInfo
-from engine.request import FinishReason, Request, RequestError, RequestOutput
+from engine.request import Request, RequestError, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.streams import EngineFailedError, RequestStream, Wakeup
 
+__all__ = ["AsyncLLMEngine", "EngineFailedError", "EngineObserver", "RequestStream", "HANDOFF_MAX_OUTPUTS"]
 
-class EngineFailedError(RuntimeError):
-    """The request could not complete because the executor failed (or the engine is dead/stopped)."""
+HANDOFF_MAX_OUTPUTS = 4  # the first-token hand-off waits only for steps of at most this many requests' outputs
 
 
 class EngineObserver:
@@ -54,60 +63,6 @@ class EngineObserver:
     def on_failure(self, message: str) -> None: ...
 
 
-class RequestStream:
-    """Async iterator of one request's `RequestOutput`s (deltas in `new_token_ids`) until finished.
-
-    Filled from the event loop's thread only (`AsyncLLMEngine._dispatch`); one consumer. A deque and one
-    waiter future (rather than an `asyncio.Queue`) keep the per-token delivery cost small."""
-
-    def __init__(self, request: Request):
-        self.request = request
-        self._items: collections.deque = collections.deque()
-        self._waiter: Optional[asyncio.Future] = None
-        self.finished = False
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    def _put(self, item: Any) -> None:
-        self._items.append(item)
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._unwrap(self._items.popleft())
-
-    def drain_nowait(self) -> list[RequestOutput]:
-        """Outputs already queued (to coalesce several steps into one write)."""
-        items = []
-        while not self.finished and self._items:
-            items.append(self._unwrap(self._items.popleft()))
-        return items
-
-    def _unwrap(self, item: Any) -> RequestOutput:
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-            if item.finish_reason is FinishReason.ERROR:
-                raise EngineFailedError(item.error or "the executor failed")
-        return item
-
-
 class AsyncLLMEngine(EngineStatus):
     """The engine thread and its streams (see the module doc); `/health`, `/status` and `/metrics` reads live in
     `engine.engine_status.EngineStatus`."""
@@ -116,8 +71,10 @@ class AsyncLLMEngine(EngineStatus):
         self.engine = engine
         self.observer = observer or EngineObserver()
         engine.on_step = self._on_step
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()  # guards `_inbox`
+        self._wake = Wakeup()  # the engine thread sleeps on it
         self._inbox: list[tuple] = []
+        self.first_token_handoff_s = 0.001  # 0: never wait for the event loop (see the module doc)
         self._streams: dict[str, RequestStream] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
@@ -153,9 +110,8 @@ class AsyncLLMEngine(EngineStatus):
         self._status_thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
+        self._stop = True
+        self._wake.set()
         self._status_stop.set()
         self._status_wake.set()
         if self._thread is not None:
@@ -177,8 +133,10 @@ class AsyncLLMEngine(EngineStatus):
         """The n requests of n samples of `request`'s prompt (`LLMEngine.make_samples`); submit them in order."""
         return self.engine.make_samples(request, n, fit_max_tokens)
 
-    def submit(self, request: Request) -> RequestStream:
-        """Queue a validated request; raises `RequestError` (bad request) or `EngineFailedError` (dead)."""
+    def submit(self, request: Request, wake: bool = True) -> RequestStream:
+        """Queue a validated request; raises `RequestError` (bad request) or `EngineFailedError` (dead).
+        `wake=False`: leave the engine thread asleep until `wake()` (or any other submission) so that the caller
+        can finish its own work on the event loop first; the request is queued either way."""
         from engine.request import validate_request
 
         validate_request(request, self.engine.limits)
@@ -188,8 +146,12 @@ class AsyncLLMEngine(EngineStatus):
             raise RequestError(f"request id {request.request_id!r} is already in flight", "request_id")
         stream = RequestStream(request)
         self._streams[request.request_id] = stream
-        self._post(("add", request))
+        self._post(("add", request), wake)
         return stream
+
+    def wake(self) -> None:
+        """Wake the engine thread for requests submitted with `wake=False`."""
+        self._wake.set()
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; aborts it if the consumer stops early (client disconnect)."""
@@ -238,21 +200,23 @@ class AsyncLLMEngine(EngineStatus):
         return result
 
     # ---- engine thread
-    def _post(self, item: tuple) -> None:
-        with self._cv:
+    def _post(self, item: tuple, wake: bool = True) -> None:
+        with self._lock:
             self._inbox.append(item)
-            self._cv.notify()
+        if wake:
+            self._wake.set()
 
     def _run(self) -> None:
         eng = self.engine
         while True:
-            with self._cv:
-                if not self._inbox and not (eng.has_unfinished() and self.dead is None):
-                    self._publish_stats()  # going idle: the last figures of the busy spell
-                while not self._inbox and not (eng.has_unfinished() and self.dead is None) and not self._stop:
-                    self._cv.wait()
-                if self._stop:
-                    break
+            if not self._inbox and not (eng.has_unfinished() and self.dead is None):
+                self._publish_stats()  # going idle: the last figures of the busy spell
+            # a post after this test has set `_wake` already, so the wait returns at once: no lost wake-up
+            while not self._inbox and not (eng.has_unfinished() and self.dead is None) and not self._stop:
+                self._wake.wait()
+            if self._stop:
+                break
+            with self._lock:
                 inbox, self._inbox = self._inbox, []
             self._apply(inbox)
             if self.dead is not None or not eng.has_unfinished() or inbox:
@@ -320,9 +284,16 @@ class AsyncLLMEngine(EngineStatus):
                     self.observer.on_request_finished(out)
                 except Exception:  # noqa: BLE001 - metrics never break serving
                     pass
-        self._loop.call_soon_threadsafe(self._dispatch, outs)
+        wait = self.first_token_handoff_s
+        if wait > 0 and len(outs) <= HANDOFF_MAX_OUTPUTS and any(
+                o.new_token_ids and o.num_generated == len(o.new_token_ids) for o in outs):
+            done = Wakeup()  # a first token: let the event loop write it before the next step takes the GIL
+            self._loop.call_soon_threadsafe(self._dispatch, outs, done)
+            done.wait(wait)
+        else:
+            self._loop.call_soon_threadsafe(self._dispatch, outs)
 
-    def _dispatch(self, outs: list[RequestOutput]) -> None:
+    def _dispatch(self, outs: list[RequestOutput], done: Optional[Wakeup] = None) -> None:
         for out in outs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -330,6 +301,8 @@ class AsyncLLMEngine(EngineStatus):
             if out.finished:
                 del self._streams[out.request_id]
             stream._put(out)
+        if done is not None:  # after the consumers the outputs woke have run (and written them)
+            self._loop.call_soon(done.set)
 
     def _deliver_errors(self, errors: list[tuple[str, BaseException]]) -> None:
         for rid, exc in errors:

@@ -63,12 +63,16 @@ class Request:
         object with the same attributes (converted field by field)."""
         if isinstance(prompt_token_ids, np.ndarray):
             prompt_token_ids = prompt_token_ids.tolist() if prompt_token_ids.ndim == 1 else None
-        if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
-            raise RequestError("prompt token ids must be a list of ints", "prompt", "invalid_type")
-        for t in prompt_token_ids:
-            if not _is_int(t):
-                raise RequestError(f"prompt token ids must be ints, got {type(t).__name__}", "prompt",
-                                   "invalid_type")
+        if type(prompt_token_ids) in (list, tuple) and set(map(type, prompt_token_ids)) <= _PLAIN_INT:
+            ids = tuple(prompt_token_ids)  # the common case (JSON, tokenizers): plain ints, checked at C speed
+        else:
+            if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+                raise RequestError("prompt token ids must be a list of ints", "prompt", "invalid_type")
+            for t in prompt_token_ids:
+                if not _is_int(t):
+                    raise RequestError(f"prompt token ids must be ints, got {type(t).__name__}", "prompt",
+                                       "invalid_type")
+            ids = tuple(int(t) for t in prompt_token_ids)
         if max_tokens is not None and not _is_int(max_tokens):
             raise RequestError(f"max_tokens must be an int, got {type(max_tokens).__name__}", "max_tokens",
                                "invalid_type")
@@ -87,7 +91,7 @@ class Request:
                                    "invalid_type")
         sampling = SamplingParams() if sampling is None else SamplingParams.coerce(sampling)
         kw = {} if request_id is None else {"request_id": str(request_id)}
-        return Request(tuple(int(t) for t in prompt_token_ids), sampling,
+        return Request(ids, sampling,
                        None if max_tokens is None else int(max_tokens),
                        frozenset(int(t) for t in stop_token_ids), **kw)
 
@@ -95,6 +99,9 @@ class Request:
 def _tid(t: int) -> str:
     """A token id for an error message (an absurdly large one is not spelt out)."""
     return str(t) if abs(t) < 2**64 else f"of {t.bit_length()} bits"
+
+
+_PLAIN_INT = frozenset({int})  # `type(t) is int`: no bool, no numpy scalar
 
 
 def _is_int(x: object) -> bool:

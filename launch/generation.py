@@ -125,12 +125,17 @@ class _ChunkWriter:
 
 async def _stream(request: web.Request, eng: AsyncLLMEngine, greq: GenerationRequest, reqs,
                   choices: list[ChoiceState], rid: str, created: int, shape: Shape) -> web.StreamResponse:
-    streams = [eng.submit(r) for r in reqs]  # validated already: submit only fails if the engine is dead
+    # validated already: submit only fails if the engine is dead. The engine thread is woken once this handler's
+    # own work is done (the response prepared), so that it runs to the model step without waiting for the GIL.
+    streams = []
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     try:
+        for r in reqs:
+            streams.append(eng.submit(r, wake=False))
         await resp.prepare(request)
         out = _ChunkWriter(resp, rid, greq.model, created, shape.object)
+        eng.wake()
         opening = [o for o in (shape.opening(c) for c in choices) if o is not None]
         if opening:
             await out.choices(opening)

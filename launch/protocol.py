@@ -100,7 +100,8 @@ def parse_json_body(raw: bytes, content_type: str, limits: ProtocolLimits) -> An
                        "invalid_json") from None
     except ValueError as exc:
         raise ApiError(400, f"malformed JSON: {_json_error(exc)}", None, "invalid_json") from None
-    _check_depth(doc, limits.max_json_depth)
+    if raw.count(b"[") + raw.count(b"{") > limits.max_json_depth:  # fewer openers cannot nest deeper
+        _check_depth(doc, limits.max_json_depth)
     mime = content_type.split(";", 1)[0].strip().lower()
     if mime not in _JSON_TYPES and not mime.endswith("+json"):
         raise ApiError(415, "send the request body with 'Content-Type: application/json'", None,
@@ -298,7 +299,10 @@ def require_object(body: Any) -> dict:
 
 # ---- completions
 def _token_list(x: Any) -> bool:
-    return isinstance(x, list) and all(type(t) is int for t in x)
+    return isinstance(x, list) and set(map(type, x)) <= _PLAIN_INT
+
+
+_PLAIN_INT = frozenset({int})
 
 
 def _context_check(n: int, ctx: ParseContext) -> None:
