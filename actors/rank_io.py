@@ -23,7 +23,8 @@ class RankStepIO:
     def arm_next(self) -> bool:
         """Enqueue the next step of the latest step's decode lane behind a closed gate, on padding rows, after
         whatever the forward stream holds, so that the next request of that shape only has to open it (`launch`
-        does). Only after a step a lane or an arm took whose token ids came from the host: a driver that feeds
+        does), with the LM head that step took (greedy, or its captured sampler head: `_last_head`). Only after a step a
+        lane, an arm or a captured sampler head took whose token ids came from the host: a driver that feeds
         back tokens on the device submits ahead, and its next step would only cancel the arm. For a caller that
         expects the next request to wait for this step's tokens (the resident step loop, after a request that
         found no earlier step in flight). Returns whether it armed."""
