@@ -1,4 +1,4 @@
-"""Armed decode: a rank enqueues its next greedy decode step before the request for it arrives.
+"""Armed decode: a rank enqueues its next decode step before the request for it arrives.
 
 A strict round trip (the driver waits for each step's tokens before it sends the next step) leaves the rank
 idle between steps, and the host launch of the next step (metadata, transfer, graph launches) then sits in
@@ -6,13 +6,23 @@ series with the device, costing more after an idle gap than back to back on thes
 launched such a step (its request found nothing in flight, a decode lane took it, its token ids came from the
 host, no other request waits), it enqueues the graphs of that lane (`actors.decode_state._DecodeLane`) once more behind
 a `HostGate`, on padding rows, while the device still runs the step. When the next request arrives:
-- go: it is a greedy decode step with host token ids that replays the same graph (any batch size of the
-  bucket); the rank writes it into the staged host buffers and opens the gate, and the device starts within
-  microseconds;
+- go: it is a decode step with host token ids that replays the same graph (any batch size of the bucket) and
+  the same LM head (greedy, or the same captured sampler head: `actors.step_sampler.GraphHead`); the rank
+  writes it into the staged host buffers and opens the gate, and the device starts within microseconds;
 - cancel: anything else; the gate opens on the padding rows (the replay writes no KV and its tokens are
   dropped) and the request takes the usual path behind it, so a cancel costs one padded replay of device time.
 A gate that waited `wait_s` gives up and replays the padding on its own; a go that comes later is told so by
 the gate's acknowledgement and the step takes the usual path.
+
+A sampled step (a captured sampler head served it) arms with that head. On the forward stream, in order: the
+gate; the decode staging's transfer (`graphrunner.staging.HostStaging.copy_prefix`) and the decode graph; the
+transfer of the heads' sampler parameters (`SamplerParams.arm_upload`: rows of one pinned mirror of its ring);
+the sampler head graph; the copies of its outputs (tokens, and for a logprob head the chosen logprobs and the
+top ids and logprobs, whole buckets) to pinned host buffers. Both transfers come after the gate, so they read
+their pinned mirrors only once it opened; a go writes both mirrors (`stage_armed_decode`, then
+`SamplerParams.stage_armed`) before it opens the gate. A cancel leaves both mirrors as padding (default rows:
+greedy, no logprobs asked) and drops every output. Each row's draw is keyed by its (seed, position), so a go
+draws the very tokens the unarmed path draws on the same graphs.
 
 Tensor-parallel ranks arm too, collectively (`collective=True`): a cancelled replay runs every collective of
 the graph, so the ranks of a TP group must arm, go and cancel alike. The driver decides what timing would
@@ -45,11 +55,34 @@ ACK_TIMEOUT_S = 5.0
 COLLECTIVE_MAX_POLLS = 2**31 - 1
 
 
-class _Arm:
-    __slots__ = ("lane", "seq", "host", "event", "since")
+def _pinned(shape: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A pinned host buffer for an arm's outputs (its device-to-host copy runs asynchronously)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-    def __init__(self, lane: Any, seq: int, host: torch.Tensor, event: Any, since: float):
+
+def _event() -> Any:
+    return torch.cuda.Event()
+
+
+class _Arm:
+    """`host`: the pinned int64 token buffer of a greedy arm, or the tuple of pinned buffers of a sampled arm's
+    head outputs; `head`: None (greedy) or the sampled arm's `GraphHead`; `params`, `slot`: the sampled arm's
+    `SamplerParams` and the mirror its upload reads."""
+
+    __slots__ = ("lane", "seq", "host", "event", "since", "head", "params", "slot")
+
+    def __init__(self, lane: Any, seq: int, host: Any, event: Any, since: float, head: Any = None,
+                 params: Any = None, slot: int = -1):
         self.lane, self.seq, self.host, self.event, self.since = lane, seq, host, event, since
+        self.head, self.params, self.slot = head, params, slot
+
+
+def arm_serves(armed_lane: Any, armed_head: Any, lane: Any, head: Any) -> bool:
+    """Whether an arm of `armed_lane`'s decode graph with LM head `armed_head` (None: greedy, else the sampler
+    head's `actors.step_sampler.GraphHead`) may take a step of `lane` that needs head `head`: the same graph
+    (`key`: any batch size of the bucket) and the same head (name and logprobs), so that the go replays exactly
+    what the unarmed path would."""
+    return (armed_lane is lane or armed_lane.key == lane.key) and armed_head == head
 
 
 class _ReturnWhole:
@@ -78,39 +111,56 @@ class ArmedDecode:
         self._lock = threading.Lock()
         self._arm: Optional[_Arm] = None
         self._free: dict[int, list] = {}  # bucket -> (pinned int64 [bucket], event) pairs for the tokens
+        # (bucket, outputs) -> (pinned buffers of a sampler head's outputs, event) pairs of sampled arms
+        self._free_sampled: dict[tuple[int, int], list] = {}
         self.counts = dict.fromkeys(OUTCOMES, 0)
 
     @property
     def armed(self) -> bool:
         return self._arm is not None
 
-    def arm(self, runner: Any, lane: Any) -> None:
-        """Enqueue `lane`'s decode graph and greedy head graph behind a closed gate, on padding rows, then the
-        copy of the bucket's tokens to the host (current stream: the rank's forward stream). Any lane of the
-        same graph may take it (another batch size of the bucket)."""
+    def arm(self, runner: Any, lane: Any, head: Any = None, params: Any = None) -> None:
+        """Enqueue `lane`'s decode graph and an LM head behind a closed gate, on padding rows, then the copy of
+        the head's outputs to the host (current stream: the rank's forward stream). `head` None: the greedy head;
+        else the `GraphHead` of the captured sampler head the step just launched took, whose parameter block
+        `params` (`SamplerParams`) is uploaded between the decode graph and the head (see the module docstring).
+        Any lane of the same graph may take it (another batch size of the bucket)."""
         with self._lock:
             if self._arm is not None:
                 return
             p = lane.key.batch
-            free = self._free.setdefault(p, [])
-            host, event = free.pop() if free else (torch.empty(p, dtype=torch.int64, pin_memory=True),
-                                                   torch.cuda.Event())
+            if head is None:
+                free = self._free.setdefault(p, [])
+                host, event = free.pop() if free else (_pinned(p, torch.int64), _event())
+            else:
+                outs = runner.epilogue_outputs(p, head.name)
+                if outs is None:
+                    raise RuntimeError(f"no captured sampler head {head.name!r} for decode bucket {p}")
+                free = self._free_sampled.setdefault((p, len(outs)), [])
+                host, event = free.pop() if free else (tuple(_pinned(o.shape, o.dtype) for o in outs), _event())
             seqs: list[int] = []
+            slot = -1
 
             def gate() -> None:
                 self.gate.enqueue()
                 seqs.append(self.gate.take_seq())
 
             try:
-                runner.arm_decode(lane.key, gate)
-                lane.replay_head(runner)
-                host.copy_(lane.head_out[:p], non_blocking=True)
+                runner.arm_decode(lane.key, gate)  # pad the staging, gate, staging transfer, decode graph
+                if head is None:
+                    lane.replay_head(runner)
+                    host.copy_(lane.head_out[:p], non_blocking=True)
+                else:
+                    slot = params.arm_upload(p)  # default rows now; the go writes the live ones before opening
+                    runner.replay_epilogue(p, head.name)
+                    for h, o in zip(host, outs):
+                        h.copy_(o, non_blocking=True)
                 event.record()
             except BaseException:
                 if seqs:  # let the stream run past a gate that nobody will open
                     self.gate.open(seqs[0], False)
                 raise
-            self._arm = _Arm(lane, seqs[0], host, event, time.perf_counter())
+            self._arm = _Arm(lane, seqs[0], host, event, time.perf_counter(), head, params, slot)
             self.counts["armed"] += 1
 
     def cancel(self) -> None:
@@ -124,23 +174,38 @@ class ArmedDecode:
         if outcome == "cancelled":
             self.gate.open(arm.seq, False)
         # later copies into the buffer run after this one's on the stream: it may serve the next step at once
-        self._free[arm.host.shape[0]].append((arm.host, arm.event))
+        self._free_list(arm).append((arm.host, arm.event))
         self.counts[outcome] += 1
 
-    def take(self, runner: Any, lane: Any, batch: Any, pending: Callable[..., Any]) -> Optional[Any]:
-        """Run the greedy decode step `batch` (host token ids, `lane`'s shape) on the armed replay: its
-        `PendingTokens` (the tokens on the device: `lane.tokens`), or None when the arm could not take it
-        (another graph, or the gate had given up waiting); the arm is spent either way and the caller runs the
-        step the usual way. `pending(host, event, multi, recycle)` makes the `PendingTokens`."""
+    def _free_list(self, arm: _Arm) -> list:
+        if arm.head is None:
+            return self._free[arm.host.shape[0]]
+        return self._free_sampled[(arm.lane.key.batch, len(arm.host))]
+
+    def take(self, runner: Any, lane: Any, batch: Any, pending: Callable[..., Any], head: Any = None,
+             rows: Any = None) -> Optional[Any]:
+        """Run the decode step `batch` (host token ids, `lane`'s shape) on the armed replay: its `PendingTokens`
+        (the tokens on the device: `lane.tokens` for a greedy step, the sampler head's first output for a sampled
+        one), or None when the arm could not take it (another graph or head, or the gate had given up waiting);
+        the arm is spent either way and the caller runs the step the usual way. `head`: None for a greedy step,
+        else the `GraphHead` the step needs, with `rows` its `HostBatch` for the heads' parameter block.
+        `pending(host, event, multi, recycle, logprobs=None)` makes the `PendingTokens`."""
         with self._lock:
             arm, self._arm = self._arm, None
         if arm is None:
             return None
         stale = not self.collective and time.perf_counter() - arm.since > 0.5 * self.wait_s
-        if (arm.lane is not lane and arm.lane.key != lane.key) or stale:
+        if stale or not arm_serves(arm.lane, arm.head, lane, head):
             self._spend(arm, "cancelled")  # stale arms are not raced against the gate's own deadline
             return None
-        runner.stage_armed_decode(lane.key, batch.token_ids, batch.num_history, batch.block_tables, lane.block_size)
+        try:  # both mirrors hold the live step before the gate opens; the transfers behind it read them after
+            runner.stage_armed_decode(lane.key, batch.token_ids, batch.num_history, batch.block_tables,
+                                      lane.block_size)
+            if head is not None:
+                arm.params.stage_armed(arm.slot, rows)
+        except BaseException:
+            self._spend(arm, "cancelled")  # the padding rows the mirrors may half hold are dropped like padding
+            raise
         self.gate.open(arm.seq, True)
         if not self._acknowledged(arm.seq):  # the gate gave up first: its replay ran on padding (or see below)
             self._spend(arm, "expired")
@@ -150,11 +215,23 @@ class ArmedDecode:
                                    "have matched")
             return None
         self.counts["went"] += 1
-        free = self._free[arm.host.shape[0]]
         n = batch.batch_size
+        if head is not None:
+            return self._sampled_pending(arm, n, head, pending)
+        free = self._free[arm.host.shape[0]]
         if n == arm.host.shape[0]:
             return pending(arm.host, arm.event, False, free)
         return pending(arm.host[:n], arm.event, False, _ReturnWhole(free, arm.host))
+
+    def _sampled_pending(self, arm: _Arm, n: int, head: Any, pending: Callable[..., Any]) -> Any:
+        """A sampled go's `PendingTokens`: the first `n` rows of the head's outputs (for a logprob head its
+        chosen logprobs and the step's top-N of the head's top entries, as the unarmed path slices them)."""
+        host = arm.host
+        back = _ReturnWhole(self._free_list(arm), host)
+        if head.num_logprobs < 0:
+            return pending(host[0][:n], arm.event, False, back)
+        k = head.num_logprobs
+        return pending(host[0][:n], arm.event, False, back, logprobs=(host[1][:n], host[2][:n, :k], host[3][:n, :k]))
 
     def _acknowledged(self, seq: int) -> bool:
         """Wait (spinning, microseconds) for the gate's verdict on execution `seq`: True when it saw the go.

@@ -67,11 +67,12 @@ class PendingTokens:
 
 
 class _DecodeLane:
-    """A greedy decode step shape (B sequences, the coordinator's hints) whose path is known: the full graph of
-    `key` and its greedy-head epilogue, whose output is `head_out` (int64 `[bucket]`). `run` replays them for a new
-    step of that shape without the runner's dispatch: the graph runner's decision is a pure function of the shape
-    and hints and of the captured graphs, and a lane lives only while those stay (`RankRuntime._forget_lanes`
-    runs on every capture and reset).
+    """A decode step shape (B sequences, the coordinator's hints) whose path is known: the full graph of `key`
+    and its greedy-head epilogue, whose output is `head_out` (int64 `[bucket]`); made by a greedy step or by a
+    sampled one a captured sampler head took (the same graph), and what an arm replays (`actors.armed`). `run`
+    replays them for a new greedy step of that shape without the runner's dispatch: the graph runner's decision
+    is a pure function of the shape and hints and of the captured graphs, and a lane lives only while those stay
+    (`RankRuntime._forget_lanes` runs on every capture and reset).
     The model's buffer contract is kept: `CUDAGraphRunner.replay_decode` fills the buffers, redirects the context
     and replays."""
 

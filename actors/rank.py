@@ -67,6 +67,7 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
         self.lane_steps = 0  # steps served by a decode lane
         self._last_lane: Optional[_DecodeLane] = None  # the lane of the latest step, if one served it
         self._last_host_ids = False  # whether the latest step's token ids all came from the host
+        self._last_head = None  # the `GraphHead` of the captured sampler head the latest step took, if one did
         self._armer: Optional[ArmedDecode] = None  # made by `build_runner` where arming is allowed
         self._sampler: Optional[StepSampler] = None  # the batched sampler of sampled rows (`sampler()`)
         # (chosen, top ids, top logprobs) device tensors of the step being launched, when its batch asks for them
@@ -279,24 +280,18 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
         if not torch.is_inference_mode_enabled():  # a resident step loop enters it once for all its steps
             with torch.inference_mode():
                 return self.launch(batch, hints, validated=validated, num_steps=num_steps)
-        lane = None
+        lane, greedy = None, False
         if validated and num_steps == 1 and batch is not None:
             lane = self._lanes.get((batch.batch_size, batch.num_tokens, hints))
-            if lane is not None and (self.logits_observer is not None or batch.temperature.any()
-                                     or batch.extras is not None):
-                lane = None
+            greedy = lane is not None and not (self.logits_observer is not None or batch.temperature.any()
+                                               or batch.extras is not None)
         armer = self._armer
         if armer is not None and armer.armed:
-            if lane is None or int(batch.token_ids.min()) < 0:
-                armer.cancel()  # before anything below waits on the stream the gate holds
-            else:
-                pending = armer.take(self.runner, lane, batch, PendingTokens)
-                if pending is not None:
-                    self._count_lane_step(lane, batch.batch_size)
-                    self._last_tokens, self._last_lane, self._last_host_ids = lane.tokens, lane, True
-                    return pending
-        self._last_lane, self._last_host_ids = None, False
-        if lane is not None:
+            pending = self._take_arm(armer, lane, greedy, batch)  # or cancel it: before anything below waits
+            if pending is not None:
+                return pending
+        self._last_lane, self._last_host_ids, self._last_head = None, False, None
+        if greedy:
             with self.on_stream():
                 ids, ids_dev = self._resolve_ids(batch.token_ids)  # BatchError: nothing ran, nothing counted
                 self._count_lane_step(lane, batch.batch_size)

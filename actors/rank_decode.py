@@ -16,7 +16,7 @@ import torch
 from actors.batch import StepBatch
 from actors.decode_state import GREEDY_HEAD, LOGITS_HEAD, _DecodeLane, forward_step
 from actors.protocol import StepHints
-from actors.step_sampler import StepSampler, VocabShard
+from actors.step_sampler import GraphHead, StepSampler, VocabShard
 from graphrunner.dispatch import Path as RunnerPath
 from graphrunner.step import ForwardStep
 from modeling.attn_metadata import (AttentionMetadata, build_decode_step_host, build_prefill_step_host,
@@ -63,12 +63,13 @@ class RankDecodeSteps:
         ids_h, pos, meta = build_decode_step_host(ids, batch.num_history, batch.block_tables, self.cfg.block_size)
         step = forward_step(ids_h if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta, hints)
         sampled = bool(batch.temperature.any()) or batch.extras is not None
+        self._last_head = None
         launched = self._decode_graph_step(step, sampled_batch=batch if sampled else None)
         if launched is None:
             return None
         logits, tokens = launched
-        if not sampled and self.logits_observer is None:
-            self._add_lane(step, hints)
+        if self.logits_observer is None and (not sampled or self._last_head is not None):
+            self._add_lane(step, hints, reuse=sampled)  # a sampled step may arm with its sampler head
             self._last_host_ids = ids_dev is None
         return self._sample(logits, batch) if logits is not None and sampled else tokens
 
@@ -88,16 +89,21 @@ class RankDecodeSteps:
         logits, greedy = self._eager_head(hidden, meta.last_token_index, sampled)
         return self._sample(logits, batch) if sampled else greedy
 
-    def _add_lane(self, step: ForwardStep, hints: StepHints) -> None:
-        """Remember the graphs that served this greedy decode step, so the next step of the same shape and hints
-        skips the dispatch (`_DecodeLane`). Forgotten whenever graphs are captured or dropped."""
+    def _add_lane(self, step: ForwardStep, hints: StepHints, reuse: bool = False) -> None:
+        """Remember the graphs that served this decode step (greedy, or sampled by a captured sampler head: the
+        decode graph is the same), so the next greedy step of the same shape and hints skips the dispatch and
+        an arm knows the graph (`_DecodeLane`). `reuse`: keep a lane already known for that shape. Forgotten
+        whenever graphs are captured or dropped."""
+        n = step.batch_size
+        if reuse and (lane := self._lanes.get((n, n, hints))) is not None:
+            self._last_lane = lane
+            return
         decision = self.runner.decide_decode(step)  # pure: the decision the step just replayed
         if decision.path is not RunnerPath.FULL_GRAPH:
             return
         head = self.runner.epilogue_outputs(decision.decode_key.batch, GREEDY_HEAD)
         if head is None:
             return
-        n = step.batch_size
         lane = self._lanes[(n, n, hints)] = _DecodeLane(decision.decode_key, head[0], step, hints,
                                                         self.cfg.block_size)
         self._last_lane = lane
@@ -123,9 +129,11 @@ class RankDecodeSteps:
                 name = self.sampler().stage_graph_rows(sampled_batch, bucket, self.runner.epilogue_outputs)
                 if name is not None:
                     outs = run_head(bucket, name)
+                    k = -1
                     if len(outs) > 1:  # a logprob head: the batch's top-N of its GRAPH_LOGPROBS entries
                         k = sampled_batch.extras.num_logprobs
                         self._step_logprobs = (outs[1][:n], outs[2][:n, :k], outs[3][:n, :k])
+                    self._last_head = GraphHead(name, k)  # what an arm after this step replays (`actors.armed`)
                     return None, outs[0][:n]
         sharded_head = self.ctx.tp_size > 1  # under TP the logits head yields this rank's shard only
         outs = None if sharded_head and self.logits_observer is not None else run_head(bucket, LOGITS_HEAD)

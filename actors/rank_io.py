@@ -1,7 +1,7 @@
 """`RankStepIO`: the host-facing half of a `actors.rank.RankRuntime` step, a mixin over its state: the read-back
 of a step's tokens (pinned buffers recycled per shape, an event on the forward stream), previous-step token
-references resolved on the device, and armed decode (`actors.armed`: the next greedy step enqueued behind a
-gate)."""
+references resolved on the device, and armed decode (`actors.armed`: the next decode step, greedy or taken by a
+captured sampler head, enqueued behind a gate)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -23,18 +23,47 @@ class RankStepIO:
     def arm_next(self) -> bool:
         """Enqueue the next step of the latest step's decode lane behind a closed gate, on padding rows, after
         whatever the forward stream holds, so that the next request of that shape only has to open it (`launch`
-        does). Only after a step a lane or an arm took whose token ids came from the host: a driver that feeds
+        does), with the LM head that step took (greedy, or its captured sampler head: `_last_head`). Only after a step a
+        lane, an arm or a captured sampler head took whose token ids came from the host: a driver that feeds
         back tokens on the device submits ahead, and its next step would only cancel the arm. For a caller that
         expects the next request to wait for this step's tokens (the resident step loop, after a request that
         found no earlier step in flight). Returns whether it armed."""
         lane, armer = self._last_lane, self._armer
         if armer is None or lane is None or armer.armed or not self._last_host_ids:
             return False
+        head = self._last_head  # a sampled step arms with the captured sampler head it took
         with self.on_stream(), torch.inference_mode():  # no-op inside the step loop's inference mode
             if self._last_tokens is not None:  # a cancelled arm rewrites the head output it views
                 self._last_tokens = self._last_tokens.clone()
-            armer.arm(self.runner, lane)
+            armer.arm(self.runner, lane, head, None if head is None else self.sampler().graph_params)
         return True
+
+    def _take_arm(self, armer, lane, greedy: bool, batch) -> Optional[PendingTokens]:
+        """A step launch while armed: the step's `PendingTokens` when the arm took it (a decode step with host
+        ids of a known lane: greedy, or sampled by the very sampler head the arm replays), else None with the arm
+        cancelled (`ArmedDecode.take`) and the step for the usual path. Every rank of a TP group decides alike:
+        from the request and the captured graphs alone."""
+        if lane is None or self.logits_observer is not None or int(batch.token_ids.min()) < 0:
+            armer.cancel()
+            return None
+        head = rows = None
+        if not greedy:
+            try:
+                need = self.sampler().graph_head(batch, lane.key.batch, self.runner.epilogue_outputs)
+            except BaseException:
+                armer.cancel()
+                raise
+            if need is None:  # the eager sampler's step
+                armer.cancel()
+                return None
+            head, rows = need
+        pending = armer.take(self.runner, lane, batch, PendingTokens, head, rows)
+        if pending is not None:
+            self._count_lane_step(lane, batch.batch_size)
+            tokens = lane.tokens if head is None else \
+                self.runner.epilogue_outputs(lane.key.batch, head.name)[0][:batch.batch_size]
+            self._last_tokens, self._last_lane, self._last_host_ids, self._last_head = tokens, lane, True, head
+        return pending
 
     @property
     def arms_collectively(self) -> bool:

@@ -31,9 +31,10 @@ class RuntimeConfig:
         the sampler eagerly; 0 = off.
     kernels: how the rank's operators launch (`modeling.ops.options.KernelOptions`: PDL, GEMV, decode combine,
         compile threads); built on the driver (`actors.environment.options_from_environ`), defaults here.
-    armed_decode_wait_ms: how long an armed decode step (`actors.armed`: the next greedy decode step enqueued
-        behind a gate while the rank waits for its request) waits before it gives up (TP > 1: before the
-        driver disarms it); 0 = never arm. Only CUDA ranks with expert-parallel size 1 arm.
+    armed_decode_wait_ms: how long an armed decode step (`actors.armed`: the next decode step, greedy or
+        sampled by a captured sampler head, enqueued behind a gate while the rank waits for its request) waits
+        before it gives up (TP > 1: before the driver disarms it); 0 = never arm. Only CUDA ranks with
+        expert-parallel size 1 arm.
     """
 
     model: str = "qwen3-tiny"

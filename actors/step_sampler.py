@@ -39,6 +39,15 @@ GRAPH_HEADS = {
 _BY_FLAGS = {(v.top_k, v.top_p, n >= 0): name for name, (v, n) in GRAPH_HEADS.items()}
 
 
+class GraphHead(NamedTuple):
+    """The captured sampler head a sampled decode step takes (`StepSampler.graph_head`): its `GRAPH_HEADS` name
+    and the step's logprobs (-1: none; else the top-N the batch reads back of the head's `GRAPH_LOGPROBS`). Two
+    steps with equal `GraphHead`s on one decode graph replay the very same head graph on their own rows."""
+
+    name: str
+    num_logprobs: int
+
+
 class VocabShard(NamedTuple):
     """This TP rank's slice of the vocabulary: logits columns are global ids [offset, offset + width); `widest`
     is every shard's chunking width; `group` the TP process group the sampler's small collectives use."""
@@ -117,13 +126,17 @@ class StepSampler:
         for name, (variant, logprobs) in GRAPH_HEADS.items():
             yield name, head(variant, logprobs)
 
-    def stage_graph_rows(self, batch: StepBatch, bucket: int, captured: Callable[[int, str], object]
-                         ) -> Optional[str]:
-        """For a sampled decode batch about to replay a decode graph of `bucket`: the name of the captured sampler
-        head that serves it, its rows staged and uploaded (current stream) into the heads' parameter block; or None
-        (nothing enqueued) when the batch needs the eager sampler (more than `GRAPH_LOGPROBS` logprobs, logit bias,
-        bans, penalties, a large top-k) or no head of that bucket was captured (`captured(bucket, name)` is None).
-        A logprob head's outputs hold `GRAPH_LOGPROBS` top entries: the caller keeps the batch's first N."""
+    @property
+    def graph_params(self) -> Optional[SamplerParams]:
+        """The parameter block the captured sampler heads read by address (None before `graph_heads`)."""
+        return self._graph_params
+
+    def graph_head(self, batch: StepBatch, bucket: int, captured: Callable[[int, str], object]
+                   ) -> Optional[tuple[GraphHead, HostBatch]]:
+        """Which captured sampler head serves the sampled decode batch `batch` on a decode graph of `bucket`, and
+        the batch's rows for the heads' parameter block: (head, rows), or None when the batch needs the eager
+        sampler (more than `GRAPH_LOGPROBS` logprobs, logit bias, bans, penalties, a large top-k) or no head of
+        that bucket was captured (`captured(bucket, name)` is None). Host only: nothing is staged or enqueued."""
         ex = batch.extras
         params = self._graph_params
         if params is None or bucket > params.max_batch or (ex is not None and (ex.num_logprobs > GRAPH_LOGPROBS
@@ -133,12 +146,25 @@ class StepSampler:
         need = host.variant()
         if need.large_top_k:
             return None
-        name = _BY_FLAGS[(need.top_k, need.top_p, ex is not None and ex.num_logprobs >= 0)]
+        num_logprobs = -1 if ex is None else ex.num_logprobs
+        name = _BY_FLAGS[(need.top_k, need.top_p, num_logprobs >= 0)]
         if captured(bucket, name) is None:
             return None
-        params.stage(host)
+        return GraphHead(name, num_logprobs), host
+
+    def stage_graph_rows(self, batch: StepBatch, bucket: int, captured: Callable[[int, str], object]
+                         ) -> Optional[str]:
+        """For a sampled decode batch about to replay a decode graph of `bucket`: the name of the captured sampler
+        head that serves it (`graph_head`), its rows staged and uploaded (current stream) into the heads'
+        parameter block; or None (nothing enqueued) when the batch needs the eager sampler. A logprob head's
+        outputs hold `GRAPH_LOGPROBS` top entries: the caller keeps the batch's first N."""
+        found = self.graph_head(batch, bucket, captured)
+        if found is None:
+            return None
+        params = self._graph_params
+        params.stage(found[1])
         params.upload(bucket, lists=False)
-        return name
+        return found[0].name
 
     def sample(self, logits: torch.Tensor, batch: StepBatch
                ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:

@@ -12,6 +12,8 @@ read that mirror, a host wait only when that copy is still in flight, so steps s
 stream, so kernels launched after it on that stream (or a graph replayed on it) see the new values. Rows past
 the staged batch are reset to harmless defaults (greedy, no lists). The list section is copied only when
 `lists=True` (a step whose variant is `processed`); stale lists are never read by unprocessed variants.
+An armed step (`actors.armed`) enqueues its upload before its rows are known (`arm_upload`, behind a closed gate)
+and writes them into that upload's mirror at go time (`stage_armed`), before the gate opens.
 """
 from __future__ import annotations
 
@@ -133,6 +135,13 @@ class SamplerParams:
     def stage(self, host: HostBatch) -> None:
         """Write `host` (n <= max_batch rows) into the next pinned mirror of the ring; rows [n, max_batch) become
         defaults. Waits (on the host) only for the upload that last read that mirror, `MIRRORS` uploads ago."""
+        self._check(host)
+        self._cur = (self._cur + 1) % len(self._mirrors)
+        m = self._mirrors[self._cur]
+        m.wait()
+        self._write(m, host)
+
+    def _check(self, host: HostBatch) -> None:
         n = host.n
         if n > self.max_batch:
             raise SamplerParamError(f"batch of {n} rows exceeds max_batch {self.max_batch}")
@@ -141,9 +150,11 @@ class SamplerParams:
         for name, w in widths.items():
             if getattr(host, name).shape[1] > w:
                 raise SamplerParamError(f"{name}: {getattr(host, name).shape[1]} columns exceed the block's {w}")
-        self._cur = (self._cur + 1) % len(self._mirrors)
-        m = self._mirrors[self._cur]
-        m.wait()
+
+    def _write(self, m: "_Mirror", host: HostBatch) -> None:
+        """Rows [0, n) of mirror `m` from `host`, rows [n, dirty) back to defaults (host only, no wait)."""
+        n = host.n
+        lay = self.layout
         hs = m.scalars_np
         f = hs.view(np.float32)
         q = hs.view(np.int64)
@@ -175,6 +186,28 @@ class SamplerParams:
         if nb:
             m.copied.record()
             m.pending = True
+
+    # ---- armed uploads (`actors.armed`): the copy is enqueued behind a closed gate, its rows written later
+    def arm_upload(self, rows: int) -> int:
+        """Take the next mirror of the ring (waiting, on the host, for the upload that last read it), reset it to
+        default rows and enqueue its copy of rows [0, rows) to the device (scalars only: the captured heads read
+        no lists) on the current stream, behind whatever holds that stream (a closed gate). The copy reads the
+        pinned mirror when the stream reaches it, so `stage_armed` may still write the live rows into it until
+        the gate opens. Returns the mirror's slot. Until the gate opens nothing else may stage (nothing does:
+        the rank takes or cancels an arm before any other step)."""
+        self._cur = (self._cur + 1) % len(self._mirrors)
+        m = self._mirrors[self._cur]
+        m.wait()
+        self._reset_rows(m, 0, m.dirty)
+        m.dirty = 0
+        self.upload(rows, lists=False)
+        return self._cur
+
+    def stage_armed(self, slot: int, host: HostBatch) -> None:
+        """Write `host` into mirror `slot` of an `arm_upload` whose copy still waits behind a closed gate (no
+        wait: that copy's event is behind the gate too). Host only; open the gate after it."""
+        self._check(host)
+        self._write(self._mirrors[slot], host)
 
     def load(self, host: HostBatch, rows: Optional[int] = None) -> None:
         """`stage(host)` then `upload(rows or max_batch)`, copying the lists only when the batch needs them."""

@@ -1,8 +1,11 @@
-"""Armed decode (`actors.armed`): the rank enqueues its next greedy decode step behind a host-opened gate.
+"""Armed decode (`actors.armed`): the rank enqueues its next decode step behind a host-opened gate.
 
 Steps taken by an arm give the same tokens as the dispatched path; a cancelled arm writes no KV and leaves the
 previous step's tokens intact for steps that refer to them; a request of another shape cancels the arm and
-runs after its padding replay; an arm whose gate gave up is detected and the step runs the usual way."""
+runs after its padding replay; an arm whose gate gave up is detected and the step runs the usual way. Sampled
+steps (a captured sampler head) arm with their head: a go draws bitwise the unarmed tokens (and logprobs), and a
+step needing another head cancels and still gets its own tokens."""
+import dataclasses
 import time
 
 import numpy as np
@@ -10,8 +13,9 @@ import pytest
 import torch
 
 from actors.armed import ArmedDecode
-from actors.batch import StepBatch, prev_token
+from actors.batch import SamplerExtras, StepBatch, prev_token
 from actors.host_gate import HostGate
+from actors.step_sampler import GraphHead
 from tests.gpu.helpers import Seqs, make_runtime, random_tokens
 
 pytestmark = pytest.mark.gpu
@@ -30,14 +34,33 @@ def _prefill(rt, n: int, seed: int, extra: int):
     return prompts, tables, rt.execute(StepBatch.from_sequences(prompts, [0] * n, tables))
 
 
-def _decode(rt, prompts, tables, first, k: int, arm: bool) -> list[list[int]]:
+def _logprob_extras(n: int, num_logprobs: int) -> SamplerExtras:
+    """Sampler extras that ask only for logprobs (no min_p, penalties, bias or bans)."""
+    none_i, none_f = np.full((n, 1), -1, np.int32), np.zeros((n, 1), np.float32)
+    return SamplerExtras(np.zeros(n, np.float32), np.tile(np.array([0.0, 0.0, 1.0], np.float32), (n, 1)), none_i,
+                         none_f, none_i.copy(), none_i.copy(), np.zeros((n, 1), np.int32), num_logprobs)
+
+
+def _step(ids, hist, tables, sampling=None, num_logprobs=None) -> StepBatch:
+    b = StepBatch.from_sequences([[int(t)] for t in ids], hist, tables, **(sampling or {}))
+    return b if num_logprobs is None else dataclasses.replace(b, extras=_logprob_extras(len(hist), num_logprobs))
+
+
+def _decode(rt, prompts, tables, first, k: int, arm: bool, sampling=None, num_logprobs=None) -> list:
+    """`k` decode steps fed through the host (arming before each when `arm`): each step's token list, or with
+    `num_logprobs` its (tokens, chosen, top ids, top logprobs) arrays."""
     got, ids = [], first
     for j in range(k):
-        b = StepBatch.from_sequences([[int(t)] for t in ids], [len(p) + j for p in prompts], tables)
+        b = _step(ids, [len(p) + j for p in prompts], tables, sampling, num_logprobs)
         if arm:
             rt.arm_next()
-        ids = rt.launch(b, validated=True).result()
-        got.append(ids.tolist())
+        out = rt.launch(b, validated=True).result()
+        if num_logprobs is None:
+            ids = out
+            got.append(out.tolist())
+        else:
+            ids = out.tokens
+            got.append((out.tokens, out.logprobs.chosen, out.logprobs.top_ids, out.logprobs.top_logprobs))
     return got
 
 
@@ -159,3 +182,85 @@ def test_arm_serves_another_batch_size_of_its_bucket(rt):
     got = rt.launch(three, validated=True).result()
     assert rt._armer.counts["went"] == went + 1
     np.testing.assert_array_equal(got, rt.execute(three))
+
+
+def _top_p(n: int, seed: int) -> dict:
+    return dict(temperature=[1.0] * n, top_p=[0.9] * n, seeds=[seed + i for i in range(n)])
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_armed_sampled_steps_equal_unarmed_steps(rt, n):
+    """Seeded T=1, top_p 0.9 rows: step 1 takes the captured "sample_p" head; steps 2-6 each take the arm made
+    after the step before (that head, its parameters staged at go); the tokens equal the same steps unarmed."""
+    prompts, tables, first = _prefill(rt, n, 900 + n, 10)
+    sampling = _top_p(n, 31)
+    counts0 = dict(rt._armer.counts)
+    full0 = rt.runner.stats.snapshot()["steps"].get("full_graph", 0)
+    armed = _decode(rt, prompts, tables, first, 6, arm=True, sampling=sampling)
+    c = rt._armer.counts
+    assert rt._last_head == GraphHead("sample_p", -1)
+    assert c["went"] - counts0["went"] == 5 and c["expired"] == counts0["expired"]
+    assert c["cancelled"] == counts0["cancelled"]
+    assert rt.runner.stats.snapshot()["steps"]["full_graph"] == full0 + 6
+    went = c["went"]
+    unarmed = _decode(rt, prompts, tables, first, 6, arm=False, sampling=sampling)  # rewrites the same K/V
+    assert rt._armer.counts["went"] == went
+    assert armed == unarmed
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_armed_logprob_steps_equal_unarmed_steps(rt, n):
+    """Greedy rows asking for the top-5 logprobs take the captured "sample_lp" head; through armed goes their
+    tokens, chosen logprobs and top-5 ids and logprobs are bitwise those of the same steps unarmed."""
+    prompts, tables, first = _prefill(rt, n, 950 + n, 10)
+    counts0 = dict(rt._armer.counts)
+    armed = _decode(rt, prompts, tables, first, 5, arm=True, num_logprobs=5)
+    c = rt._armer.counts
+    assert rt._last_head == GraphHead("sample_lp", 5)
+    assert c["went"] - counts0["went"] == 4 and c["expired"] == counts0["expired"]
+    unarmed = _decode(rt, prompts, tables, first, 5, arm=False, num_logprobs=5)
+    for a, u in zip(armed, unarmed):
+        assert a[2].shape == (n, 5) and a[3].shape == (n, 5)
+        for x, y in zip(a, u):
+            assert x.dtype == y.dtype
+            np.testing.assert_array_equal(x, y)  # bitwise: the same head graph on the same rows
+    assert (armed[-1][1] <= 0).all()
+
+
+def test_another_sampler_head_cancels_and_runs_behind_the_padding(rt):
+    """An arm replays the head of the step before it: a step needing another variant (top_p -> top_k), other
+    logprobs (5 -> 3), the greedy head, or a sampled one after a greedy step, cancels it on padding and
+    gets the tokens (and logprobs) of the same step run unarmed."""
+    n = 3
+    prompts, tables, first = _prefill(rt, n, 990, 12)
+    hist = [len(p) for p in prompts]
+    top_k = dict(temperature=[0.7] * n, top_k=[20] * n, seeds=[60 + i for i in range(n)])
+    cases = [(_top_p(n, 50), None, top_k, None), (None, 5, None, 3), (_top_p(n, 70), None, None, None),
+             (None, None, _top_p(n, 80), None)]
+    ids = first
+    for j, (s0, lp0, s1, lp1) in enumerate(cases):
+        h = [x + 2 * j for x in hist]
+        out = rt.launch(_step(ids, h, tables, s0, lp0), validated=True).result()
+        ids = out if lp0 is None else out.tokens
+        assert rt.arm_next()
+        c = dict(rt._armer.counts)
+        nxt = _step(ids, [x + 1 for x in h], tables, s1, lp1)
+        got = rt.launch(nxt, validated=True).result()
+        assert rt._armer.counts["cancelled"] == c["cancelled"] + 1 and rt._armer.counts["went"] == c["went"]
+        want = rt.execute(nxt)  # the same step unarmed (rewrites the same K/V)
+        if lp1 is None:
+            np.testing.assert_array_equal(got, want)
+            ids = got
+        else:
+            np.testing.assert_array_equal(got.tokens, want.tokens)
+            assert got.logprobs.top_ids.shape == (n, lp1)
+            for x, y in zip(got.logprobs, want.logprobs):
+                np.testing.assert_array_equal(x, y)
+            ids = got.tokens
+    # the step after a cancel arms with the head that step took (the last case's top_p step) and goes
+    h = [x + 2 * len(cases) for x in hist]
+    assert rt.arm_next() and rt._armer._arm.head == GraphHead("sample_p", -1)
+    went = rt._armer.counts["went"]
+    got = rt.launch(_step(ids, h, tables, _top_p(n, 90)), validated=True).result()
+    assert rt._armer.counts["went"] == went + 1
+    np.testing.assert_array_equal(got, rt.execute(_step(ids, h, tables, _top_p(n, 90))))

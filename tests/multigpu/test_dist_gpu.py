@@ -244,6 +244,46 @@ def test_tp2_armed_decode_equals_unarmed_steps_and_is_disarmed_when_idle(cache):
     assert last[0] == last[1] and last[0]["cancelled"] > idle[0]["cancelled"] and last[0]["expired"] == 0, last
 
 
+def test_tp2_armed_sampled_decode_equals_unarmed_steps(cache):
+    """TP=2 ranks arm sampled steps collectively with the captured sampler head they took (its TP exchanges run in
+    a cancelled replay too): seeded T=1 top_p 0.9 steps taken by arms on both ranks draw the tokens of the same
+    steps submitted without `wait_next` (never armed), and a change of head (top_p -> top_k -> top_p) cancels alike."""
+    import time
+
+    coord = cache.get("tp2", DeploymentConfig(runtime=rt_cfg("qwen3-0.6b"), tp=2))
+    wait_s = coord.cfg.runtime.armed_decode_wait_ms / 1e3
+    ps = prompts(3, 27, hi=180)
+    tables = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(ps))]
+    n = len(ps)
+    top_p = dict(temperature=[1.0] * n, top_p=[0.9] * n, seeds=[90 + i for i in range(n)])
+    top_k = dict(temperature=[0.7] * n, top_k=[20] * n, seeds=[95 + i for i in range(n)])
+    time.sleep(3 * wait_s)  # any earlier arm disarmed
+
+    def run(armed: bool) -> list[list[int]]:
+        out = [[int(t)] for t in coord.step([StepBatch.from_sequences(ps, [0] * n, tables)])[0]]
+        for j in range(10):
+            kw = top_k if j == 7 else top_p
+            b = StepBatch.from_sequences([[o[-1]] for o in out], [len(p) + j for p in ps], tables, **kw)
+            toks = coord.step([b])[0] if armed else coord.collect(coord.submit([b]))[0]
+            for o, t in zip(out, toks.tolist()):
+                o.append(int(t))
+        return out
+
+    before = _armed_counts(coord)
+    armed = run(True)
+    time.sleep(3 * wait_s + 0.05)  # the last step's arm: disarmed on both ranks
+    mid = _armed_counts(coord)
+    went = [m["went"] - b.get("went", 0) for m, b in zip(mid, before)]
+    cancelled = [m["cancelled"] - b.get("cancelled", 0) for m, b in zip(mid, before)]
+    # the prefill makes no lane; steps 1-6 go; step 7 (top_k) cancels the top_p arm and step 8 (top_p) the top_k
+    # arm; step 9 goes; the arm after it is disarmed
+    assert went == [7, 7] and cancelled == [3, 3], (before, mid)
+    assert mid[0]["expired"] == 0 and mid[0]["armed"] == mid[0]["went"] + mid[0]["cancelled"], mid
+    unarmed = run(False)
+    assert [m["went"] for m in mid] == [a["went"] for a in _armed_counts(coord)]
+    assert armed == unarmed
+
+
 def test_dp2_dense_equals_one_rank(cache, ref_dense):
     coord = cache.get("dp2", DeploymentConfig(runtime=rt_cfg("qwen3-0.6b"), dp=2))
     cmp = Compare(coord, ref_dense, exact=True)  # DP alone does not change any rank's numerics
