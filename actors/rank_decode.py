@@ -104,9 +104,8 @@ class RankDecodeSteps:
                 name = self.sampler().stage_graph_rows(sampled_batch, bucket, self.runner.epilogue_outputs)
                 if name is not None:
                     outs = run_head(bucket, name)
-                    if len(outs) > 1:  # a logprob head: the batch's top-N of its GRAPH_LOGPROBS entries
-                        k = sampled_batch.extras.num_logprobs
-                        self._step_logprobs = (outs[1][:n], outs[2][:n, :k], outs[3][:n, :k])
+                    if len(outs) > 1:  # a logprob head (packed): the batch keeps N of its GRAPH_LOGPROBS entries
+                        self._step_logprobs = (outs[1][:n], sampled_batch.extras.num_logprobs)
                     return None, outs[0][:n]
         sharded_head = self.ctx.tp_size > 1  # under TP the logits head yields this rank's shard only
         outs = None if sharded_head and self.logits_observer is not None else run_head(bucket, LOGITS_HEAD)

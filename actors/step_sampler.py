@@ -39,6 +39,15 @@ GRAPH_HEADS = {
 _BY_FLAGS = {(v.top_k, v.top_p, n >= 0): name for name, (v, n) in GRAPH_HEADS.items()}
 
 
+def pack_logprobs(tokens: torch.Tensor, chosen: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor
+                  ) -> torch.Tensor:
+    """A step's tokens and logprobs as one int32 `[n, 2 + 2N]` tensor, so that one device-to-host copy reads them
+    back: per row the token, the chosen logprob's fp32 bits, the N top ids, the N top logprobs' fp32 bits
+    (`actors.decode_state.unpack_logprobs` takes them apart, bit for bit). Capturable (no host sync)."""
+    return torch.cat([tokens.to(torch.int32)[:, None], chosen.to(torch.float32).view(torch.int32)[:, None],
+                      top_ids.to(torch.int32), top_logprobs.to(torch.float32).view(torch.int32)], dim=1)
+
+
 class VocabShard(NamedTuple):
     """This TP rank's slice of the vocabulary: logits columns are global ids [offset, offset + width); `widest`
     is every shard's chunking width; `group` the TP process group the sampler's small collectives use."""
@@ -97,8 +106,9 @@ class StepSampler:
     def graph_heads(self, logits_fn: Callable[[torch.Tensor, int], torch.Tensor], max_rows: int
                     ) -> Iterator[tuple[str, Callable[[torch.Tensor, int], tuple]]]:
         """(name, fn) of every captured sampler variant (`GRAPH_HEADS`) for the graph runner to capture per
-        decode bucket: fn(hidden, bucket) -> (int64 tokens `[bucket]`,), and for the logprob heads also (chosen
-        fp32 `[bucket]`, top ids int64 `[bucket, GRAPH_LOGPROBS]`, top logprobs fp32 `[bucket, GRAPH_LOGPROBS]`),
+        decode bucket: fn(hidden, bucket) -> (int64 tokens `[bucket]`,), and for the logprob heads also the tokens
+        with their chosen logprobs and top `GRAPH_LOGPROBS` ids and logprobs, packed (`pack_logprobs`: int32
+        `[bucket, 2 + 2 * GRAPH_LOGPROBS]`),
         sampling `logits_fn(hidden, bucket)` (fp32 `[bucket, V]`) with the parameter block `stage_graph_rows`
         fills (`max_rows` rows, fixed address)."""
         if self._graph_params is None or self._graph_params.max_batch < max_rows:
@@ -111,7 +121,7 @@ class StepSampler:
                              **self._shard_args())
                 if logprobs < 0:
                     return (out.tokens,)
-                return out.tokens, out.chosen_logprob, out.top_ids, out.top_logprobs
+                return out.tokens, pack_logprobs(out.tokens, out.chosen_logprob, out.top_ids, out.top_logprobs)
             return fn
 
         for name, (variant, logprobs) in GRAPH_HEADS.items():
@@ -123,7 +133,7 @@ class StepSampler:
         head that serves it, its rows staged and uploaded (current stream) into the heads' parameter block; or None
         (nothing enqueued) when the batch needs the eager sampler (more than `GRAPH_LOGPROBS` logprobs, logit bias,
         bans, penalties, a large top-k) or no head of that bucket was captured (`captured(bucket, name)` is None).
-        A logprob head's outputs hold `GRAPH_LOGPROBS` top entries: the caller keeps the batch's first N."""
+        A logprob head's packed output holds `GRAPH_LOGPROBS` top entries: the caller keeps the batch's first N."""
         ex = batch.extras
         params = self._graph_params
         if params is None or bucket > params.max_batch or (ex is not None and (ex.num_logprobs > GRAPH_LOGPROBS
@@ -140,12 +150,10 @@ class StepSampler:
         params.upload(bucket, lists=False)
         return name
 
-    def sample(self, logits: torch.Tensor, batch: StepBatch
-               ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    def sample(self, logits: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, int]]]:
         """logits fp32 `[n, V]` (the whole vocabulary, or under TP this rank's shard; row i = batch row i) ->
-        (tokens int64 `[n]`, and when the
-        batch asks for logprobs (chosen fp32 `[n]`, top ids int64 `[n, N]`, top logprobs fp32 `[n, N]`)), on the
-        logits' device, not waited for."""
+        (tokens int64 `[n]`, and when the batch asks for N logprobs (the tokens and logprobs packed by
+        `pack_logprobs`, int32 `[n, 2 + 2N]`; N)), on the logits' device, not waited for."""
         n = batch.batch_size
         ex = batch.extras
         host = self._host_batch(batch)
@@ -156,4 +164,5 @@ class StepSampler:
                      **self._shard_args())
         if num_logprobs < 0:
             return out.tokens, None
-        return out.tokens, (out.chosen_logprob, out.top_ids, out.top_logprobs)
+        return out.tokens, (pack_logprobs(out.tokens, out.chosen_logprob, out.top_ids, out.top_logprobs),
+                            num_logprobs)
