@@ -79,6 +79,18 @@ class SamplerVariant:
         return cls(True, True, True, True)
 
 
+_VARIANTS: dict[tuple[bool, bool, bool, bool], SamplerVariant] = {}
+
+
+def _variant(processed: bool, top_k: bool, top_p: bool, large_top_k: bool) -> SamplerVariant:
+    """`SamplerVariant(processed, top_k, top_p, large_top_k)`, one shared (frozen) instance per combination."""
+    key = (processed, top_k, top_p, large_top_k)
+    v = _VARIANTS.get(key)
+    if v is None:
+        v = _VARIANTS[key] = SamplerVariant(*key)
+    return v
+
+
 def _f32(x: float) -> np.float32:
     return np.float32(x)
 
@@ -180,12 +192,16 @@ class HostBatch:
 
     # ---- per-step flags -----------------------------------------------------------------------------------
     def variant(self) -> SamplerVariant:
-        """The smallest variant that serves this batch (the caller picks a captured graph covering it)."""
+        """The smallest variant that serves this batch (the caller picks a captured graph covering it). Once per
+        sampled step: a list holds an id when its largest entry is >= 0; without a sampled row no stage but the
+        processing one can apply."""
+        processed = any(a.size and int(a.max()) >= 0 for a in (self.bias_ids, self.ban_ids, self.pen_ids))
         sampled = self.temperature > 0
-        processed = bool((self.bias_ids >= 0).any() or (self.ban_ids >= 0).any() or (self.pen_ids >= 0).any())
-        return SamplerVariant(processed=processed, top_k=bool((sampled & (self.top_k > 0)).any()),
-                              top_p=bool((sampled & (self.top_p_fixed > 0)).any()),
-                              large_top_k=bool((sampled & (self.top_k > TOP_K_FAST)).any()))
+        if not sampled.any():
+            return _variant(processed, False, False, False)
+        return _variant(processed, bool((sampled & (self.top_k > 0)).any()),
+                        bool((sampled & (self.top_p_fixed > 0)).any()),
+                        bool((sampled & (self.top_k > TOP_K_FAST)).any()))
 
     # ---- construction from Python values -------------------------------------------------------------------
     @classmethod

@@ -198,3 +198,29 @@ def test_from_arrays_rejects_what_validate_rejects(field, bad):
     with pytest.raises(SamplerParamError) as got:
         host_batch_from_arrays(**kw)
     assert str(got.value) == str(want.value) and f"row {row}" in str(got.value)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_variant_and_processed_match_their_reductions(seed):
+    """`HostBatch.variant` and `SamplerExtras.processed` (max-based shortcuts) decide as the plain reductions do."""
+    from actors.batch import SamplerExtras
+    from modeling.sampler.host import TOP_K_FAST, host_batch_from_arrays
+    rng = np.random.default_rng(seed)
+    for n in (1, 5, 64):
+        kw = _random_step_arrays(rng, n, seed % 2 == 0, True, seed % 3 != 2, int(rng.integers(0, 3)))
+        if seed % 3 == 1 and "bias_ids" in kw:  # lists present but unused
+            for name in ("bias_ids", "ban_ids", "pen_ids"):
+                kw[name][:] = -1
+        h = host_batch_from_arrays(**kw)
+        sampled = h.temperature > 0
+        want = SamplerVariant(processed=bool((h.bias_ids >= 0).any() or (h.ban_ids >= 0).any()
+                                             or (h.pen_ids >= 0).any()),
+                              top_k=bool((sampled & (h.top_k > 0)).any()), top_p=bool((sampled & (h.top_p_fixed > 0)).any()),
+                              large_top_k=bool((sampled & (h.top_k > TOP_K_FAST)).any()))
+        assert h.variant() == want
+        if "bias_ids" in kw:
+            ex = SamplerExtras(kw["min_p"], kw["penalties"], kw["bias_ids"], kw["bias_vals"], kw["ban_ids"],
+                               kw["pen_ids"], kw["pen_counts"], 5)
+            p = ex.penalties
+            assert ex.processed == bool((ex.bias_ids >= 0).any() or (ex.ban_ids >= 0).any() or (p[:, 0] != 0).any()
+                                        or (p[:, 1] != 0).any() or (p[:, 2] != 1).any())
