@@ -70,6 +70,8 @@ class StepSampler:
         self._params: Optional[SamplerParams] = None
         self._capacity = capacity
         self._graph_params: Optional[SamplerParams] = None  # read by the captured sampler heads, by address
+        # the latest step's captured-head rows: (the inputs they were derived from, as bytes; the `HostBatch`)
+        self._last_rows: Optional[tuple[tuple, HostBatch]] = None
 
     def _params_for(self, n: int) -> SamplerParams:
         if self._params is None or self._params.max_batch < n:
@@ -95,12 +97,25 @@ class StepSampler:
         min_p: for the captured heads, whose parameter block has no room for them."""
         ex = batch.extras
         position = batch.num_history.astype(np.int64) + batch.q_seqlens
+        if not lists:  # a decode loop's next step: the same rows, one position further (derived once, reused)
+            key = tuple((a.dtype.str, a.shape, a.tobytes()) for a in (batch.temperature, batch.top_k, batch.top_p,
+                                                                     batch.seeds, None if ex is None else ex.min_p)
+                        if a is not None) + (ex is None,)
+            last = self._last_rows
+            if last is not None and last[0] == key:
+                host = last[1].with_position(position)
+                if host is not None:
+                    return host
         kw = {} if ex is None else dict(min_p=ex.min_p)
         if ex is not None and lists:
             kw.update(penalties=ex.penalties, bias_ids=ex.bias_ids, bias_vals=ex.bias_vals, ban_ids=ex.ban_ids,
                       pen_ids=ex.pen_ids, pen_counts=ex.pen_counts)
-        return host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
+        host = host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
                                       vocab_size=self.vocab_size, **kw)
+        if not lists:  # kept for the next step: owning its arrays (top_p and min_p may view the caller's)
+            host.top_p, host.min_p = host.top_p.copy(), host.min_p.copy()
+            self._last_rows = (key, host)
+        return host
 
     # ---- captured sampler heads
     def graph_heads(self, logits_fn: Callable[[torch.Tensor, int], torch.Tensor], max_rows: int

@@ -190,6 +190,16 @@ class HostBatch:
             i = int(bad[0])
             raise SamplerParamError(f"row {i}: {name} must be {what}, got {getattr(self, name)[i]!r}")
 
+    def with_position(self, position: np.ndarray) -> Optional["HostBatch"]:
+        """This batch with `position` instead (the next decode step of the same rows: every other field is a
+        function of inputs that did not change), or None when `position` is not a valid int64 `[n]` (>= 0)."""
+        if not (isinstance(position, np.ndarray) and position.dtype == np.int64 and position.shape == (self.n,)
+                and self.n and int(position.min()) >= 0):
+            return None
+        out = HostBatch.__new__(HostBatch)  # validated: self was, and position is
+        out.__dict__.update(self.__dict__, position=position)
+        return out
+
     # ---- per-step flags -----------------------------------------------------------------------------------
     def variant(self) -> SamplerVariant:
         """The smallest variant that serves this batch (the caller picks a captured graph covering it). Once per
@@ -305,9 +315,8 @@ def host_batch_from_arrays(temperature: np.ndarray, top_k: np.ndarray, top_p: np
                            pen_ids: Optional[np.ndarray] = None, pen_counts: Optional[np.ndarray] = None) -> HostBatch:
     """A `HostBatch` from a step's arrays (`[n]` scalars, `[n, W]` lists with -1 = unused), the derived fields
     computed vectorised as `from_rows` computes them one row at a time: temperatures below `TEMPERATURE_EPS` are
-    greedy, top_k 0 or >= vocab is off, seeds are taken modulo 2^64 as int64. Validated (`SamplerParamError`):
-    a batch that `_plainly_valid` passes (a few reductions) skips `HostBatch.validate`, which decides the rest.
-    Once per sampled step on a rank's host: keep it to a few dozen numpy calls."""
+    greedy, top_k 0 or >= vocab is off, seeds are taken modulo 2^64 as int64. Validated (`SamplerParamError`;
+    `HostBatch.validate` only when `_plainly_valid` cannot tell). Per sampled step: a few dozen numpy calls."""
     n = int(temperature.shape[0])
     t = np.asarray(temperature, np.float32)
     t = np.where(t < TEMPERATURE_EPS, np.float32(0), t)
@@ -329,7 +338,7 @@ def host_batch_from_arrays(temperature: np.ndarray, top_k: np.ndarray, top_p: np
     def lists(a: Optional[np.ndarray], dtype, fill) -> np.ndarray:
         return np.full((n, 1), fill, dtype) if a is None else np.ascontiguousarray(a, dtype)
 
-    sampled = t.any()  # all-greedy and no-top-k batches (logprobs only) skip the arithmetic: the same values
+    sampled = t.any()  # all-greedy / no-top-k batches skip the arithmetic: the same values
     kw = dict(
         temperature=t, inv_temperature=np.where(t > 0, np.float32(1) / np.maximum(t, np.float32(1e-30)),
                                                 np.float32(1)).astype(np.float32) if sampled else
@@ -352,20 +361,17 @@ def host_batch_from_arrays(temperature: np.ndarray, top_k: np.ndarray, top_p: np
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_MIN_POSITIVE = float(np.finfo(np.float32).smallest_subnormal)
-# `_plainly_valid`'s bounds of temperature, top_p, min_p, presence, frequency, repetition, inv_repetition (rows
-# of one stack): lo <= every value <= hi, which NaN fails; the lower bound of a "> 0" check is the least positive
+# `_plainly_valid`'s bounds (lo <= x <= hi, which NaN fails; "> 0" is ">= the least positive") of these rows:
 _LO = np.array([0.0, _F32_MIN_POSITIVE, 0.0, -2.0, -2.0, _F32_MIN_POSITIVE, _F32_MIN_POSITIVE], np.float32)
 _HI = np.array([_F32_MAX, 1.0, 1.0, 2.0, 2.0, _F32_MAX, _F32_MAX], np.float32)
 _STACKED = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition", "inv_repetition")
 
 
 def _plainly_valid(kw: dict, vocab_size: int, lists: bool = True) -> bool:
-    """Whether `HostBatch.validate` passes for the fields `kw` that `host_batch_from_arrays` derived, decided in
-    about a dozen numpy calls: True only when every check of `validate` holds. False decides nothing (the caller
-    runs `validate`, which raises the error naming the row and field, or passes). The checks the derivation
-    guarantees once these hold are not repeated: temperature is 0 or >= TEMPERATURE_EPS; inv_temperature, top_k,
-    top_p_fixed and log_min_p are computed as `validate` recomputes or bounds them. `lists=False`: the list fields
-    are `host_batch_from_arrays`' defaults (one unused column), valid by construction."""
+    """True only when `HostBatch.validate` passes for the fields `kw` that `host_batch_from_arrays` derived (about a
+    dozen numpy calls); False decides nothing (the caller runs `validate`). Not repeated: what the derivation
+    guarantees once these hold (temperature 0 or >= TEMPERATURE_EPS; inv_temperature, top_k, top_p_fixed, log_min_p
+    as `validate` recomputes or bounds them), and with `lists=False` the default lists."""
     n = kw["temperature"].shape[0]
     if not n:
         return False

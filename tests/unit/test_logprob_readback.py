@@ -131,3 +131,34 @@ def test_logprob_reply_round_trips():
     assert got.tokens.tolist() == [4, 9, 2] and got.logprobs.top_ids.tolist() == [[4, 1], [9, 2], [2, 0]]
     assert got.logprobs.chosen.tolist() == [-0.5, -1.0, 0.0]
     assert got.logprobs.top_logprobs.tolist() == [[-0.5, -2.0], [-1.0, -1.5], [0.0, -9.0]]
+
+
+def test_captured_head_rows_of_the_next_decode_step_equal_fresh_ones():
+    """`StepSampler` reuses the previous step's derived rows when only the positions moved on; any other change
+    (temperature, top_k, top_p, a seed, min_p, the batch size, extras or none) derives them again. Every step's
+    rows equal those a fresh sampler derives, field for field, and a bad position still raises."""
+    from modeling.sampler import HostBatch, SamplerParamError
+
+    s = StepSampler(torch.device("cpu"), V, 512)
+    batch = _batch(8, "t1_p0.9_lp5", 5)
+    steps = [batch]
+    for _ in range(3):
+        steps.append(dataclasses.replace(steps[-1], num_history=steps[-1].num_history + 1))
+    b = steps[-1]
+    steps += [dataclasses.replace(b, temperature=b.temperature * 0.5), dataclasses.replace(b, top_k=b.top_k + 3),
+              dataclasses.replace(b, top_p=np.full(8, 0.5, np.float32)), dataclasses.replace(b, seeds=b.seeds + 1),
+              dataclasses.replace(b, extras=dataclasses.replace(b.extras, min_p=np.full(8, 0.1, np.float32))),
+              dataclasses.replace(b, extras=None), b, _batch(9, "t1_p0.9_lp5", 5)]
+    reused = 0
+    for step in steps:
+        last = s._last_rows
+        got = s._host_batch(step, lists=False)
+        reused += last is not None and got is not last[1] and got.top_p is last[1].top_p
+        want = StepSampler(torch.device("cpu"), V, 512)._host_batch(step, lists=False)
+        for name in {**HostBatch.SCALARS, **HostBatch.LISTS}:
+            a, w = getattr(got, name), getattr(want, name)
+            assert a.dtype == w.dtype and a.shape == w.shape and a.tobytes() == w.tobytes(), name
+    assert reused == 3  # the three steps that only moved on
+    s._host_batch(b, lists=False)  # then the same rows at bad positions: not reused, `validate`'s error
+    with pytest.raises(SamplerParamError, match="position"):
+        s._host_batch(dataclasses.replace(b, num_history=b.num_history - 1000), lists=False)
