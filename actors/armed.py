@@ -17,8 +17,8 @@ the gate's acknowledgement and the step takes the usual path.
 A sampled step (a captured sampler head served it) arms with that head. On the forward stream, in order: the
 gate; the decode staging's transfer (`graphrunner.staging.HostStaging.copy_prefix`) and the decode graph; the
 transfer of the heads' sampler parameters (`SamplerParams.arm_upload`: rows of one pinned mirror of its ring);
-the sampler head graph; the copies of its outputs (tokens, and for a logprob head the chosen logprobs and the
-top ids and logprobs, whole buckets) to pinned host buffers. Both transfers come after the gate, so they read
+the sampler head graph; the copies of its outputs (tokens, and for a logprob head the tokens and logprobs packed
+by `actors.step_sampler.pack_logprobs`, whole buckets) to pinned host buffers. Both transfers come after the gate, so they read
 their pinned mirrors only once it opened; a go writes both mirrors (`stage_armed_decode`, then
 `SamplerParams.stage_armed`) before it opens the gate. A cancel leaves both mirrors as padding (default rows:
 greedy, no logprobs asked) and drops every output. Each row's draw is keyed by its (seed, position), so a go
@@ -224,14 +224,14 @@ class ArmedDecode:
         return pending(arm.host[:n], arm.event, False, _ReturnWhole(free, arm.host))
 
     def _sampled_pending(self, arm: _Arm, n: int, head: Any, pending: Callable[..., Any]) -> Any:
-        """A sampled go's `PendingTokens`: the first `n` rows of the head's outputs (for a logprob head its
-        chosen logprobs and the step's top-N of the head's top entries, as the unarmed path slices them)."""
+        """A sampled go's `PendingTokens`: the first `n` rows of the head's tokens, or for a logprob head of its
+        packed tokens and logprobs (`actors.step_sampler.pack_logprobs`), of which the step keeps its N, as the
+        unarmed path reads them back."""
         host = arm.host
         back = _ReturnWhole(self._free_list(arm), host)
         if head.num_logprobs < 0:
             return pending(host[0][:n], arm.event, False, back)
-        k = head.num_logprobs
-        return pending(host[0][:n], arm.event, False, back, logprobs=(host[1][:n], host[2][:n, :k], host[3][:n, :k]))
+        return pending(host[1][:n], arm.event, False, back, logprobs=head.num_logprobs)
 
     def _acknowledged(self, seq: int) -> bool:
         """Wait (spinning, microseconds) for the gate's verdict on execution `seq`: True when it saw the go.

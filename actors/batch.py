@@ -34,6 +34,7 @@ def prev_token(row: int) -> int:
 
 
 MAX_LOGPROBS = 20  # top log-probabilities a step may return per row
+_PENALTIES_OFF = np.array([0.0, 0.0, 1.0], np.float32)  # presence, frequency, repetition
 
 
 @dataclass
@@ -61,9 +62,9 @@ class SamplerExtras:
     @property
     def processed(self) -> bool:
         """Whether a row needs the logits patched (bias, banned ids, penalties) before sampling."""
-        p = self.penalties
-        return bool((self.bias_ids >= 0).any() or (self.ban_ids >= 0).any()
-                    or (p[:, 0] != 0).any() or (p[:, 1] != 0).any() or (p[:, 2] != 1).any())
+        # a list holds an id when its largest entry is >= 0; penalties are off at exactly (0, 0, 1)
+        return bool(any(a.size and int(a.max()) >= 0 for a in (self.bias_ids, self.ban_ids))
+                    or (self.penalties != _PENALTIES_OFF).any())
 
     def validate(self, b: int, vocab_size: int) -> None:
         for name, dtype, ndim in (("min_p", np.float32, 1), ("penalties", np.float32, 2), ("bias_ids", np.int32, 2),

@@ -31,7 +31,9 @@ class PendingTokens:
     """The next tokens of a launched step on their way to the host.
 
     `host`: int64 tensor on the host (pinned for a CUDA rank) that a device-to-host copy on the rank's forward
-    stream fills, `[B]` or `[num_steps, B]` for multi-step decode; `event`: recorded after that copy (None when
+    stream fills, `[B]` or `[num_steps, B]` for multi-step decode; when the step returns N logprobs (`logprobs`
+    = N), int32 `[B, 2 + 2M]` instead, tokens and logprobs packed (`unpack_logprobs`, M >= N); `event`: recorded
+    after that copy (None when
     the tokens are already on the host: CPU ranks, idle steps). Lifetime: owned by the caller; `result()` returns
     a copy and then hands the pinned buffer and its event back to `recycle` (the rank's free list) for a later
     step, so `result()` is the only reader of `host`."""
@@ -39,31 +41,40 @@ class PendingTokens:
     __slots__ = ("host", "event", "multi", "_recycle", "_out", "logprobs")
 
     def __init__(self, host: Optional[torch.Tensor], event: Any = None, multi: bool = False,
-                 recycle: Optional[list] = None, logprobs: Optional[tuple] = None):
+                 recycle: Optional[list] = None, logprobs: Optional[int] = None):
         self.host, self.event, self.multi, self._recycle, self._out = host, event, multi, recycle, None
-        self.logprobs = logprobs  # host (chosen, top ids, top logprobs) when the step returns logprobs
+        self.logprobs = logprobs  # N when the step returns N logprobs (`host` is packed)
 
     def ready(self) -> bool:
         """Whether `result()` returns without waiting for the device."""
         return self.event is None or self._out is not None or self.event.query()
 
-    def result(self) -> Optional[np.ndarray]:
-        """int64 `[B]` (`[B, num_steps]` for multi-step decode) next tokens, or None for an idle step."""
+    def result(self) -> Optional[np.ndarray | SampledTokens]:
+        """int64 `[B]` (`[B, num_steps]` for multi-step decode) next tokens, `SampledTokens` when the step returns
+        logprobs, or None for an idle step."""
         if self._out is not None or self.host is None:
             return self._out
         if self.event is not None:
             self.event.synchronize()
         out = self.host.numpy()
-        self._out = out.T.copy() if self.multi else out.copy()
         if self.logprobs is not None:
-            chosen, ids, lps = (t.numpy() for t in self.logprobs)
-            self._out = SampledTokens(self._out, StepLogprobs(chosen.astype(np.float32).copy(),
-                                                              ids.astype(np.int32), lps.astype(np.float32).copy()))
-        if self._recycle is not None:  # every host buffer was copied out above: hand them back
-            self._recycle.append((self.host, self.event) if self.logprobs is None
-                                 else (self.host, self.event, self.logprobs))
+            self._out = unpack_logprobs(out.copy(), self.logprobs)
+        else:
+            self._out = out.T.copy() if self.multi else out.copy()
+        if self._recycle is not None:  # the host buffer was copied out above: hand it back
+            self._recycle.append((self.host, self.event))
             self._recycle = None
         return self._out
+
+
+def unpack_logprobs(packed: np.ndarray, n: int) -> SampledTokens:
+    """The `SampledTokens` of a step's tokens and logprobs packed by `actors.step_sampler.pack_logprobs` (int32
+    `[B, 2 + 2M]`), keeping the first `n` <= M top entries: views into `packed` (the caller's own copy), the tokens
+    int64, the logprobs' fp32 bits as they were packed."""
+    m = (packed.shape[1] - 2) // 2
+    return SampledTokens(packed[:, 0].astype(np.int64),
+                         StepLogprobs(packed[:, 1].view(np.float32), packed[:, 2:2 + n],
+                                      packed[:, 2 + m:2 + m + n].view(np.float32)))
 
 
 class _DecodeLane:

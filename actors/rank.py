@@ -70,8 +70,9 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
         self._last_head = None  # the `GraphHead` of the captured sampler head the latest step took, if one did
         self._armer: Optional[ArmedDecode] = None  # made by `build_runner` where arming is allowed
         self._sampler: Optional[StepSampler] = None  # the batched sampler of sampled rows (`sampler()`)
-        # (chosen, top ids, top logprobs) device tensors of the step being launched, when its batch asks for them
-        self._step_logprobs: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        # the step being launched's tokens and logprobs when its batch asks for N of them: (int32 `[n, 2 + 2M]` on the
+        # device, packed by `actors.step_sampler.pack_logprobs` with M >= N top entries, N)
+        self._step_logprobs: Optional[tuple[torch.Tensor, int]] = None
         self._thread = threading.local()  # `.bound`: this thread's current stream is `self.stream` (`bind_stream`)
 
     def on_stream(self):

@@ -130,9 +130,9 @@ class RankDecodeSteps:
                 if name is not None:
                     outs = run_head(bucket, name)
                     k = -1
-                    if len(outs) > 1:  # a logprob head: the batch's top-N of its GRAPH_LOGPROBS entries
+                    if len(outs) > 1:  # a logprob head (packed): the batch keeps N of its GRAPH_LOGPROBS entries
                         k = sampled_batch.extras.num_logprobs
-                        self._step_logprobs = (outs[1][:n], outs[2][:n, :k], outs[3][:n, :k])
+                        self._step_logprobs = (outs[1][:n], k)
                     self._last_head = GraphHead(name, k)  # what an arm after this step replays (`actors.armed`)
                     return None, outs[0][:n]
         sharded_head = self.ctx.tp_size > 1  # under TP the logits head yields this rank's shard only

@@ -83,22 +83,22 @@ class RankStepIO:
             armer.cancel()
             self._sync()
 
-    def _read_back(self, tokens: torch.Tensor, multi: bool, logprobs: Optional[tuple] = None) -> PendingTokens:
-        if logprobs is not None:  # (pinned on CUDA) buffers recycled per shape, like the tokens' below
-            nb = tokens.device.type == "cuda"
-            srcs = (tokens, *logprobs)
-            free = self._read_back_free.setdefault(tuple((t.shape, t.dtype) for t in srcs), [])
+    def _read_back(self, tokens: torch.Tensor, multi: bool, logprobs: Optional[tuple[torch.Tensor, int]] = None
+                   ) -> PendingTokens:
+        """`logprobs`: (the step's tokens and logprobs packed, int32 `[n, 2 + 2M]`, N of the M to keep): read back
+        in one copy instead of `tokens`."""
+        if logprobs is not None:
+            packed, k = logprobs
+            if packed.device.type != "cuda":  # the eager sampler's own output: nothing else writes it
+                return PendingTokens(packed, None, multi, logprobs=k)
+            free = self._read_back_free.setdefault(("logprobs", tuple(packed.shape)), [])  # pinned, per shape
             if free:
-                host0, event, rest = free.pop()
-                host = [host0, *rest]
+                host, event = free.pop()
             else:
-                host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=nb) for t in srcs]
-                event = torch.cuda.Event() if nb else None
-            for h, t in zip(host, srcs):
-                h.copy_(t, non_blocking=nb)
-            if nb:
-                event.record(self.stream)
-            return PendingTokens(host[0], event, multi, recycle=free, logprobs=tuple(host[1:]))
+                host, event = torch.empty(packed.shape, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
+            host.copy_(packed, non_blocking=True)
+            event.record(self.stream)
+            return PendingTokens(host, event, multi, recycle=free, logprobs=k)
         if tokens.device.type != "cuda":
             return PendingTokens(tokens.contiguous(), None, multi)
         free = self._read_back_free.setdefault(tuple(tokens.shape), [])

@@ -48,6 +48,15 @@ class GraphHead(NamedTuple):
     num_logprobs: int
 
 
+def pack_logprobs(tokens: torch.Tensor, chosen: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor
+                  ) -> torch.Tensor:
+    """A step's tokens and logprobs as one int32 `[n, 2 + 2N]` tensor, so that one device-to-host copy reads them
+    back: per row the token, the chosen logprob's fp32 bits, the N top ids, the N top logprobs' fp32 bits
+    (`actors.decode_state.unpack_logprobs` takes them apart, bit for bit). Capturable (no host sync)."""
+    return torch.cat([tokens.to(torch.int32)[:, None], chosen.to(torch.float32).view(torch.int32)[:, None],
+                      top_ids.to(torch.int32), top_logprobs.to(torch.float32).view(torch.int32)], dim=1)
+
+
 class VocabShard(NamedTuple):
     """This TP rank's slice of the vocabulary: logits columns are global ids [offset, offset + width); `widest`
     is every shard's chunking width; `group` the TP process group the sampler's small collectives use."""
@@ -70,6 +79,8 @@ class StepSampler:
         self._params: Optional[SamplerParams] = None
         self._capacity = capacity
         self._graph_params: Optional[SamplerParams] = None  # read by the captured sampler heads, by address
+        # the latest step's captured-head rows: (the inputs they were derived from, as bytes; the `HostBatch`)
+        self._last_rows: Optional[tuple[tuple, HostBatch]] = None
 
     def _params_for(self, n: int) -> SamplerParams:
         if self._params is None or self._params.max_batch < n:
@@ -95,19 +106,33 @@ class StepSampler:
         min_p: for the captured heads, whose parameter block has no room for them."""
         ex = batch.extras
         position = batch.num_history.astype(np.int64) + batch.q_seqlens
+        if not lists:  # a decode loop's next step: the same rows, one position further (derived once, reused)
+            key = tuple((a.dtype.str, a.shape, a.tobytes()) for a in (batch.temperature, batch.top_k, batch.top_p,
+                                                                     batch.seeds, None if ex is None else ex.min_p)
+                        if a is not None) + (ex is None,)
+            last = self._last_rows
+            if last is not None and last[0] == key:
+                host = last[1].with_position(position)
+                if host is not None:
+                    return host
         kw = {} if ex is None else dict(min_p=ex.min_p)
         if ex is not None and lists:
             kw.update(penalties=ex.penalties, bias_ids=ex.bias_ids, bias_vals=ex.bias_vals, ban_ids=ex.ban_ids,
                       pen_ids=ex.pen_ids, pen_counts=ex.pen_counts)
-        return host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
+        host = host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
                                       vocab_size=self.vocab_size, **kw)
+        if not lists:  # kept for the next step: owning its arrays (top_p and min_p may view the caller's)
+            host.top_p, host.min_p = host.top_p.copy(), host.min_p.copy()
+            self._last_rows = (key, host)
+        return host
 
     # ---- captured sampler heads
     def graph_heads(self, logits_fn: Callable[[torch.Tensor, int], torch.Tensor], max_rows: int
                     ) -> Iterator[tuple[str, Callable[[torch.Tensor, int], tuple]]]:
         """(name, fn) of every captured sampler variant (`GRAPH_HEADS`) for the graph runner to capture per
-        decode bucket: fn(hidden, bucket) -> (int64 tokens `[bucket]`,), and for the logprob heads also (chosen
-        fp32 `[bucket]`, top ids int64 `[bucket, GRAPH_LOGPROBS]`, top logprobs fp32 `[bucket, GRAPH_LOGPROBS]`),
+        decode bucket: fn(hidden, bucket) -> (int64 tokens `[bucket]`,), and for the logprob heads also the tokens
+        with their chosen logprobs and top `GRAPH_LOGPROBS` ids and logprobs, packed (`pack_logprobs`: int32
+        `[bucket, 2 + 2 * GRAPH_LOGPROBS]`),
         sampling `logits_fn(hidden, bucket)` (fp32 `[bucket, V]`) with the parameter block `stage_graph_rows`
         fills (`max_rows` rows, fixed address)."""
         if self._graph_params is None or self._graph_params.max_batch < max_rows:
@@ -120,7 +145,7 @@ class StepSampler:
                              **self._shard_args())
                 if logprobs < 0:
                     return (out.tokens,)
-                return out.tokens, out.chosen_logprob, out.top_ids, out.top_logprobs
+                return out.tokens, pack_logprobs(out.tokens, out.chosen_logprob, out.top_ids, out.top_logprobs)
             return fn
 
         for name, (variant, logprobs) in GRAPH_HEADS.items():
@@ -166,12 +191,10 @@ class StepSampler:
         params.upload(bucket, lists=False)
         return found[0].name
 
-    def sample(self, logits: torch.Tensor, batch: StepBatch
-               ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    def sample(self, logits: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, int]]]:
         """logits fp32 `[n, V]` (the whole vocabulary, or under TP this rank's shard; row i = batch row i) ->
-        (tokens int64 `[n]`, and when the
-        batch asks for logprobs (chosen fp32 `[n]`, top ids int64 `[n, N]`, top logprobs fp32 `[n, N]`)), on the
-        logits' device, not waited for."""
+        (tokens int64 `[n]`, and when the batch asks for N logprobs (the tokens and logprobs packed by
+        `pack_logprobs`, int32 `[n, 2 + 2N]`; N)), on the logits' device, not waited for."""
         n = batch.batch_size
         ex = batch.extras
         host = self._host_batch(batch)
@@ -182,4 +205,5 @@ class StepSampler:
                      **self._shard_args())
         if num_logprobs < 0:
             return out.tokens, None
-        return out.tokens, (out.chosen_logprob, out.top_ids, out.top_logprobs)
+        return out.tokens, (pack_logprobs(out.tokens, out.chosen_logprob, out.top_ids, out.top_logprobs),
+                            num_logprobs)

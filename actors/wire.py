@@ -11,8 +11,9 @@ body     = u8 global_decode (0 False, 1 True, 2 None) | u8 flags (1 batch, 2 run
            (global_decode, batch_bucket, token_bucket: the plan's `StepHints`)
            [| i32 B | i32 T | i32 W | token_ids i64[T] | q_seqlens i32[B] | num_history i32[B]
             | block_tables i32[B*W] | temperature f32[B] | top_k i32[B] | top_p f32[B] | seeds i64[B]
-            [| the batch's `SamplerExtras`, pickled (flag 16: only steps with penalties, bias, bans, min_p or
-               logprobs carry them; the common steps stay raw arrays)]]
+            [| the batch's `SamplerExtras` (flag 16: only steps with penalties, bias, bans, min_p or logprobs carry
+               them): i32 K | i32 M | i32 P | i32 num_logprobs | min_p f32[B] | penalties f32[B*3]
+               | bias_ids i32[B*K] | bias_vals f32[B*K] | ban_ids i32[B*M] | pen_ids i32[B*P] | pen_counts i32[B*P]]]
            flag 4 (`StepPlan.arm_next`): the driver waits for this step's tokens before it sends anything else, so
            a tensor-parallel rank may arm the next decode step (`actors.armed`); flag 8 alone: a disarm frame (the
            driver went idle after such a step: cancel the arm), which gets no reply
@@ -23,13 +24,12 @@ reply    = u32 body length | u8 status | f64 in-rank seconds | payload
 from __future__ import annotations
 
 import operator
-import pickle
 import struct
 from typing import Optional
 
 import numpy as np
 
-from actors.batch import SampledTokens, StepBatch, StepLogprobs
+from actors.batch import SampledTokens, SamplerExtras, StepBatch, StepLogprobs
 from actors.protocol import RankArgs, StepHints, StepPlan, step_hints
 
 LENGTH = struct.Struct("<I")
@@ -59,6 +59,10 @@ _I64, _I32, _F32 = np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32)
 REPLY_OK, REPLY_NONE, REPLY_ERROR, REPLY_LOGPROBS = 0, 1, 2, 3
 ARM_NEXT, DISARM, EXTRAS = 4, 8, 16  # request flags (see the module docstring)
 _LP_HEAD = struct.Struct("<ii")
+_EXTRAS_HEAD = struct.Struct("<iiii")  # K (bias columns), M (banned), P (penalised), num_logprobs
+# SamplerExtras' arrays in wire order: (field, dtype, columns: 1, 3 or the head's K / M / P)
+_EXTRAS = (("min_p", _F32, 1), ("penalties", _F32, 3), ("bias_ids", _I32, "K"), ("bias_vals", _F32, "K"),
+           ("ban_ids", _I32, "M"), ("pen_ids", _I32, "P"), ("pen_counts", _I32, "P"))
 
 
 class WireError(ValueError):
@@ -69,7 +73,7 @@ def encode_request(plan: StepPlan, dp_rank: int) -> bytes:
     """This DP rank's share of `plan` as one length-prefixed frame."""
     batch = plan.batches[dp_rank]
     flags = (3 if batch is not None else (2 if plan.run_idle else 0)) | (ARM_NEXT if plan.arm_next else 0)
-    extras = b"" if batch is None or batch.extras is None else pickle.dumps(batch.extras, pickle.HIGHEST_PROTOCOL)
+    extras = b"" if batch is None or batch.extras is None else encode_extras(batch.extras)
     if extras:
         flags |= EXTRAS
     static = -1 if plan.static_tokens is None else plan.static_tokens
@@ -84,6 +88,35 @@ def encode_request(plan: StepPlan, dp_rank: int) -> bytes:
         body = b"".join([np.ascontiguousarray(a, dtype=dtype).tobytes() for a, dtype in zip(arrays, _DTYPES)])
     shape = (arrays[1].shape[0], arrays[0].shape[0], arrays[3].shape[1])  # B, T, W
     return _FRAME_BATCH.pack(_HEAD.size + _SHAPE.size + len(body) + len(extras), *head, *shape) + body + extras
+
+
+def encode_extras(ex: SamplerExtras) -> bytes:
+    """A batch's `SamplerExtras` as raw arrays (its section of a request body; `validate`d on the driver)."""
+    k, m, p = ex.bias_ids.shape[1], ex.ban_ids.shape[1], ex.pen_ids.shape[1]
+    arrays = (ex.min_p, ex.penalties, ex.bias_ids, ex.bias_vals, ex.ban_ids, ex.pen_ids, ex.pen_counts)
+    return _EXTRAS_HEAD.pack(k, m, p, ex.num_logprobs) + b"".join(
+        [np.ascontiguousarray(a, dtype).tobytes() for a, (_, dtype, _) in zip(arrays, _EXTRAS)])
+
+
+def decode_extras(body: memoryview | bytes, off: int, b: int) -> SamplerExtras:
+    """The `SamplerExtras` of `b` rows at `off` (to the end of `body`): views into it, like the batch's arrays."""
+    if len(body) < off + _EXTRAS_HEAD.size:
+        raise WireError(f"request body of {len(body)} bytes ends inside its sampler extras")
+    k, m, p, num_logprobs = _EXTRAS_HEAD.unpack_from(body, off)
+    off += _EXTRAS_HEAD.size
+    cols = {"K": k, "M": m, "P": p}
+    end = off + 4 * b * (4 + 2 * k + m + 2 * p)  # 4-byte items: min_p, 3 penalties, 2K bias, M bans, 2P penalised
+    if min(k, m, p) < 0 or len(body) != end:
+        raise WireError(f"request body has {len(body)} bytes, its sampler extras say {end} (B={b}, K={k}, M={m}, P={p})")
+    n = (end - off) // 4
+    views = {_I32: np.frombuffer(body, _I32, n, off), _F32: np.frombuffer(body, _F32, n, off)}  # then slices
+    out, at = [], 0
+    for _, dtype, c in _EXTRAS:
+        w = cols.get(c, c)
+        a = views[dtype][at:at + b * w]
+        out.append(a if c == 1 else a.reshape(b, w))
+        at += b * w
+    return SamplerExtras(*out, num_logprobs=num_logprobs)
 
 
 def encode_disarm() -> bytes:
@@ -122,7 +155,7 @@ def decode_request(body: memoryview | bytes) -> Optional[tuple[RankArgs, Optiona
         batch = StepBatch(ids, i32[:b], i32[b:2 * b], i32[2 * b:e].reshape(b, w), f32[e:e + b], i32[e + b:e + 2 * b],
                           f32[e + 2 * b:e + 3 * b], seeds)
         if has & EXTRAS:
-            batch.extras = pickle.loads(body[need:])
+            batch.extras = decode_extras(body, need, b)
     key = (flag, batch_bucket, token_bucket)
     hints = _HINTS_OF.get(key)
     if hints is None:

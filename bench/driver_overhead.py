@@ -2,6 +2,7 @@
 
     python -m bench.driver_overhead                      # batches 1 and 64, context 128
     python -m bench.driver_overhead --batches 1,8,64 --iters 50000 --out /tmp/driver_overhead.json
+    python -m bench.driver_overhead --sampling greedy,greedy_lp5 --no-coordinator   # + top-5 logprobs steps
 
 Every piece is timed call by call with `time.perf_counter_ns`, in `--rounds` rounds; reported is the smallest
 round median (us), which a busy host disturbs less than one long median:
@@ -9,6 +10,12 @@ the driver's batch checks (`StepBatch.check_runnable`, `check_multi_step(1)`), t
 (`plan_step`, one DP rank, without and with collectives across DP groups), the request frame
 (`encode_request`), the rank's `decode_request` of that frame, the rank's reply (`encode_tokens`)
 and the driver's `decode_reply`; "sum" adds the pieces of a strict step on one DP rank.
+
+`--sampling` (`bench.dist_bench.SAMPLING_MODES`, side by side): a mode other than greedy carries its sampler
+extras in the request, and the rank's host work of a sampled decode step is timed too: "stage_graph_rows" (the
+captured sampler head's rows: `HostBatch` from the batch's arrays, staged and copied into a CPU parameter block)
+and, with logprobs, "read_back" (`PendingTokens.result` of the packed tokens and logprobs, one host buffer); both
+count in "sum". The reply of a logprobs mode is its `SampledTokens`.
 
 "submit"/"collect" run `Coordinator.submit` and `Coordinator.collect` for real over a `PipeStepper`
 whose rank ends are held here (real FIFOs, no rank processes): the request is drained and the reply
@@ -59,12 +66,44 @@ def median_ns(fn: Callable[[], Any], iters: int, rounds: int, warmup: int = 200)
     return min(medians)
 
 
+def _rank_sampling_pieces(batch: StepBatch, vocab: int, max_blocks: int, block_size: int
+                          ) -> tuple[dict[str, Callable[[], Any]], Any]:
+    """The rank's host pieces of a sampled decode step of `batch` and the step's tokens (`SampledTokens` when it
+    asks for logprobs, else int64 `[B]`)."""
+    import torch
+
+    from actors.decode_state import PendingTokens
+    from actors.step_sampler import GRAPH_LOGPROBS, StepSampler, pack_logprobs
+
+    b = batch.batch_size
+    bucket = next(x for x in DECODE_BUCKETS if x >= b)
+    sampler = StepSampler(torch.device("cpu"), vocab, max_blocks * block_size)
+    for _ in sampler.graph_heads(lambda hidden, rows: hidden, DECODE_BUCKETS[-1]):
+        pass  # allocates the heads' parameter block
+    fns: dict[str, Callable[[], Any]] = {
+        "stage_graph_rows": lambda: sampler.stage_graph_rows(batch, bucket, lambda rows, name: name)}
+    tokens: Any = np.arange(b, dtype=np.int64)
+    if batch.extras is not None and batch.extras.num_logprobs >= 0:
+        g = torch.Generator().manual_seed(b)
+        m, n = GRAPH_LOGPROBS, batch.extras.num_logprobs
+        packed = pack_logprobs(torch.arange(bucket), -torch.rand(bucket, generator=g),
+                               torch.randint(0, vocab, (bucket, m), generator=g),
+                               -torch.rand(bucket, m, generator=g))[:b]
+        host = torch.empty(packed.shape, dtype=torch.int32)
+        host.copy_(packed)
+        fns["read_back"] = lambda: PendingTokens(host, None, logprobs=n).result()
+        tokens = fns["read_back"]()
+    return fns, tokens
+
+
 def time_pieces(batch: StepBatch, vocab: int, block_size: int, max_blocks: int, num_kv_blocks: int,
                 iters: int, rounds: int) -> dict[str, float]:
     """Median microseconds of each driver / rank hot-path piece for `batch`."""
     plan = plan_step([batch], cross_dp=False, decode_buckets=DECODE_BUCKETS, token_buckets=TOKEN_BUCKETS)
     body = encode_request(plan, 0)[LENGTH.size:]
-    tokens = np.arange(batch.batch_size, dtype=np.int64)
+    sampled = bool(batch.temperature.any()) or batch.extras is not None
+    rank_fns, tokens = _rank_sampling_pieces(batch, vocab, max_blocks, block_size) if sampled else \
+        ({}, np.arange(batch.batch_size, dtype=np.int64))
     reply = encode_tokens(tokens, 0.001)[LENGTH.size:]
     fns: dict[str, Callable[[], Any]] = {
         "check_runnable": lambda: batch.check_runnable(vocab, block_size, max_blocks, num_kv_blocks),
@@ -77,9 +116,10 @@ def time_pieces(batch: StepBatch, vocab: int, block_size: int, max_blocks: int, 
         "decode_request": lambda: decode_request(body),
         "encode_tokens": lambda: encode_tokens(tokens, 0.001),
         "decode_reply": lambda: decode_reply(reply),
+        **rank_fns,
     }
-    out = {name: median_ns(fns[name], iters, rounds) / 1e3 for name in PIECES}
-    out["sum"] = sum(out[name] for name in SUM_OF)
+    out = {name: median_ns(fns[name], iters, rounds) / 1e3 for name in (*PIECES, *rank_fns)}
+    out["sum"] = sum(out[name] for name in (*SUM_OF, *rank_fns))
     return out
 
 
@@ -151,12 +191,15 @@ def time_coordinator(batch: StepBatch, vocab: int, block_size: int, max_blocks: 
     return {"submit": min(submit) / 1e3, "collect": min(collect) / 1e3}
 
 
-def print_table(results: dict[int, dict[str, float]]) -> None:
+def print_table(results: dict[Any, dict[str, float]]) -> None:
+    """One column per point (a batch size, or "B mode" for a sampling mode other than greedy); "-": not timed."""
     sizes = list(results)
-    names = list(next(iter(results.values())))
-    print(f"{'piece (median us)':<22}" + "".join(f"{'B=' + str(b):>10}" for b in sizes))
+    names = list(dict.fromkeys(n for r in results.values() for n in r))
+    width = max(10, *(len(str(b)) + 4 for b in sizes))
+    print(f"{'piece (median us)':<22}" + "".join(f"{'B=' + str(b):>{width}}" for b in sizes))
     for name in names:
-        print(f"{name:<22}" + "".join(f"{results[b][name]:>10.2f}" for b in sizes))
+        print(f"{name:<22}" + "".join(f"{results[b][name]:>{width}.2f}" if name in results[b] else f"{'-':>{width}}"
+                                      for b in sizes))
 
 
 def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
@@ -170,15 +213,23 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     p.add_argument("--iters", type=int, default=20000, help="timed calls per piece")
     p.add_argument("--rounds", type=int, default=40, help="report the smallest median of this many rounds")
     p.add_argument("--no-coordinator", action="store_true", help="skip the submit/collect rows (FIFOs)")
+    p.add_argument("--sampling", default="greedy",
+                   help="comma list of sampling modes (bench.dist_bench.SAMPLING_MODES), one column each per batch")
     p.add_argument("--out", default=None, help="also write the table as JSON here")
     args = p.parse_args(argv)
-    results: dict[int, dict[str, float]] = {}
+    from bench.dist_bench import with_sampling
+
+    results: dict[Any, dict[str, float]] = {}
     for b in (int(x) for x in args.batches.split(",")):
-        batch = decode_batch(b, args.context, args.block_size, args.num_kv_blocks, args.vocab)
-        dims = (args.vocab, args.block_size, args.max_blocks_per_seq, args.num_kv_blocks, args.iters, args.rounds)
-        results[b] = time_pieces(batch, *dims)
-        if not args.no_coordinator:
-            results[b].update(time_coordinator(batch, *dims))
+        for mode in args.sampling.split(","):
+            batch = decode_batch(b, args.context, args.block_size, args.num_kv_blocks, args.vocab)
+            if mode != "greedy":
+                batch = with_sampling(batch, mode)
+            key: Any = b if mode == "greedy" else f"{b} {mode}"
+            dims = (args.vocab, args.block_size, args.max_blocks_per_seq, args.num_kv_blocks, args.iters, args.rounds)
+            results[key] = time_pieces(batch, *dims)
+            if not args.no_coordinator:
+                results[key].update(time_coordinator(batch, *dims))
     print_table(results)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "us": results}, indent=2))

@@ -39,39 +39,44 @@ def _penalised(seq) -> tuple[np.ndarray, np.ndarray]:
     return ids.astype(np.int32), counts.astype(np.int32)
 
 
-def _padded(rows: Sequence[Sequence], dtype, fill) -> np.ndarray:
-    width = max(1, max((len(r) for r in rows), default=0))
-    out = np.full((len(rows), width), fill, dtype=dtype)
-    for i, r in enumerate(rows):
+def _padded(b: int, rows: dict[int, Sequence], dtype, fill) -> np.ndarray:
+    """`[b, W]` of `fill` with row i starting with `rows[i]` (rows not given: none), W = max(1, longest row)."""
+    width = max(1, max((len(r) for r in rows.values()), default=0))
+    out = np.full((b, width), fill, dtype=dtype)
+    for i, r in rows.items():
         if len(r):
             out[i, :len(r)] = r
     return out
 
 
 def build_extras(seqs: Sequence) -> Optional[SamplerExtras]:
-    """The step's `SamplerExtras` for `seqs` (batch order), or None when no row needs any."""
+    """The step's `SamplerExtras` for `seqs` (batch order), or None when no row needs any. Once per step on the
+    driver: one pass over the rows, the lists built only for the rows that have them."""
     if not any(needs_extras(s) for s in seqs):
         return None
     b = len(seqs)
-    min_p = np.zeros(b, np.float32)
-    penalties = np.tile(np.array([0.0, 0.0, 1.0], np.float32), (b, 1))
-    bias_ids, bias_vals, bans, pen_ids, pen_counts = [], [], [], [], []
+    sps = [s.request.sampling for s in seqs]
+    min_p = np.array([sp.min_p for sp in sps], np.float32)
+    penalties = np.array([(sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) for sp in sps],
+                         np.float32).reshape(b, 3)
+    bias_ids: dict[int, list] = {}
+    bias_vals: dict[int, list] = {}
+    bans: dict[int, list] = {}
+    pen_ids: dict[int, np.ndarray] = {}
+    pen_counts: dict[int, np.ndarray] = {}
     num_logprobs = -1
-    for i, seq in enumerate(seqs):
-        sp = seq.request.sampling
-        min_p[i] = sp.min_p
-        penalties[i] = (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
-        bias_ids.append([t for t, _ in sp.logit_bias])
-        bias_vals.append([v for _, v in sp.logit_bias])
-        bans.append(_banned(seq) or [])
+    for i, (seq, sp) in enumerate(zip(seqs, sps)):
+        if sp.logit_bias:
+            bias_ids[i] = [t for t, _ in sp.logit_bias]
+            bias_vals[i] = [v for _, v in sp.logit_bias]
+        if sp.min_tokens:
+            banned = _banned(seq)
+            if banned:
+                bans[i] = banned
         if sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1:
-            ids, counts = _penalised(seq)
-        else:
-            ids, counts = np.zeros(0, np.int32), np.zeros(0, np.int32)
-        pen_ids.append(ids)
-        pen_counts.append(counts)
-        if sp.logprobs is not None:
-            num_logprobs = max(num_logprobs, sp.logprobs)
-    return SamplerExtras(min_p, penalties, _padded(bias_ids, np.int32, -1), _padded(bias_vals, np.float32, 0.0),
-                         _padded(bans, np.int32, -1), _padded(pen_ids, np.int32, -1), _padded(pen_counts, np.int32, 0),
-                         num_logprobs)
+            pen_ids[i], pen_counts[i] = _penalised(seq)
+        if sp.logprobs is not None and sp.logprobs > num_logprobs:
+            num_logprobs = sp.logprobs
+    return SamplerExtras(min_p, penalties, _padded(b, bias_ids, np.int32, -1), _padded(b, bias_vals, np.float32, 0.0),
+                         _padded(b, bans, np.int32, -1), _padded(b, pen_ids, np.int32, -1),
+                         _padded(b, pen_counts, np.int32, 0), num_logprobs)

@@ -243,7 +243,9 @@ class Scheduler(StepPlanner):
         self._in_flight, self._ahead = self._ahead, None  # the round scheduled ahead is now the one in flight
         logprobs = None
         if isinstance(next_tokens, SampledTokens):
-            next_tokens, logprobs = next_tokens
+            next_tokens, lp = next_tokens
+            # the step's arrays as Python values once (not per row): (chosen, top ids, top logprobs) per row
+            logprobs = (lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist())
         toks = np.asarray(next_tokens)
         if toks.ndim == 1:
             toks = toks[:, None]
@@ -266,8 +268,7 @@ class Scheduler(StepPlanner):
                 continue
             if logprobs is not None and seq.request.sampling.logprobs is not None:
                 n = seq.request.sampling.logprobs
-                seq.logprobs.append((float(logprobs.chosen[i]), logprobs.top_ids[i, :n].tolist(),
-                                     logprobs.top_logprobs[i, :n].tolist()))
+                seq.logprobs.append((logprobs[0][i], logprobs[1][i][:n], logprobs[2][i][:n]))
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now

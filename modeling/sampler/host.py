@@ -79,6 +79,18 @@ class SamplerVariant:
         return cls(True, True, True, True)
 
 
+_VARIANTS: dict[tuple[bool, bool, bool, bool], SamplerVariant] = {}
+
+
+def _variant(processed: bool, top_k: bool, top_p: bool, large_top_k: bool) -> SamplerVariant:
+    """`SamplerVariant(processed, top_k, top_p, large_top_k)`, one shared (frozen) instance per combination."""
+    key = (processed, top_k, top_p, large_top_k)
+    v = _VARIANTS.get(key)
+    if v is None:
+        v = _VARIANTS[key] = SamplerVariant(*key)
+    return v
+
+
 def _f32(x: float) -> np.float32:
     return np.float32(x)
 
@@ -178,14 +190,28 @@ class HostBatch:
             i = int(bad[0])
             raise SamplerParamError(f"row {i}: {name} must be {what}, got {getattr(self, name)[i]!r}")
 
+    def with_position(self, position: np.ndarray) -> Optional["HostBatch"]:
+        """This batch with `position` instead (the next decode step of the same rows: every other field is a
+        function of inputs that did not change), or None when `position` is not a valid int64 `[n]` (>= 0)."""
+        if not (isinstance(position, np.ndarray) and position.dtype == np.int64 and position.shape == (self.n,)
+                and self.n and int(position.min()) >= 0):
+            return None
+        out = HostBatch.__new__(HostBatch)  # validated: self was, and position is
+        out.__dict__.update(self.__dict__, position=position)
+        return out
+
     # ---- per-step flags -----------------------------------------------------------------------------------
     def variant(self) -> SamplerVariant:
-        """The smallest variant that serves this batch (the caller picks a captured graph covering it)."""
+        """The smallest variant that serves this batch (the caller picks a captured graph covering it). Once per
+        sampled step: a list holds an id when its largest entry is >= 0; without a sampled row no stage but the
+        processing one can apply."""
+        processed = any(a.size and int(a.max()) >= 0 for a in (self.bias_ids, self.ban_ids, self.pen_ids))
         sampled = self.temperature > 0
-        processed = bool((self.bias_ids >= 0).any() or (self.ban_ids >= 0).any() or (self.pen_ids >= 0).any())
-        return SamplerVariant(processed=processed, top_k=bool((sampled & (self.top_k > 0)).any()),
-                              top_p=bool((sampled & (self.top_p_fixed > 0)).any()),
-                              large_top_k=bool((sampled & (self.top_k > TOP_K_FAST)).any()))
+        if not sampled.any():
+            return _variant(processed, False, False, False)
+        return _variant(processed, bool((sampled & (self.top_k > 0)).any()),
+                        bool((sampled & (self.top_p_fixed > 0)).any()),
+                        bool((sampled & (self.top_k > TOP_K_FAST)).any()))
 
     # ---- construction from Python values -------------------------------------------------------------------
     @classmethod
@@ -289,31 +315,88 @@ def host_batch_from_arrays(temperature: np.ndarray, top_k: np.ndarray, top_p: np
                            pen_ids: Optional[np.ndarray] = None, pen_counts: Optional[np.ndarray] = None) -> HostBatch:
     """A `HostBatch` from a step's arrays (`[n]` scalars, `[n, W]` lists with -1 = unused), the derived fields
     computed vectorised as `from_rows` computes them one row at a time: temperatures below `TEMPERATURE_EPS` are
-    greedy, top_k 0 or >= vocab is off, seeds are taken modulo 2^64 as int64. Validated (`SamplerParamError`)."""
+    greedy, top_k 0 or >= vocab is off, seeds are taken modulo 2^64 as int64. Validated (`SamplerParamError`;
+    `HostBatch.validate` only when `_plainly_valid` cannot tell). Per sampled step: a few dozen numpy calls."""
     n = int(temperature.shape[0])
     t = np.asarray(temperature, np.float32)
-    t = np.where(t < TEMPERATURE_EPS, np.float32(0), t).astype(np.float32)
+    t = np.where(t < TEMPERATURE_EPS, np.float32(0), t)
     k = np.asarray(top_k).astype(np.int64)
     p = np.asarray(top_p, np.float32)
-    fixed = np.maximum(1, np.rint(p.astype(np.float64) * TOP_P_ONE)).astype(np.int64)
+    fixed = np.rint(p.astype(np.float64) * TOP_P_ONE).astype(np.int64)
     mp = np.zeros(n, np.float32) if min_p is None else np.asarray(min_p, np.float32)
-    pen = np.tile(np.array([0.0, 0.0, 1.0], np.float32), (n, 1)) if penalties is None else \
-        np.asarray(penalties, np.float32)
-    with np.errstate(divide="ignore"):
-        log_mp = np.where(mp > 0, np.log(np.maximum(mp, np.float32(1e-38))), -np.inf).astype(np.float32)
+    if penalties is None:  # presence, frequency, repetition off
+        pres, freq, rep = np.zeros(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.float32)
+    else:
+        pen = np.asarray(penalties, np.float32)
+        pres, freq, rep = (np.ascontiguousarray(pen[:, j]) for j in range(3))
+    if mp.any():
+        with np.errstate(divide="ignore"):
+            log_mp = np.where(mp > 0, np.log(np.maximum(mp, np.float32(1e-38))), -np.inf).astype(np.float32)
+    else:
+        log_mp = np.full(mp.shape, -np.inf, np.float32)
 
     def lists(a: Optional[np.ndarray], dtype, fill) -> np.ndarray:
         return np.full((n, 1), fill, dtype) if a is None else np.ascontiguousarray(a, dtype)
 
-    return HostBatch(
+    sampled = t.any()  # all-greedy / no-top-k batches skip the arithmetic: the same values
+    kw = dict(
         temperature=t, inv_temperature=np.where(t > 0, np.float32(1) / np.maximum(t, np.float32(1e-30)),
-                                                np.float32(1)).astype(np.float32),
-        top_k=np.where((k < 0) | (k >= vocab_size), 0, k).astype(np.int32), top_p=p,
-        top_p_fixed=np.where(fixed >= TOP_P_ONE, 0, fixed).astype(np.int64), min_p=mp, log_min_p=log_mp,
+                                                np.float32(1)).astype(np.float32) if sampled else
+        np.ones(t.shape, np.float32),
+        top_k=np.where((k < 0) | (k >= vocab_size), 0, k).astype(np.int32) if k.any() else np.zeros(k.shape, np.int32),
+        top_p=p, top_p_fixed=np.where(fixed >= TOP_P_ONE, 0, np.maximum(fixed, 1)), min_p=mp, log_min_p=log_mp,
         seed=np.asarray(seed).astype(np.int64), position=np.asarray(position).astype(np.int64),
-        presence=np.ascontiguousarray(pen[:, 0]), frequency=np.ascontiguousarray(pen[:, 1]),
-        repetition=np.ascontiguousarray(pen[:, 2]),
-        inv_repetition=(np.float32(1) / pen[:, 2]).astype(np.float32),
+        presence=pres, frequency=freq, repetition=rep, inv_repetition=(np.float32(1) / rep).astype(np.float32),
         bias_ids=lists(bias_ids, np.int32, -1), bias_vals=lists(bias_vals, np.float32, 0.0),
         ban_ids=lists(ban_ids, np.int32, -1), pen_ids=lists(pen_ids, np.int32, -1),
-        pen_counts=lists(pen_counts, np.int32, 0), vocab_size=vocab_size)
+        pen_counts=lists(pen_counts, np.int32, 0))
+    given = bias_ids is not None or bias_vals is not None or ban_ids is not None or pen_ids is not None \
+        or pen_counts is not None
+    if _plainly_valid(kw, vocab_size, given):
+        out = HostBatch.__new__(HostBatch)  # the dataclass without its __post_init__ validation
+        out.__dict__.update(kw, vocab_size=vocab_size)
+        return out
+    return HostBatch(**kw, vocab_size=vocab_size)
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_MIN_POSITIVE = float(np.finfo(np.float32).smallest_subnormal)
+# `_plainly_valid`'s bounds (lo <= x <= hi, which NaN fails; "> 0" is ">= the least positive") of these rows:
+_LO = np.array([0.0, _F32_MIN_POSITIVE, 0.0, -2.0, -2.0, _F32_MIN_POSITIVE, _F32_MIN_POSITIVE], np.float32)
+_HI = np.array([_F32_MAX, 1.0, 1.0, 2.0, 2.0, _F32_MAX, _F32_MAX], np.float32)
+_STACKED = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition", "inv_repetition")
+
+
+def _plainly_valid(kw: dict, vocab_size: int, lists: bool = True) -> bool:
+    """True only when `HostBatch.validate` passes for the fields `kw` that `host_batch_from_arrays` derived (about a
+    dozen numpy calls); False decides nothing (the caller runs `validate`). Not repeated: what the derivation
+    guarantees once these hold (temperature 0 or >= TEMPERATURE_EPS; inv_temperature, top_k, top_p_fixed, log_min_p
+    as `validate` recomputes or bounds them), and with `lists=False` the default lists."""
+    n = kw["temperature"].shape[0]
+    if not n:
+        return False
+    shape = (n,)
+    for name, dt in HostBatch.SCALARS.items():
+        a = kw[name]
+        if a.shape != shape or a.dtype != dt:
+            return False
+    for name, dt in HostBatch.LISTS.items():
+        a = kw[name]
+        if a.ndim != 2 or a.shape[0] != n or a.dtype != dt:
+            return False
+    bias_ids, bias_vals, pen_ids, pen_counts = kw["bias_ids"], kw["bias_vals"], kw["pen_ids"], kw["pen_counts"]
+    if bias_vals.shape != bias_ids.shape or pen_counts.shape != pen_ids.shape or bias_ids.shape[1] > 1 \
+            or pen_ids.shape[1] > 1:  # wider lists: `validate` looks for duplicate ids
+        return False
+    s = np.stack([kw[name] for name in _STACKED])
+    if not ((s.min(axis=1) >= _LO) & (s.max(axis=1) <= _HI)).all() or int(kw["position"].min()) < 0:
+        return False
+    if not lists:
+        return True
+    if bias_vals.size and not float(np.abs(bias_vals).max()) <= MAX_LOGIT_BIAS:
+        return False
+    if pen_counts.size and int(pen_counts.min()) < 0:
+        return False
+    ids = np.concatenate([bias_ids.ravel(), kw["ban_ids"].ravel(), pen_ids.ravel()])
+    hi = vocab_size if vocab_size else np.iinfo(np.int32).max
+    return not ids.size or (int(ids.min()) >= -1 and int(ids.max()) < hi)

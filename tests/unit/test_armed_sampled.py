@@ -18,7 +18,7 @@ from actors.armed import ArmedDecode, arm_serves
 from actors.batch import SamplerExtras, StepBatch, prev_token
 from actors.decode_state import PendingTokens
 from actors.rank_io import RankStepIO
-from actors.step_sampler import GRAPH_LOGPROBS, GraphHead, StepSampler
+from actors.step_sampler import GRAPH_LOGPROBS, GraphHead, StepSampler, pack_logprobs
 from graphrunner.full_graph import DecodeGraphKey
 from modeling.sampler.params import Q_POSITION, Q_SEED, F_TEMPERATURE, F_TOP_P
 
@@ -178,9 +178,10 @@ class _Runner:
         self.calls = calls
         b, k = bucket, GRAPH_LOGPROBS
         ar = torch.arange(b * k)
+        tokens = torch.arange(200, 200 + b)
+        self.lp = (-torch.arange(b, dtype=torch.float32), ar.view(b, k), -ar.view(b, k).float() / 8)
         self.outs = {"sample_p": (torch.arange(100, 100 + b),),
-                     "sample_lp": (torch.arange(200, 200 + b), -torch.arange(b, dtype=torch.float32),
-                                   ar.view(b, k), -ar.view(b, k).float() / 8)}
+                     "sample_lp": (tokens, pack_logprobs(tokens, *self.lp))}  # as the captured logprob head
 
     def arm_decode(self, key, gate):
         self.calls.append("pad staging")
@@ -265,14 +266,14 @@ def test_logprob_go_reads_back_the_steps_top_n_like_the_unarmed_path(parts):
     batch = _lp5(3)
     need, rows = parts.sampler.graph_head(batch, BUCKET, _captured)
     out = a.take(parts.runner, parts.lane, batch, PendingTokens, need, rows).result()
-    outs = parts.runner.outs["sample_lp"]
+    outs, (chosen, top_ids, top_lp) = parts.runner.outs["sample_lp"], parts.runner.lp
     np.testing.assert_array_equal(out.tokens, outs[0][:3].numpy())
-    np.testing.assert_array_equal(out.logprobs.chosen, outs[1][:3].numpy())
-    np.testing.assert_array_equal(out.logprobs.top_ids, outs[2][:3, :5].numpy())
-    np.testing.assert_array_equal(out.logprobs.top_logprobs, outs[3][:3, :5].numpy())
+    np.testing.assert_array_equal(out.logprobs.chosen, chosen[:3].numpy())
+    np.testing.assert_array_equal(out.logprobs.top_ids, top_ids[:3, :5].numpy())
+    np.testing.assert_array_equal(out.logprobs.top_logprobs, top_lp[:3, :5].numpy())
     assert out.logprobs.top_ids.dtype == np.int32 and out.logprobs.top_ids.shape == (3, 5)
-    (whole, _), = a._free_sampled[(BUCKET, 4)]
-    assert [t.shape for t in whole] == [(BUCKET,), (BUCKET,), (BUCKET, 5), (BUCKET, 5)]
+    (whole, _), = a._free_sampled[(BUCKET, 2)]
+    assert [t.shape for t in whole] == [(BUCKET,), (BUCKET, 2 + 2 * GRAPH_LOGPROBS)]
 
 
 @pytest.mark.parametrize("need", [GraphHead("sample_p", -1), GraphHead("sample_lp", 3), None])
@@ -291,7 +292,7 @@ def test_another_head_cancels_on_padding(parts, need):
     assert parts.calls == [("open", seq, False)]
     assert a.counts["cancelled"] == 1 and a.counts["went"] == 0 and not a.armed
     np.testing.assert_array_equal(_mirror(parts.params, slot), before)
-    assert len(a._free_sampled[(BUCKET, 4)]) == 1
+    assert len(a._free_sampled[(BUCKET, 2)]) == 1
 
 
 def test_a_greedy_arm_cancels_for_a_sampled_step_and_a_sampled_go_follows(parts):

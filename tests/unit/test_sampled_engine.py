@@ -95,6 +95,30 @@ def test_logprobs_equal_log_softmax_of_the_models_logits(roomy):
         assert np.allclose(top_lps, want.values.numpy(), atol=1e-4)
 
 
+def test_rows_asking_for_different_logprob_counts_share_a_step(roomy):
+    """One step's rows asking for 0, 2 and 5 logprobs (and one asking for none) each get their own count, as
+    Python values, the first entries of what the widest row gets for the same prompt."""
+    from engine import Request
+    prompt = [21, 22, 23, 24]
+    reqs = [Request.make(prompt, SamplingParams(logprobs=n), max_tokens=4) for n in (5, 0, 2, None)]
+    for r in reqs:
+        roomy.add_request(r)
+    done = {}
+    while len(done) < len(reqs):
+        for o in roomy.step():
+            if o.finished:
+                done[o.request_id] = o
+    outs = [done[r.request_id] for r in reqs]
+    assert outs[3].logprobs is None and len({tuple(o.token_ids) for o in outs}) == 1  # greedy: the same tokens
+    wide = outs[0].logprobs
+    for o, n in zip(outs[:3], (5, 0, 2)):
+        assert len(o.logprobs) == 4
+        for (chosen, ids, lps), (w_chosen, w_ids, w_lps) in zip(o.logprobs, wide):
+            assert type(chosen) is float and chosen == w_chosen
+            assert ids == w_ids[:n] and lps == w_lps[:n] and all(type(x) is float for x in lps)
+            assert all(type(x) is int for x in ids)
+
+
 def _penalised_greedy(engine: LLMEngine, prompt: list[int], n: int, presence=0.0, frequency=0.0, repetition=1.0,
                       bias=None, banned_until=None) -> list[int]:
     """Greedy tokens with vLLM's penalty definitions applied in float64 to the model's logits, step by step."""
