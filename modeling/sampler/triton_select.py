@@ -46,30 +46,6 @@ def find_bin(hptr, NB: tl.constexpr, need):
 
 
 @triton.jit
-def _segment_sum(d1, s1, d2, s2):
-    """Scan combine over (digit, sum) pairs sorted by digit: sums restart where the digit changes."""
-    return d2, tl.where(d1 == d2, s1 + s2, s2)
-
-
-@triton.jit
-def _segment_count(d1, c1, d2, c2):
-    return d2, tl.where(d1 == d2, c1 + c2, c2)
-
-
-@triton.jit
-def add_by_digit(hrow, digits, q):
-    """hrow[d] += the sum of q over the block's elements of digit d, for every d < 4095 (4095: skip), with one
-    atomic per distinct digit instead of one per element (same-address atomics serialise): the block sorted by
-    digit, each run's total from a reverse segmented scan, added at the run's first element. int64 digits < 4096
-    and masses q in [0, 2^32]."""
-    srt = tl.sort((digits << 33) | q)
-    d = srt >> 33
-    run_total = tl.associative_scan((d, srt & 8589934591), 0, _segment_sum, reverse=True)[1]
-    rank_in_run = tl.associative_scan((d, tl.full(d.shape, 1, tl.int32)), 0, _segment_count)[1]
-    tl.atomic_add(hrow + d, run_total, mask=(rank_in_run == 1) & (d < 4095) & (run_total > 0))
-
-
-@triton.jit
 def digit_hist(digits, mask, NB: tl.constexpr):
     """Counts int32 `[NB]` of the int32 digits where mask (masked ones are counted in bin 0, then taken off)."""
     h = tl.histogram(tl.where(mask, digits, 0), NB)
@@ -280,9 +256,7 @@ def topp_level_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st
             z = load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED)
             key = okey(z)
             q = mass(z, m, msk & (key >= key_lo))
-            sel = ((key >> SHIFT_IN) == prefix) & (q > 0)
-            if tl.sum(sel.to(tl.int32)) > 0:
-                add_by_digit(hrow, tl.where(sel, (key >> SHIFT_D) & DMASK, 4095), tl.where(sel, q, 0))
+            tl.atomic_add(hrow + ((key >> SHIFT_D) & DMASK), q, mask=((key >> SHIFT_IN) == prefix) & (q > 0))
             if LEVEL == 1:
                 total += tl.sum(q)
         if LEVEL == 1:
