@@ -21,7 +21,6 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 
 from bench.common import copy_bandwidth, machine, write_json
 from bench.gemm_tune import GraphTimer

@@ -65,7 +65,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=200, return_mode="median")
-    del src, dst
+    src = dst = None  # free them before empty_cache (the lambda above ran already)
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3)
 
@@ -171,7 +171,7 @@ def run_case(batch: int, context: int, bandwidth: float, sweep: bool) -> Row:
         row.best_config_us = timings[ranked[0]]
         best = ", ".join(f"splits={c.num_splits} n={c.block_n} st={c.num_stages}: {timings[c]:.1f}us" for c in ranked[:3])
         print(f"  sweep b={batch} ctx={context}: default {triton_us:.1f}us; best {best}")
-    del k_cache, v_cache
+    k_cache = v_cache = None  # free them before empty_cache (the closures above ran already)
     torch.cuda.empty_cache()
     return row
 
