@@ -81,6 +81,33 @@ def redirected(step: Any, fields: dict[str, Any]) -> Any:
     return view
 
 
+def bucket_step(buffers: dict[str, Any], step: Any, tokens: int, seqs: int, decoding: bool) -> Any:
+    """`step` redirected to bucket-shaped views of a graph's static `buffers`: `tokens` rows of input_ids,
+    position_ids and slot_mapping, `seqs` rows of the per-sequence fields and block tables, and the bucket's host
+    bounds (max_q_seqlen 1 when `decoding`, else `tokens`). The views and their metadata are made once per
+    (tokens, seqs, block size) into `buffers["_contexts"]` and reused: they never change."""
+    bs = step.attn_metadata.block_size
+    key = (tokens, seqs, bs)
+    ctx = buffers["_contexts"].get(key)
+    if ctx is None:
+        bt = buffers["block_tables"][:seqs]
+        meta = AttentionMetadata(
+            is_decoding=decoding,
+            q_seqlens=buffers["q_seqlens"][:seqs],
+            kv_seqlens=buffers["kv_seqlens"][:seqs],
+            q_start_loc=buffers["q_start_loc"][:seqs],
+            block_tables=bt,
+            slot_mapping=buffers["slot_mapping"][:tokens],
+            last_token_index=buffers["last_token_index"][:seqs],
+            max_q_seqlen=1 if decoding else tokens,
+            max_kv_seqlen=bt.shape[1] * bs,
+            block_size=bs,
+        )
+        ctx = buffers["_contexts"][key] = {"input_ids": buffers["input_ids"][:tokens],
+                                           "position_ids": buffers["position_ids"][:tokens], "attn_metadata": meta}
+    return redirected(step, ctx)
+
+
 class DecodeGraphBuffersMixin:
     """Mixed into the model; needs `self.attn_ops` (capturability) and `self.config`."""
 
@@ -110,7 +137,7 @@ class DecodeGraphBuffersMixin:
             "q_start_loc": torch.arange(b, dtype=torch.int32, device=dev),
             "last_token_index": torch.arange(b, dtype=torch.int64, device=dev),
             "staging": staging,
-            "_contexts": {},  # (padded batch, block size) -> the step fields `update_context` redirects
+            "_contexts": {},  # (padded batch, padded batch, block size) -> the step fields `bucket_step` redirects
         }
 
     def fill_buffers(self, buffers: dict[str, Any], step: Any, padded_batch: int) -> None:
@@ -150,25 +177,7 @@ class DecodeGraphBuffersMixin:
     def update_context(self, buffers: dict[str, torch.Tensor], step: Any, padded_batch: int) -> Any:
         """A step whose tensors are bucket-shaped views of `buffers` (what the graph is captured on). The views
         and their metadata are made once per (bucket, block size) and reused (they never change)."""
-        p, bs = padded_batch, step.attn_metadata.block_size
-        ctx = buffers["_contexts"].get((p, bs))
-        if ctx is None:
-            bt = buffers["block_tables"][:p]
-            meta = AttentionMetadata(
-                is_decoding=True,
-                q_seqlens=buffers["q_seqlens"][:p],
-                kv_seqlens=buffers["kv_seqlens"][:p],
-                q_start_loc=buffers["q_start_loc"][:p],
-                block_tables=bt,
-                slot_mapping=buffers["slot_mapping"][:p],
-                last_token_index=buffers["last_token_index"][:p],
-                max_q_seqlen=1,
-                max_kv_seqlen=bt.shape[1] * bs,
-                block_size=bs,
-            )
-            ctx = buffers["_contexts"][(p, bs)] = {"input_ids": buffers["input_ids"][:p],
-                                                   "position_ids": buffers["position_ids"][:p], "attn_metadata": meta}
-        return redirected(step, ctx)
+        return bucket_step(buffers, step, padded_batch, padded_batch, decoding=True)
 
     def get_outputs(self, output: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return output[:num_tokens]

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from modeling.attn_metadata import AttentionMetadata, HostPrefillMetadata
-from modeling.cudagraph import redirected
+from modeling.attn_metadata import HostPrefillMetadata
+from modeling.cudagraph import bucket_step
 from modeling.moe import SparseMoeBlock
 
 _TOKEN_FIELDS = (("input_ids", 0), ("position_ids", 0), ("slot_mapping", -1))
@@ -57,7 +57,7 @@ class PrefillGraphBuffersMixin:
         words = 3 * t + s + -(-(3 * s + s * w) // 2)
         block = torch.zeros(words, dtype=torch.int64, device=device)
         mirror = torch.zeros(words, dtype=torch.int64, pin_memory=device.type == "cuda")
-        bufs: dict[str, Any] = {"_block": block, "_mirror": mirror, "_contexts": {},  # (T, S, block size) -> views
+        bufs: dict[str, Any] = {"_block": block, "_mirror": mirror, "_contexts": {},  # (T, S, block size) -> views (`bucket_step`)
                                 "_copied": torch.cuda.Event() if device.type == "cuda" else None}
         host: dict[str, Any] = {}
         for src, out in ((block, bufs), (mirror, host)):
@@ -147,23 +147,4 @@ class PrefillGraphBuffersMixin:
         """A step whose tensors are bucket-shaped views of `buffers` (what the graph is captured on): `tokens`
         tokens, `seqs` sequences, the bucket's host bounds. Views and metadata are made once per (T, S, block
         size) and reused."""
-        bs = step.attn_metadata.block_size
-        ctx = buffers["_contexts"].get((tokens, seqs, bs))
-        if ctx is None:
-            bt = buffers["block_tables"][:seqs]
-            meta = AttentionMetadata(
-                is_decoding=False,
-                q_seqlens=buffers["q_seqlens"][:seqs],
-                kv_seqlens=buffers["kv_seqlens"][:seqs],
-                q_start_loc=buffers["q_start_loc"][:seqs],
-                block_tables=bt,
-                slot_mapping=buffers["slot_mapping"][:tokens],
-                last_token_index=buffers["last_token_index"][:seqs],
-                max_q_seqlen=tokens,
-                max_kv_seqlen=bt.shape[1] * bs,
-                block_size=bs,
-            )
-            ctx = buffers["_contexts"][(tokens, seqs, bs)] = {
-                "input_ids": buffers["input_ids"][:tokens], "position_ids": buffers["position_ids"][:tokens],
-                "attn_metadata": meta}
-        return redirected(step, ctx)
+        return bucket_step(buffers, step, tokens, seqs, decoding=False)
