@@ -11,7 +11,7 @@ unless a scenario means it to):
 - prefix hit: a 2000-token prefix cached by an earlier request, then prefix + 16 new tokens: TTFT with the hit
   against the same request with prefix caching off;
 - throughput: 128 requests of 512 prompt + 128 output tokens at once, prefix caching on (no hits: the cost of
-  hashing and lookup) and off;
+  hashing and lookup) and off, in alternating rounds (medians);
 - clients: 64 closed-loop clients (2 requests each, starts staggered) of 2000 prompt + 128 output tokens: TTFT
   p50 / p99, TPOT p99 (per request) and the p99 gap between a request's tokens, chunked against unchunked;
 - decode only: 64 requests of 2000-token context decoding together: the mean step time of pure decode steps
@@ -41,6 +41,7 @@ class Sizes:
     suffix: int = 16
     tput_requests: int = 128
     tput_prompt: int = 512
+    tput_rounds: int = 3
     output: int = 128
     clients: int = 64
     client_prompt: int = 2000
@@ -49,7 +50,7 @@ class Sizes:
     repeats: int = 5
 
 
-SMOKE = Sizes(short=48, long=120, prefix=100, suffix=16, tput_requests=8, tput_prompt=48, output=8, clients=4,
+SMOKE = Sizes(short=48, long=120, prefix=100, suffix=16, tput_requests=8, tput_prompt=48, tput_rounds=2, output=8, clients=4,
               client_prompt=100, client_rounds=2, stagger_s=0.0, repeats=2)
 
 
@@ -140,17 +141,29 @@ def scenario_prefix_hit(make, sizes: Sizes) -> dict:
 
 
 def scenario_throughput(make, sizes: Sizes) -> dict:
-    out = {}
-    for caching in (True, False):
+    """Rounds alternate on, off, on, off ... after one discarded warm-up round, so drift in the host or the device
+    falls on both settings alike; each setting reports its median round and every round's rate."""
+    def one_round(caching: bool) -> tuple[float, float]:
         drv = make(caching=caching)
         ids = [drv.add(drv.prompt(sizes.tput_prompt), sizes.output) for _ in range(sizes.tput_requests)]
         t0 = time.monotonic()
         drv.drain()
         wall = time.monotonic() - t0
         gen = sum(len(drv.finished[i].token_ids) for i in ids)
+        return gen / wall, (gen + sizes.tput_requests * sizes.tput_prompt) / wall
+
+    one_round(True)
+    rounds: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _ in range(sizes.tput_rounds):
+        for caching in (True, False):
+            rounds[caching].append(one_round(caching))
+    out: dict[str, Any] = {"rounds": sizes.tput_rounds}
+    for caching, got in rounds.items():
         key = "cache_on_no_hits" if caching else "cache_off"
-        out[f"{key}_output_tok_s"] = round(gen / wall, 1)
-        out[f"{key}_total_tok_s"] = round((gen + sizes.tput_requests * sizes.tput_prompt) / wall, 1)
+        out[f"{key}_output_tok_s"] = round(statistics.median(g[0] for g in got), 1)
+        out[f"{key}_total_tok_s"] = round(statistics.median(g[1] for g in got), 1)
+        out[f"{key}_rounds_output_tok_s"] = [round(g[0], 1) for g in got]
+    out["on_over_off"] = round(out["cache_on_no_hits_output_tok_s"] / out["cache_off_output_tok_s"], 4)
     return out
 
 
@@ -263,7 +276,7 @@ def print_table(r: dict) -> None:
         x = r["throughput"]
         rows.append((f"throughput {s['tput_requests']} x ({s['tput_prompt']} + {s['output']}), cache on no hits vs "
                      "off", f"{x['cache_on_no_hits_output_tok_s']} out tok/s",
-                     f"{x['cache_off_output_tok_s']} out tok/s"))
+                     f"{x['cache_off_output_tok_s']} out tok/s ({x['on_over_off']}x)"))
     if "clients" in r:
         c, u = r["clients"]["chunked"], r["clients"]["unchunked"]
         for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("tpot_p99_ms", "TPOT p99"),

@@ -11,7 +11,9 @@ def test_prefill_bench_smoke_reports_every_scenario(tmp_path):
     for n in (sizes["short"], sizes["long"]):
         assert r["ttft"][f"chunked_{n}_ms"] > 0 and r["ttft"][f"unchunked_{n}_ms"] > 0
     assert r["prefix"]["hit_ms"] > 0 and r["prefix"]["no_cache_ms"] > 0
-    assert r["throughput"]["cache_on_no_hits_output_tok_s"] > 0 and r["throughput"]["cache_off_output_tok_s"] > 0
+    tput = r["throughput"]
+    assert tput["cache_on_no_hits_output_tok_s"] > 0 and tput["cache_off_output_tok_s"] > 0
+    assert len(tput["cache_on_no_hits_rounds_output_tok_s"]) == len(tput["cache_off_rounds_output_tok_s"]) == 2
     for kind in ("chunked", "unchunked"):
         c = r["clients"][kind]
         assert 0 < c["ttft_p50_ms"] <= c["ttft_p99_ms"]
