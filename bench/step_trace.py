@@ -3,6 +3,7 @@
     python -m bench.step_trace --out artifacts/step_trace.json                  # qwen3-0.6b, GPUs
     python -m bench.step_trace --model qwen3-tiny --device cpu --steps 20        # CPU smoke check
     python -m bench.step_trace --batches "" --prefill 128,512,2048 --pcg-max-tokens 2048   # prefill steps
+    python -m bench.step_trace --batches 1,64 --sampling greedy,t1_k50,greedy_lp5         # sampled decode rows
 
 `--prefill T,...` also traces prefill steps: one new sequence of T prompt tokens (no history), the step that
 yields a request's first token, through the same segments (the plan replay, attention boundaries and sampling
@@ -101,13 +102,16 @@ def prefill_batch(tokens: int, block_size: int, vocab: int) -> Any:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from actors.options import DriverOptions
-    from bench.dist_bench import add_armed_wait_arg, armed_waits, decode_batch, make_coordinator
+    from bench.dist_bench import SAMPLING_MODES, add_armed_wait_arg, armed_waits, decode_batch, make_coordinator, \
+        with_sampling
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--device", default="auto", help="auto (GPUs when the cluster has them) or cpu")
     p.add_argument("--tp", default="1", help="TP sizes to run (comma list)")
     p.add_argument("--batches", default="1,64", help="decode batches (comma list; empty for none)")
+    p.add_argument("--sampling", default="greedy",
+                   help="decode rows sampled as each of these modes in turn (comma list): " + ", ".join(SAMPLING_MODES))
     p.add_argument("--prefill", default="", help="prefill steps of these prompt lengths (comma list)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
@@ -137,11 +141,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     raise SystemExit(f"step path is {coord.step_path}, the trace needs the pipe path")
                 vocab = coord.model_config.vocab_size
                 armed = "" if wait is None else f" armed_wait_ms={wait:g}"
-                for b in (int(x) for x in args.batches.split(",") if x):
-                    batch = decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks, vocab)
+                for b, mode in ((int(x), m) for x in args.batches.split(",") if x for m in args.sampling.split(",")):
+                    batch = with_sampling(decode_batch(b, args.context, coord.block_size, coord.num_kv_blocks, vocab),
+                                          mode)
                     r = trace_steps(coord, batch, args.steps, args.warmup)
-                    res["runs"].append({"tp": tp, "armed_wait_ms": wait, "batch": b, "us": r})
-                    print(f"tp={tp}{armed} batch={b}: " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()), flush=True)
+                    res["runs"].append({"tp": tp, "armed_wait_ms": wait, "batch": b, "sampling": mode, "us": r})
+                    print(f"tp={tp}{armed} batch={b} {mode}: " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()),
+                          flush=True)
                 for t in (int(x) for x in args.prefill.split(",") if x):
                     r = trace_steps(coord, prefill_batch(t, coord.block_size, vocab), args.steps, args.warmup)
                     res["runs"].append({"tp": tp, "armed_wait_ms": wait, "prefill_tokens": t, "us": r})
