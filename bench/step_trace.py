@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tp", default="1", help="TP sizes to run (comma list)")
     p.add_argument("--batches", default="1,64", help="decode batches (comma list; empty for none)")
     p.add_argument("--sampling", default="greedy",
-                   help="decode rows sampled as each of these modes in turn (comma list): " + ", ".join(SAMPLING_MODES))
+                   help="decode (and prefill) rows sampled as each of these modes in turn (comma list): " + ", ".join(SAMPLING_MODES))
     p.add_argument("--prefill", default="", help="prefill steps of these prompt lengths (comma list)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
@@ -148,10 +148,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     res["runs"].append({"tp": tp, "armed_wait_ms": wait, "batch": b, "sampling": mode, "us": r})
                     print(f"tp={tp}{armed} batch={b} {mode}: " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()),
                           flush=True)
-                for t in (int(x) for x in args.prefill.split(",") if x):
-                    r = trace_steps(coord, prefill_batch(t, coord.block_size, vocab), args.steps, args.warmup)
-                    res["runs"].append({"tp": tp, "armed_wait_ms": wait, "prefill_tokens": t, "us": r})
-                    print(f"tp={tp}{armed} prefill={t}: " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()),
+                for t, mode in ((int(x), m) for x in args.prefill.split(",") if x for m in args.sampling.split(",")):
+                    batch = with_sampling(prefill_batch(t, coord.block_size, vocab), mode)
+                    r = trace_steps(coord, batch, args.steps, args.warmup)
+                    res["runs"].append({"tp": tp, "armed_wait_ms": wait, "prefill_tokens": t, "sampling": mode,
+                                        "us": r})
+                    print(f"tp={tp}{armed} prefill={t} {mode}: " + "  ".join(f"{k} {v:.1f}" for k, v in r.items()),
                           flush=True)
             finally:
                 coord.shutdown()
