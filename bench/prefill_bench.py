@@ -41,7 +41,7 @@ class Sizes:
     suffix: int = 16
     tput_requests: int = 128
     tput_prompt: int = 512
-    tput_rounds: int = 3
+    tput_rounds: int = 7
     output: int = 128
     clients: int = 64
     client_prompt: int = 2000
@@ -142,7 +142,8 @@ def scenario_prefix_hit(make, sizes: Sizes) -> dict:
 
 def scenario_throughput(make, sizes: Sizes) -> dict:
     """Rounds alternate on, off, on, off ... after one discarded warm-up round, so drift in the host or the device
-    falls on both settings alike; each setting reports its median round and every round's rate."""
+    falls on both settings alike; each setting reports its median round and every round's rate, and the median of
+    the rounds' paired ratios (on over the off round right after it)."""
     def one_round(caching: bool) -> tuple[float, float]:
         drv = make(caching=caching)
         ids = [drv.add(drv.prompt(sizes.tput_prompt), sizes.output) for _ in range(sizes.tput_requests)]
@@ -164,6 +165,8 @@ def scenario_throughput(make, sizes: Sizes) -> dict:
         out[f"{key}_total_tok_s"] = round(statistics.median(g[1] for g in got), 1)
         out[f"{key}_rounds_output_tok_s"] = [round(g[0], 1) for g in got]
     out["on_over_off"] = round(out["cache_on_no_hits_output_tok_s"] / out["cache_off_output_tok_s"], 4)
+    out["on_over_off_paired_median"] = round(statistics.median(a[0] / b[0] for a, b in zip(rounds[True], rounds[False])),
+                                             4)
     return out
 
 
