@@ -160,10 +160,9 @@ async def run(args: argparse.Namespace, marks: Marks) -> list[dict[str, float]]:
     executor, _ = build_executor(args)
     start_executor(executor, args)
     metrics = ServerMetrics()
-    state = ServerState(engine=AsyncLLMEngine(LLMEngine(executor, engine_config(args)), metrics), metrics=metrics,
-                        model_name=args.model, tokenizer=None)
-    if args.first_token_handoff_ms is not None:
-        state.engine.first_token_handoff_s = args.first_token_handoff_ms / 1e3
+    handoff = {} if args.first_token_handoff_ms is None else {"first_token_handoff_s": args.first_token_handoff_ms / 1e3}
+    state = ServerState(engine=AsyncLLMEngine(LLMEngine(executor, engine_config(args)), metrics, **handoff),
+                        metrics=metrics, model_name=args.model, tokenizer=None)
     state.engine.start()
     vocab = executor.model_config.vocab_size
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)  # as `graphline serve`
@@ -218,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="process: the client in its own process (as `graphline bench`); loop: in the server's event "
                         "loop (its work then shows in http_in and to_client)")
     p.add_argument("--first-token-handoff-ms", type=float, default=None,
-                   help="override AsyncLLMEngine.first_token_handoff_s (ms; 0 = never wait for the event loop)")
+                   help="AsyncLLMEngine's first_token_handoff_s (ms; 0 = never wait for the event loop)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.no_progress = True

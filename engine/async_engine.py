@@ -48,6 +48,7 @@ from engine.streams import EngineFailedError, RequestStream, Wakeup
 
 __all__ = ["AsyncLLMEngine", "EngineFailedError", "EngineObserver", "RequestStream", "HANDOFF_MAX_OUTPUTS"]
 
+FIRST_TOKEN_HANDOFF_S = 0.001  # the default bound of the first-token hand-off (`AsyncLLMEngine`)
 HANDOFF_MAX_OUTPUTS = 4  # the first-token hand-off waits only for steps of at most this many requests' outputs
 
 
@@ -67,14 +68,20 @@ class AsyncLLMEngine(EngineStatus):
     """The engine thread and its streams (see the module doc); `/health`, `/status` and `/metrics` reads live in
     `engine.engine_status.EngineStatus`."""
 
-    def __init__(self, engine: LLMEngine, observer: Optional[EngineObserver] = None):
+    def __init__(self, engine: LLMEngine, observer: Optional[EngineObserver] = None,
+                 first_token_handoff_s: float = FIRST_TOKEN_HANDOFF_S):
+        """`first_token_handoff_s`: the longest a step that gave first tokens waits for the event loop to dispatch
+        them (seconds, finite, >= 0; 0 never waits; see the module doc)."""
+        if not isinstance(first_token_handoff_s, (int, float)) or isinstance(first_token_handoff_s, bool) \
+                or not 0 <= first_token_handoff_s < float("inf"):
+            raise ValueError(f"first_token_handoff_s must be a finite number >= 0, got {first_token_handoff_s!r}")
         self.engine = engine
         self.observer = observer or EngineObserver()
         engine.on_step = self._on_step
         self._lock = threading.Lock()  # guards `_inbox`
         self._wake = Wakeup()  # the engine thread sleeps on it
         self._inbox: list[tuple] = []
-        self.first_token_handoff_s = 0.001  # 0: never wait for the event loop (see the module doc)
+        self.first_token_handoff_s = float(first_token_handoff_s)
         self._streams: dict[str, RequestStream] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None

@@ -6,6 +6,8 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from engine import AsyncLLMEngine, EngineConfig, LLMEngine
 from engine.async_engine import HANDOFF_MAX_OUTPUTS
 from engine.streams import Wakeup
@@ -37,9 +39,9 @@ class _TimedToy(PagedToyExecutor):
         return super().step(batches, num_steps)
 
 
-def _engine(**kw) -> tuple[AsyncLLMEngine, _TimedToy]:
+def _engine(handoff_s: float = 0.001, **kw) -> tuple[AsyncLLMEngine, _TimedToy]:
     ex = _TimedToy(num_kv_blocks=64, block_size=4, **kw)
-    return AsyncLLMEngine(LLMEngine(ex, EngineConfig(max_num_seqs=16))), ex
+    return AsyncLLMEngine(LLMEngine(ex, EngineConfig(max_num_seqs=16)), first_token_handoff_s=handoff_s), ex
 
 
 def test_submit_without_wake_waits_for_wake_and_then_completes():
@@ -68,8 +70,7 @@ def test_first_token_reaches_the_event_loop_before_the_next_step():
     """With the hand-off (a long bound, so that only the event loop can end the wait) the consumer has each request's
     first token before the engine thread starts the step after the one that produced it."""
     async def main():
-        aeng, ex = _engine()
-        aeng.first_token_handoff_s = 30.0
+        aeng, ex = _engine(handoff_s=30.0)
         aeng.start()
         try:
             for prompt in ([1, 2, 3], [9, 8, 7, 6, 5]):
@@ -91,8 +92,7 @@ def test_no_hand_off_for_a_large_batch_or_when_disabled():
     """Steps of more than `HANDOFF_MAX_OUTPUTS` requests (and any step with the hand-off off) never wait for the
     event loop: with a loop that is blocked, the engine thread still runs every step."""
     async def main(n, handoff):
-        aeng, ex = _engine()
-        aeng.first_token_handoff_s = handoff
+        aeng, ex = _engine(handoff_s=handoff)
         aeng.start()
         try:
             streams = [aeng.submit(aeng.make_request([1 + i, 2, 3], max_tokens=3), wake=False) for i in range(n)]
@@ -108,3 +108,10 @@ def test_no_hand_off_for_a_large_batch_or_when_disabled():
 
     asyncio.run(asyncio.wait_for(main(HANDOFF_MAX_OUTPUTS + 1, 30.0), 60))
     asyncio.run(asyncio.wait_for(main(1, 0.0), 60))
+
+
+def test_first_token_handoff_bound_is_checked():
+    ex = _TimedToy(num_kv_blocks=64, block_size=4)
+    for bad in (-0.001, float("nan"), float("inf"), "1", True):
+        with pytest.raises(ValueError, match="first_token_handoff_s"):
+            AsyncLLMEngine(LLMEngine(ex, EngineConfig(max_num_seqs=16)), first_token_handoff_s=bad)
