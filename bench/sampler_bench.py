@@ -5,8 +5,8 @@
 Per batch size (default 1, 8, 64, 256) and bf16 logits `[B, vocab]` (default 151936, Qwen3), microseconds per
 call inside one CUDA graph of `--calls` back-to-back calls (CUDA events over `--replays` replays): greedy
 `argmax`, and the sampler with every row at temperature 1 plus top_p 0.9 / top_k 50 / min_p 0.1 / top-5 raw
-logprobs / nothing else / temperature 0 (the sampler's greedy) / penalties and a logit bias, each in the
-smallest variant that serves it.
+logprobs / top-20 raw logprobs / nothing else / temperature 0 (the sampler's greedy) / penalties and a logit bias,
+each in the smallest variant that serves it.
 Prints the ratio to argmax and the added microseconds; the JSON holds every number.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ CASES: dict[str, tuple[dict, SamplerVariant, int]] = {
     "T=1 top_k=50": ({"temperature": 1.0, "top_k": 50}, SamplerVariant(top_k=True), 0),
     "T=1 min_p=0.1": ({"temperature": 1.0, "min_p": 0.1}, SamplerVariant(), 0),
     "T=1 top-5 logprobs": ({"temperature": 1.0}, SamplerVariant(), 5),
+    "T=1 top-20 logprobs": ({"temperature": 1.0}, SamplerVariant(), 20),
     "T=1": ({"temperature": 1.0}, SamplerVariant(), 0),
     "T=0 (sampler)": ({"temperature": 0.0}, SamplerVariant(), 0),
     "T=1 top_k=200": ({"temperature": 1.0, "top_k": 200}, SamplerVariant(top_k=True, large_top_k=True), 0),

@@ -4,9 +4,15 @@ reductions between stages go through small buffers (per-chunk partials and candi
 per-row state of the top-k / top-p passes, `triton_select.py`), summed or gathered over TP ranks by the launcher
 (`triton_sampler.py`).
 
-copy + patch (processed rows: fp32 copy, bias / bans / penalties) -> stats (raw max and sum-exp, max z, top-N raw
-candidates, each chunk's k largest z, top-k level-1 counts) -> [`triton_select.py`: top-k, top-p] -> sample (each
-chunk's Gumbel-max winner over the allowed set) -> finish (token, chosen logprob, top-N).
+copy + patch (processed rows: fp32 copy, bias / bans / penalties) -> stats (raw max and sum-exp, max z, the
+top-N and top-k group maxima, top-k level-1 counts) -> [TP: topn (each rank's top N)] -> [`triton_select.py`:
+top-k, top-p] -> sample (each chunk's Gumbel-max winner over the allowed set) -> finish (token, chosen logprob,
+top-N).
+
+Top-N logprobs (N <= 20, NP2 = the power of two >= N): stats stores the int32 key of the largest raw logit of
+every GN consecutive ids (`nmax` `[B, M]`); one program per row (`local_top`, in finish or, under TP, topn) narrows
+in registers, exactly, to the NP2 best super groups, their NP2 best groups, and the NP2 best ids of those (Triton's
+bitonic `tl.topk` on unique int64 keys), reading back the raw logits of NP2 groups only; finish keeps N.
 """
 import triton
 import triton.language as tl
@@ -31,22 +37,6 @@ from .triton_select import (
     lowest_key,
     row_zmax,
 )
-
-
-@triton.jit
-def _merge_top(run, pk, n, NP2: tl.constexpr):
-    """Keep the n (<= NP2) largest of run and pk (keys unique; run's unused entries SENTINEL + i, distinct).
-    Only the keys of pk above run's n-th largest are inserted, one by one."""
-    ar = tl.arange(0, NP2)
-    used = ar < n
-    floor = tl.min(tl.where(used, run, 9223372036854775807))
-    cnt = tl.minimum(tl.sum((pk > floor).to(tl.int32)), n)
-    for _ in range(cnt):
-        t = tl.max(pk)
-        pk = tl.where(pk == t, SENTINEL, pk)
-        rmin = tl.min(tl.where(used, run, 9223372036854775807))
-        run = tl.where(used & (run == rmin) & (t > rmin), t, run)
-    return run
 
 
 @triton.jit
@@ -98,12 +88,12 @@ def patch_kernel(work, sw, recf, rs, li, lf, lrs, V, voff, OFF_BI: tl.constexpr,
 
 
 @triton.jit
-def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, cands, gmax, hist, B, V, CH, C, voff, KF,
-                 BLOCK: tl.constexpr, N: tl.constexpr, NP2: tl.constexpr, G: tl.constexpr,
+def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, nmax, gmax, hist, B, V, CH, C, KF,
+                 BLOCK: tl.constexpr, N: tl.constexpr, GN: tl.constexpr, G: tl.constexpr,
                  HAS_TOPK: tl.constexpr, PROCESSED: tl.constexpr, TOPK_LARGE: tl.constexpr):
-    """Per chunk: raw max and sum of exp (log-softmax), max of z, top-N raw candidates, (top-k) the int32 key of
-    the largest z of every G consecutive ids (`gmax` `[B, C * CH / G]`), top-k level-1 counts of rows with
-    k > KF."""
+    """Per chunk: raw max and sum of exp (log-softmax), max of z, (top-N) the int32 key of the largest raw logit
+    of every GN consecutive ids (`nmax` `[B, C * CH / GN]`; ids past V: -2^31), (top-k) the int32 key of the
+    largest z of every G consecutive ids (`gmax` `[B, C * CH / G]`), top-k level-1 counts of rows with k > KF."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = tl.load(recf + row * rs + F_T)
@@ -114,7 +104,6 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, cands, gmax, hist,
     rsum = 0.0
     zmax = float("-inf")
     hacc = tl.zeros([2048], tl.int32)
-    run = tl.full([NP2], SENTINEL, tl.int64) + tl.arange(0, NP2)
     lo = c * CH
     for s in range(0, CH, BLOCK):
         offs = lo + s + tl.arange(0, BLOCK)
@@ -135,7 +124,9 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, cands, gmax, hist,
         if TOPK_LARGE:
             hacc += digit_hist((okey(z) >> 21).to(tl.int32), tl.where(topk_on & (k > KF), msk, False), 2048)
         if N > 0:
-            run = _merge_top(run, tl.where(msk, pack(raw, offs + voff), SENTINEL), N, NP2)
+            rk = tl.where(msk, okey(raw) - 2147483648, -2147483648).to(tl.int32)
+            gn = tl.max(tl.reshape(rk, [BLOCK // GN, GN]), axis=1)
+            tl.store(nmax + row * (C * (CH // GN)) + (lo + s) // GN + tl.arange(0, BLOCK // GN), gn)
     pbase = parts + (row * C + c) * 4
     tl.store(pbase, rmax)
     tl.store(pbase + 1, rsum)
@@ -143,8 +134,6 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, cands, gmax, hist,
     if TOPK_LARGE:
         ar = tl.arange(0, 2048)
         tl.atomic_add(hist + row * HS + ar, hacc.to(tl.int64), mask=hacc > 0)
-    if N > 0:
-        tl.store(cands + (row * C + c) * NP2 + tl.arange(0, NP2), run)
 
 
 @triton.jit
@@ -206,10 +195,70 @@ def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hi
     tl.store(best + (row * C + c) * 2 + 1, rawbits)
 
 
+BITONIC = tl.constexpr(hasattr(tl, "topk"))  # Triton's bitonic top-k (3.3 on); before it, K extractions
+
+
 @triton.jit
-def finish_kernel(parts, cands, best, tokens, chosen, top_ids, top_lp, B, C, NT, N: tl.constexpr,
-                  NP2: tl.constexpr, NPP2: tl.constexpr, CB: tl.constexpr):
-    """One program per row: log-sum-exp, the winning chunk's token, the top-N candidates over chunks and ranks."""
+def _largest(keys, K: tl.constexpr):
+    """The K (a power of two) largest of the int64 keys (a tile of any shape of at least K), descending, `[K]`:
+    Triton's bitonic top-k (compare-and-swap rounds, no serial dependence on K), else K extractions of the max."""
+    flat = tl.reshape(keys, [keys.numel])
+    if BITONIC:
+        out = tl.topk(flat, K)
+    else:
+        j = tl.arange(0, K)
+        out = tl.full([K], SENTINEL, tl.int64)
+        for n in range(K):
+            t = tl.max(flat)
+            flat = tl.where(flat == t, SENTINEL, flat)
+            out = tl.where(j == n, t, out)
+    return out
+
+
+@triton.jit
+def _group_key(v, i):
+    """int32 group maxima v, group indices i -> int64 keys: larger maximum, then lower index, is larger (unique)."""
+    return (v.to(tl.int64) << 32) + (4294967295 - i.to(tl.int64))
+
+
+@triton.jit
+def local_top(logits, sl, nmax, row, V, M, voff, NP2: tl.constexpr, GN: tl.constexpr, S: tl.constexpr,
+              TB: tl.constexpr):
+    """The NP2 largest pack(raw, global id) of this rank's shard of the row, descending, `[NP2]` (SENTINEL where
+    the shard has fewer), from its M group maxima (`nmax`, stats). Three narrowings, each to the NP2 largest keys
+    of a tile: the NS = TB / S super maxima (super group s: the group keys i = s mod NS; strided, which keeps
+    Triton's layouts cheap) -> the S groups of each of the NP2 best super groups `[NP2, S]` -> the GN ids of each
+    of the NP2 best groups `[NP2, GN]`. Exact: group keys are unique and order groups by their best element, then
+    by lower index, as pack orders ids (groups are consecutive ids); a key outside the NP2 best groups (super
+    groups) is beaten, in each of them, by their maximum (larger, or equal at a lower id), so it is not among the
+    NP2 best."""
+    NS: tl.constexpr = TB // S
+    i = tl.arange(0, TB)
+    gk = tl.where(i < M, _group_key(tl.load(nmax + row * M + i, mask=i < M, other=0), i), SENTINEL)
+    sk = _largest(tl.max(tl.reshape(gk, [S, NS]), axis=0), NP2)
+    gi = (unpack_id(sk) % NS)[:, None] + NS * tl.arange(0, S)[None, :]
+    ok = (sk != SENTINEL)[:, None] & (gi < M)
+    gk = _largest(tl.where(ok, _group_key(tl.load(nmax + row * M + gi, mask=ok, other=0), gi), SENTINEL), NP2)
+    loc = unpack_id(gk)[:, None] * GN + tl.arange(0, GN)[None, :]
+    ok = (gk != SENTINEL)[:, None] & (loc < V)
+    raw = tl.load(logits + row * sl + loc, mask=ok, other=0.0).to(tl.float32)
+    return _largest(tl.where(ok, pack(raw, loc + voff), SENTINEL), NP2)
+
+
+@triton.jit
+def topn_kernel(logits, sl, nmax, cands, V, M, voff, N: tl.constexpr, NP2: tl.constexpr, GN: tl.constexpr,
+                S: tl.constexpr, TB: tl.constexpr):
+    """TP only, one program per row: this rank's top N packed raw keys (`local_top`) into `cands` `[B, NP2]`."""
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(cands + row * NP2 + tl.arange(0, NP2), local_top(logits, sl, nmax, row, V, M, voff, NP2, GN, S, TB))
+
+
+@triton.jit
+def finish_kernel(parts, cands, best, logits, sl, nmax, tokens, chosen, top_ids, top_lp, B, C, NT, V, M, voff,
+                  N: tl.constexpr, NP2: tl.constexpr, GN: tl.constexpr, S: tl.constexpr, TB: tl.constexpr,
+                  NPP2: tl.constexpr, NTP2: tl.constexpr, LOCAL: tl.constexpr):
+    """One program per row: log-sum-exp, the winning chunk's token, the top N: `local_top` of the whole row
+    (LOCAL, one rank), else the N largest of every rank's top N (`cands` `[NT, B, NP2]`, topn_kernel)."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NPP2)
     ok = i < NT * C
@@ -224,16 +273,12 @@ def finish_kernel(parts, cands, best, tokens, chosen, top_ids, top_lp, B, C, NT,
     tl.store(tokens + row, tl.where(bb == SENTINEL, 0, unpack_id(bb)))
     tl.store(chosen + row, rawbits.to(tl.int32).to(tl.float32, bitcast=True) - lse)
     if N > 0:
-        total = NT * C * NP2
-        per_rank = C * NP2
-        prev = tl.full((), 9223372036854775807, tl.int64)
-        for jn in tl.static_range(N):
-            cur = tl.full((), SENTINEL, tl.int64)
-            for s in range(0, total, CB):
-                ii = s + tl.arange(0, CB)
-                v = tl.load(cands + ((ii // per_rank) * B + row) * per_rank + ii % per_rank, mask=ii < total,
-                            other=SENTINEL)
-                cur = tl.maximum(cur, tl.max(tl.where(v < prev, v, SENTINEL)))
-            prev = cur
-            tl.store(top_ids + row * N + jn, unpack_id(cur))
-            tl.store(top_lp + row * N + jn, unpack_value(cur) - lse)
+        if LOCAL:
+            top = local_top(logits, sl, nmax, row, V, M, voff, NP2, GN, S, TB)
+        else:
+            ii = tl.arange(0, NTP2 * NP2)
+            top = _largest(tl.load(cands + ((ii // NP2) * B + row) * NP2 + ii % NP2, mask=ii < NT * NP2,
+                                   other=SENTINEL), NP2)
+        j = tl.arange(0, NP2)
+        tl.store(top_ids + row * N + j, unpack_id(top), mask=j < N)
+        tl.store(top_lp + row * N + j, unpack_value(top) - lse, mask=j < N)

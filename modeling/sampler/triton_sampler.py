@@ -4,19 +4,22 @@ The kernels: `triton_kernels` (processing, stats, sample, finish), `triton_selec
 Stages per call, each a `(B, C)` grid over chunks of the vocabulary shard unless noted; TP collectives between:
 
   [processed]  copy (logits -> fp32 work) + patch (grid B: bias, bans, penalties)     1 pass (write)
-  stats        raw max / sum-exp, max z, top-N raw candidates, (top-k) the max key of every
-               32 ids, top-k level-1 counts (larger k)                                1 pass   gather, sum
+  stats        raw max / sum-exp, max z, (top-N) the max raw key of every 32 ids, (top-k) the
+               max key of z of every 32 ids, top-k level-1 counts (larger k)          1 pass   gather, sum
+  [top-N, TP]  grid B: this rank's top N from its group maxima (`local_top`)         -        gather
   [top_k]      grid B: tau, the k-th largest group max; candidates above tau; grid B:
                the k-th largest candidate (k <= 128)                                 1 pass    gather each
   [large_top_k] top-k levels 2, 3 (rows with k > 128)                                2 passes  sum each
   [top_p]      top-p level 0 (fixed-point mass by mass bin, linear in z), levels 1-3
                (key of z, weighted by mass, inside the crossing bin)                4 passes  sum each
   sample       Gumbel-max over the allowed set, per chunk                            1 pass    gather
-  finish       grid B: token, chosen logprob, top-N                                  -
+  finish       grid B: token, chosen logprob, top-N (one rank: `local_top` itself; TP: the
+               N best of the ranks' top N)                                           -
 
 So 2 passes over the logits for temperature / min-p / greedy batches, 3 with top-k (k <= 128), 6 with top-p, +2
-with larger k, +1 when processed. All buffers are allocated per call (inside a capture: from the graph's pool, so the
-outputs stay valid until the next replay). No host synchronisation.
+with larger k, +1 when processed; top-N reads back only the raw logits of its (<= 32) best groups of 32 ids.
+All buffers are allocated per call (inside a capture: from the graph's pool, so the outputs stay valid until the
+next replay). No host synchronisation.
 """
 from __future__ import annotations
 
@@ -35,6 +38,9 @@ TARGET_PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
 TOPK_GROUP = 32  # top-k: ids per group maximum (at least; doubled until the row's maxima fit TOPK_MAX_GROUPS)
 TOPK_MAX_GROUPS = 8192  # group maxima one program per row holds in registers
 SELECT_BLOCK = 1024  # candidates per load of the top-k bisection (tests lower it)
+TOPN_GROUP = 32  # top-N logprobs: ids per group maximum (at least; doubled until a row's maxima fit TOPN_MAX_GROUPS)
+TOPN_MAX_GROUPS = 8192  # group maxima (int64 keys) one program per row holds in registers
+TOPN_SUPERS = 256  # super groups of the first top-N narrowing (fewer for short rows)
 NUM_WARPS = 4
 _OPTS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
@@ -57,6 +63,8 @@ def chunking(batch: int, width: int, target: int = TARGET_PROGRAMS, max_chunks: 
 def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVariant, n: int, voff: int,
                   group: ShardGroup, shard_width: int) -> SampleOutput:
     b, v = logits.shape
+    if n > v:
+        raise ValueError(f"num_logprobs {n} exceeds the shard width {v}")
     dev = logits.device
     ch, c = chunking(b, max(shard_width, v))
     nt = group.size
@@ -84,19 +92,28 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
         hist[3:].zero_()
     st = torch.empty((7, b, 4), dtype=torch.int64, device=dev)
     parts = torch.empty((b, c, 4), dtype=torch.float32, device=dev)
-    cands = torch.empty((b, c, np2) if n else (1,), dtype=torch.int64, device=dev)
     kf = TOP_K_FAST if variant.top_k else 2
     g = TOPK_GROUP
     while variant.top_k and nt * c * (ch // g) > TOPK_MAX_GROUPS and g < BLOCK:
         g *= 2
     m = c * (ch // g)  # group maxima per row and rank
     gmax = torch.empty((b, m) if variant.top_k else (1,), dtype=torch.int32, device=dev)
+    gn = TOPN_GROUP
+    while n and c * (ch // gn) > TOPN_MAX_GROUPS and gn < BLOCK:
+        gn *= 2
+    mn = c * (ch // gn)  # top-N group maxima per row (this rank's)
+    nmax = torch.empty((b, mn) if n else (1,), dtype=torch.int32, device=dev)
+    sup = max(2, _pow2(mn) // TOPN_SUPERS)  # group maxima per super group
+    topn = {"N": n, "NP2": np2, "GN": gn, "S": sup, "TB": sup * max(np2, _pow2(mn) // sup)}  # >= NP2 supers
     common = (logits, sl, work, sw)
     flags = {"PROCESSED": variant.processed}
-    tk.stats_kernel[grid](*common, recf, reci, rs, parts, cands, gmax, hist, b, v, ch, c, voff, kf, BLOCK=BLOCK, N=n,
-                          NP2=np2, G=g, HAS_TOPK=variant.top_k, TOPK_LARGE=variant.large_top_k, **flags, **_OPTS)
+    tk.stats_kernel[grid](*common, recf, reci, rs, parts, nmax, gmax, hist, b, v, ch, c, kf, BLOCK=BLOCK, N=n,
+                          GN=gn, G=g, HAS_TOPK=variant.top_k, TOPK_LARGE=variant.large_top_k, **flags, **_OPTS)
     parts = group.gather(parts)
-    if n:
+    cands = nmax  # one rank: finish selects the top N itself
+    if n and nt > 1:  # each rank's top N, gathered; finish merges them
+        cands = torch.empty((b, np2), dtype=torch.int64, device=dev)
+        tk.topn_kernel[(b,)](logits, sl, nmax, cands, v, mn, voff, **topn, num_warps=8, enable_fp_fusion=False)
         cands = group.gather(cands)
     if variant.top_k:  # k <= kf: tau from the group maxima, the candidates above it, the k-th largest of those
         tsel.topk_tau_kernel[(b,)](recf, reci, rs, group.gather(gmax), st, b, m, nt, kf, TB=_pow2(nt * m),
@@ -128,6 +145,7 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
     chosen = torch.empty((b,), dtype=torch.float32, device=dev)
     top_ids = torch.empty((b, max(n, 1)), dtype=torch.int64, device=dev)  # no empty tensors into a launch
     top_lp = torch.empty((b, max(n, 1)), dtype=torch.float32, device=dev)
-    tk.finish_kernel[(b,)](parts, cands, best, tokens, chosen, top_ids, top_lp, b, c, nt, N=n, NP2=np2, NPP2=npp2,
-                           CB=min(1024, max(16, _pow2(nt * c * np2))), **_OPTS)
+    tk.finish_kernel[(b,)](parts, cands, best, logits, sl, nmax, tokens, chosen, top_ids, top_lp, b, c, nt, v, mn,
+                           voff, **topn, NPP2=npp2, NTP2=_pow2(nt), LOCAL=nt == 1, num_warps=8 if n else NUM_WARPS,
+                           enable_fp_fusion=False)
     return SampleOutput(tokens, chosen, top_ids[:, :n], top_lp[:, :n])

@@ -3,9 +3,10 @@
 Per decode bucket (1, 8, 64, 256) and bf16 logits `[B, 151936]`: the sampler captured in a graph (the full
 variant and the plain one, top-5 logprobs) and replayed with new parameters and new logits copied into the
 graph's inputs equals the eager kernels and the CPU torch path bitwise for tokens (the noise and thresholds are
-bit-exact on every device), logprobs within bf16 tolerance of `log_softmax` of the logits; 100k small-vocabulary
-draws equal the CPU path's draws one for one; top-p rows at batch 64 whose tokens share one mass bin (equal
-logits), a few (flat), bf16 ties or a peak draw the CPU path's tokens.
+bit-exact on every device), logprobs within bf16 tolerance of `log_softmax` of the logits; top-1 and top-20
+logprobs over rows of one value, few values, few finite logits and top ties across the row equal the CPU path's
+ids (and eager's bits); 100k small-vocabulary draws equal the CPU path's draws one for one; top-p rows at batch
+64 whose tokens share one mass bin (equal logits), a few (flat), bf16 ties or a peak draw the CPU path's tokens.
 """
 import numpy as np
 import pytest
@@ -105,6 +106,40 @@ def test_graph_replay_equals_eager_and_the_cpu_reference(params, b, variant):
         greedy = torch.tensor([r.temperature == 0 for r in rows], device="cuda")
         if variant == SamplerVariant() and greedy.any():
             assert torch.equal(out.tokens[greedy], logits.float().argmax(-1)[greedy])
+
+
+def _tie_logits(b: int) -> torch.Tensor:
+    x = _logits(b, 3)
+    x[0] = 0.0  # one value: the lowest ids
+    if b > 1:
+        x[1] = torch.round(x[1].float() / 2).bfloat16()  # few values: ties at the N-th
+    if b > 2:
+        x[2] = float("-inf")
+        x[2, [5, 77777, V - 1]] = 1.0  # fewer finite logits than N
+    if b > 3:
+        x[3, [0, 50000, V - 1]] = 30.0  # top ties across groups and chunks, one in the last id
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 20])
+@pytest.mark.parametrize("b", (1, 8, 64))
+def test_top_logprobs_equal_the_cpu_reference(params, b, n):
+    rows = [RowSpec(temperature=1.0, seed=i) if i % 2 else RowSpec() for i in range(b)]
+    logits = _tie_logits(b)
+    _load(params, rows)
+    static = torch.empty_like(logits)
+    graph, out = _capture(lambda: sample(static, params, num_logprobs=n, variant=SamplerVariant()))
+    static.copy_(logits)
+    graph.replay()
+    eager = sample(logits, params, num_logprobs=n, variant=SamplerVariant())
+    torch.cuda.synchronize()
+    ref = _cpu(logits, rows, n, SamplerVariant())
+    assert torch.equal(out.top_ids.cpu(), ref.top_ids), (b, n, (out.top_ids.cpu() != ref.top_ids).nonzero()[:5])
+    assert torch.equal(out.top_ids, eager.top_ids) and torch.equal(out.top_logprobs, eager.top_logprobs)
+    assert torch.equal(out.tokens.cpu(), ref.tokens)
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    assert torch.allclose(out.top_logprobs, lsm.gather(1, out.top_ids), atol=2e-3)
+    assert out.top_ids[0].tolist() == list(range(n))
 
 
 @pytest.mark.parametrize("spec", [RowSpec(temperature=1.0, top_p=0.8, seed=3), RowSpec(temperature=0.7, top_k=9, seed=4),

@@ -6,7 +6,10 @@ must be equal bitwise (same noise, same thresholds), top-N ids equal, logprobs w
 every variant, greedy / plain / top-k / top-p / min-p / combined / processed rows, fp32 and bf16 logits, a shard
 at an offset that is not a multiple of 4, and TP = 2 on gloo (two forked ranks) against TP = 1. Top-p rows
 stress its mass bins: equal logits, a target exactly on a bin boundary, peaked and flat rows, top_p near 1 and
-near 0, with top-k and min-p, T != 1, z crossing 0, tokens on bin edges.
+near 0, with top-k and min-p, T != 1, z crossing 0, tokens on bin edges. Top-N logprobs
+(N = 1, 5, 20, raw logits): rows of one value, few distinct values (ties at the N-th), fewer finite logits than
+N, none finite, top ties across groups and in the partial last group, a banned / biased top id; widths that are
+not a multiple of the 32-id group (or of 20); TP = 2 with N = 20.
 """
 import pytest
 
@@ -129,6 +132,39 @@ def rows_for(v, name):
     return [x for x in r if x.top_k <= 128] if name == "small_k" else r
 
 
+def topn_rows(v):
+    return [RowSpec(), RowSpec(temperature=1.0, seed=1), RowSpec(), RowSpec(temperature=0.8, top_k=3, seed=2),
+            RowSpec(), RowSpec(temperature=1.0, top_p=0.9, seed=3),
+            RowSpec(temperature=0.5, logit_bias={11 % v: 50.0}, banned_ids=[7 % v], seed=4)]
+
+
+def topn_params(v):
+    p = SamplerParams(7, "cpu", **CAPS)
+    p.load(HostBatch.from_rows(topn_rows(v), vocab_size=v, **CAPS))
+    return p
+
+
+def topn_logits(v, dtype):
+    g = torch.Generator().manual_seed(v + 1)
+    x = torch.randn(7, v, generator=g) * 2.5
+    x[1] = 0.25  # one value: the lowest ids
+    x[2] = torch.round(x[2] / 2.5)  # few distinct values: many ties at the N-th
+    x[3] = float("-inf")
+    x[3, [v - 1, v // 2, 3]] = torch.tensor([1.0, 2.0, 1.0])  # fewer finite logits than N: then -inf by id
+    x[4] = float("-inf")  # none finite
+    x[5, [0, v // 3, v - 1]] = 9.0  # top ties across groups, one in the partial last group
+    x[6, 7 % v] = 20.0  # the top raw logit, banned (top-N is of the raw logits)
+    return x.to(dtype)
+
+
+def topn_compare(a, b):
+    greedy = [0, 2]  # unprocessed greedy rows: the top-1 logprob is the chosen one, bit for bit
+    return {"equal": torch.equal(a.tokens, b.tokens), "top_equal": torch.equal(a.top_ids, b.top_ids),
+            "lp_close": torch.allclose(a.top_logprobs, b.top_logprobs, rtol=0, atol=1e-4, equal_nan=True),
+            "top1_is_chosen": torch.equal(a.top_logprobs[greedy, 0], a.chosen_logprob[greedy]),
+            "ids": a.top_ids[:, :3].tolist()}
+
+
 def rank_main(rank, init, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -136,8 +172,11 @@ def rank_main(rank, init, q):
     lo, hi = (0, SPLIT) if rank == 0 else (SPLIT, V_TP)
     o = sample(x[:, lo:hi], params(V_TP), num_logprobs=4, vocab_offset=lo, tp_group=dist.group.WORLD,
                backend="triton", shard_width=SPLIT)
-    q.put((rank, o.tokens.tolist(), o.chosen_logprob.tolist(), o.top_ids.tolist(), o.top_logprobs.tolist(),
-           KEYS["triton"]))
+    keys = list(KEYS["triton"])
+    t = sample(topn_logits(V_TP, torch.float32)[:, lo:hi], topn_params(V_TP), num_logprobs=20, vocab_offset=lo,
+               tp_group=dist.group.WORLD, backend="triton", shard_width=SPLIT)
+    q.put((rank, o.tokens.tolist(), o.chosen_logprob.tolist(), o.top_ids.tolist(), o.top_logprobs.tolist(), keys,
+           t.tokens.tolist(), t.top_ids.tolist(), t.top_logprobs.tolist()))
     dist.destroy_process_group()
 
 
@@ -156,8 +195,17 @@ if __name__ == "__main__":
     a = sample(x, params(V_TP), num_logprobs=2, vocab_offset=SPLIT, backend="triton")
     b = sample(x, params(V_TP), num_logprobs=2, vocab_offset=SPLIT, backend="torch")
     out["offset shard"] = compare(a, b)
-    KEYS["torch"] = []
+    for v, dtype, ns in ((1000, torch.float32, (1, 5, 20)), (3001, torch.bfloat16, (20,)), (20, torch.float32, (20, 1)),
+                         (777, torch.float32, (5,))):
+        x = topn_logits(v, dtype)
+        for n in ns:
+            a = sample(x, topn_params(v), num_logprobs=n, variant=SamplerVariant.full(), backend="triton")
+            b = sample(x, topn_params(v), num_logprobs=n, variant=SamplerVariant.full(), backend="torch")
+            out[f"topn {v} {dtype} {n}"] = topn_compare(a, b)
+    KEYS["torch"], KEYS["triton"] = [], []  # the forked ranks start from empty spies too
     ref = sample(logits_for(V_TP, torch.float32), params(V_TP), num_logprobs=4, backend="torch")
+    ref_keys = list(KEYS["torch"])
+    ref_n = sample(topn_logits(V_TP, torch.float32), topn_params(V_TP), num_logprobs=20, backend="torch")
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.get_context("fork")
         q = ctx.Queue()
@@ -170,7 +218,13 @@ if __name__ == "__main__":
     out["tp"] = {"want": ref.tokens.tolist(), "ranks": [got[r][0] for r in range(2)],
                  "top_ids": [got[r][2] == ref.top_ids.tolist() for r in range(2)],
                  "lp_err": max(float((torch.tensor(got[r][1]) - ref.chosen_logprob).abs().max()) for r in range(2)),
-                 "same_bits": got[0] == got[1], "keys": KEYS["torch"], "rank_keys": [got[r][4] for r in range(2)]}
+                 "same_bits": got[0][:5] == got[1][:5] and got[0][5:7] == got[1][5:7]
+                 and torch.equal(*(torch.tensor(got[r][7]).view(torch.int32) for r in range(2))),  # NaN rows: bits
+                 "keys": ref_keys, "rank_keys": [got[r][4] for r in range(2)],
+                 "topn_tokens": [got[r][5] == ref_n.tokens.tolist() for r in range(2)],
+                 "topn_ids": [got[r][6] == ref_n.top_ids.tolist() for r in range(2)],
+                 "topn_lp": [torch.allclose(torch.tensor(got[r][7]), ref_n.top_logprobs, rtol=0, atol=1e-4,
+                                            equal_nan=True) for r in range(2)]}
     print("RESULT" + json.dumps(out))
 """
 
@@ -181,7 +235,7 @@ def results() -> dict:
 
 
 def test_kernel_tokens_equal_the_torch_path_bitwise(results):
-    cases = {k: r for k, r in results.items() if k != "tp"}
+    cases = {k: r for k, r in results.items() if k != "tp" and not k.startswith("topn")}
     assert len(cases) == 11
     for name, r in cases.items():
         assert r["equal"], (name, r)
@@ -192,7 +246,7 @@ def test_kernel_tokens_equal_the_torch_path_bitwise(results):
 
 def test_kernel_top_p_thresholds_equal_the_torch_path(results):
     """The exact threshold key of every top-p row, not only the drawn token."""
-    cases = {k: r["keys"] for k, r in results.items() if k != "tp" and r["keys"]["torch"]}
+    cases = {k: r["keys"] for k, r in results.items() if k != "tp" and "keys" in r and r["keys"]["torch"]}
     assert len(cases) == 8
     for name, keys in cases.items():
         assert len(keys["torch"]) == len(keys["triton"]) == 1, name
@@ -200,6 +254,15 @@ def test_kernel_top_p_thresholds_equal_the_torch_path(results):
         assert sum(k != -1 for k in keys["torch"][0]) >= 15, name
     tp = results["tp"]
     assert tp["rank_keys"][0] == tp["rank_keys"][1] == tp["keys"] and len(tp["keys"]) == 1
+
+
+def test_top_logprobs_equal_the_torch_path(results):
+    cases = {k: r for k, r in results.items() if k.startswith("topn")}
+    assert len(cases) == 7
+    for name, r in cases.items():
+        assert r["equal"] and r["top_equal"] and r["lp_close"] and r["top1_is_chosen"], (name, r)
+    r = results["topn 1000 torch.float32 20"]["ids"]
+    assert r[1] == [0, 1, 2] and r[3] == [500, 3, 999] and r[4] == [0, 1, 2] and r[5] == [0, 333, 999] and r[6][0] == 7
 
 
 def test_rows_exercise_distinct_outcomes(results):
@@ -211,3 +274,4 @@ def test_kernels_under_tp_equal_one_rank(results):
     tp = results["tp"]
     assert tp["ranks"][0] == tp["want"] and tp["ranks"][1] == tp["want"]
     assert all(tp["top_ids"]) and tp["lp_err"] < 1e-4 and tp["same_bits"]  # fp32 sums in another order
+    assert all(tp["topn_tokens"]) and all(tp["topn_ids"]) and all(tp["topn_lp"])
