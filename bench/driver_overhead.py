@@ -30,6 +30,7 @@ and in-flight bookkeeping, the pipe writes and reads, `select`, the step-shape k
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -235,6 +236,11 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
             batch = decode_batch(b, args.context, args.block_size, args.num_kv_blocks, args.vocab)
             if mode != "greedy":
                 batch = with_sampling(batch, mode)
+            if batch.extras is not None:  # unused lists as the engine sends them: one column of -1 / 0
+                none_i, none_f = np.full((b, 1), -1, np.int32), np.zeros((b, 1), np.float32)
+                batch.extras = dataclasses.replace(batch.extras, bias_ids=none_i, bias_vals=none_f,
+                                                   ban_ids=none_i.copy(), pen_ids=none_i.copy(),
+                                                   pen_counts=np.zeros((b, 1), np.int32))
             key: Any = b if mode == "greedy" else f"{b} {mode}"
             dims = (args.vocab, args.block_size, args.max_blocks_per_seq, args.num_kv_blocks, args.iters, args.rounds)
             results[key], tokens = time_pieces(batch, *dims)
