@@ -32,8 +32,10 @@ class ChoiceState:
         self.finish_reason: Optional[str] = None
         self.done = False
         self.stopped_early = False  # a stop string ended the choice before the engine finished the request
-        # logprob entries aligned with `token_ids` (None: the request did not ask); `last_logprobs`: those of the
-        # tokens the latest `feed` returned; `last_text_start`: the characters of text before that feed's text
+        # logprob entries aligned with `token_ids` (None: the request did not ask), held as tuples of numbers (which
+        # the garbage collector stops following; `launch.logprobs` reads either); `last_logprobs`: those of the
+        # tokens the latest `feed` returned, as the engine gave them; `last_text_start`: the characters of text
+        # before that feed's text
         self.logprobs: Optional[list] = None
         self.last_logprobs: list = []
         self._lp_queue: list = []
@@ -60,8 +62,9 @@ class ChoiceState:
         text, tokens = self._feed_tokens(new_ids, finished, finish_reason, stop_token)
         self.last_text_start, self.text_len = start, start + len(text)
         if self.logprobs is not None:
-            self.last_logprobs, self._lp_queue = self._lp_queue[:len(tokens)], self._lp_queue[len(tokens):]
-            self.logprobs.extend(self.last_logprobs)
+            q, k = self._lp_queue, len(tokens)
+            self.last_logprobs, self._lp_queue = (q, []) if k == len(q) else (q[:k], q[k:])
+            self.logprobs.extend([(c, tuple(ids), tuple(lps)) for c, ids, lps in self.last_logprobs])
         return text, tokens
 
     def _feed_tokens(self, new_ids: list[int], finished: bool, finish_reason: Optional[str],
