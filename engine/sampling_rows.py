@@ -11,7 +11,6 @@ logprobs builds its arrays without a pass over their parameters.
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Optional, Sequence
 
 import numpy as np
@@ -25,7 +24,6 @@ MIN_P, PENALTY, BIAS, LOGPROBS, MIN_TOKENS = 1, 2, 4, 8, 16
 FLAG_BITS = 5
 ALWAYS = MIN_P | PENALTY | BIAS | LOGPROBS
 _LISTS = PENALTY | BIAS | MIN_TOKENS  # rows with per-row lists
-_PENALTIES_OFF = np.array([0.0, 0.0, 1.0], np.float32)
 
 
 def extras_flags(sp) -> int:
@@ -72,24 +70,11 @@ def _padded(b: int, rows: dict[int, Sequence], dtype, fill) -> np.ndarray:
     return out
 
 
-@lru_cache(maxsize=64)
-def _off(b: int) -> tuple[np.ndarray, ...]:
-    """`SamplerExtras` arrays of `b` rows with every row off, read-only (shared by the steps of that size): min_p
-    float32 `[b]` 0, penalties float32 `[b, 3]` (0, 0, 1), then int32 / float32 / int32 / int32 / int32 `[b, 1]`
-    lists (bias ids -1, bias values 0, banned -1, penalised -1, counts 0)."""
-    out = (np.zeros(b, np.float32), np.tile(_PENALTIES_OFF, (b, 1)), np.full((b, 1), -1, np.int32),
-           np.zeros((b, 1), np.float32), np.full((b, 1), -1, np.int32), np.full((b, 1), -1, np.int32),
-           np.zeros((b, 1), np.int32))
-    for a in out:
-        a.flags.writeable = False
-    return out
-
-
 def build_extras(seqs: Sequence) -> Optional[SamplerExtras]:
     """The step's `SamplerExtras` for `seqs` (batch order), or None when no row needs any. Once per step on the
     driver: the rows' `extras_flags` decide which arrays come from the rows' parameters and which rows build lists;
     an array no row sets is the off value (min_p 0, penalties (0, 0, 1), lists of one unused column), read-only and
-    shared by every step of that batch size (`_off`)."""
+    shared by every step of that batch size (`SamplerExtras.off`: a logprobs-only step's extras are that, whole)."""
     flags = [s.extras_flags for s in seqs]
     union = 0
     for f in set(flags):
@@ -98,10 +83,11 @@ def build_extras(seqs: Sequence) -> Optional[SamplerExtras]:
     if not union & ALWAYS and not (union & MIN_TOKENS and any(needs_extras(s) for s in seqs)):
         return None
     b = len(seqs)
-    off = _off(b)
     num_logprobs = (max(flags) >> FLAG_BITS) - 1  # the rows' largest logprobs (-1: none asks)
+    off = SamplerExtras.off(b, num_logprobs)
     if not union & (MIN_P | _LISTS):  # logprobs only: every array off
-        return SamplerExtras(*off, num_logprobs)
+        return off
+    off = (off.min_p, off.penalties, off.bias_ids, off.bias_vals, off.ban_ids, off.pen_ids, off.pen_counts)
     if union & MIN_P:
         min_p = np.array([s.request.sampling.min_p for s in seqs], np.float32)
     else:

@@ -72,6 +72,8 @@ class _Mirror:
         self.lists = torch.zeros((rows, width), dtype=torch.int32, pin_memory=pin)
         self.scalars_np, self.lists_np = self.scalars.numpy(), self.lists.numpy()
         self.dirty = rows  # rows [0, dirty) may hold non-default values
+        # the `stage` caller's key of rows [0, dirty) (equal keys: equal rows but for their positions); None: unknown
+        self.rows_key = None
         self.copied = torch.cuda.Event() if pin else None
         self.pending = False
 
@@ -132,14 +134,20 @@ class SamplerParams:
             f[lo:hi, col] = _DEFAULTS_F[name]
         m.lists_np[lo:hi] = self._default_lists
 
-    def stage(self, host: HostBatch) -> None:
+    def stage(self, host: HostBatch, rows_key: object = None) -> None:
         """Write `host` (n <= max_batch rows) into the next pinned mirror of the ring; rows [n, max_batch) become
-        defaults. Waits (on the host) only for the upload that last read that mirror, `MIRRORS` uploads ago."""
+        defaults. Waits (on the host) only for the upload that last read that mirror, `MIRRORS` uploads ago.
+        `rows_key` (not None): the caller's promise that rows staged under an equal key differ from `host` in
+        their positions alone; a mirror that holds such rows (n of them) gets only the positions written."""
         self._check(host)
         self._cur = (self._cur + 1) % len(self._mirrors)
         m = self._mirrors[self._cur]
         m.wait()
+        if rows_key is not None and m.rows_key == rows_key and m.dirty == host.n:
+            m.scalars_np.view(np.int64)[:host.n, Q_POSITION] = host.position
+            return
         self._write(m, host)
+        m.rows_key = rows_key
 
     def _check(self, host: HostBatch) -> None:
         n = host.n
@@ -171,7 +179,7 @@ class SamplerParams:
         hl[:n, lay.pen_ids: lay.pen_ids + host.pen_ids.shape[1]] = host.pen_ids
         hl[:n, lay.pen_counts: lay.pen_counts + host.pen_counts.shape[1]] = host.pen_counts
         self._reset_rows(m, n, m.dirty)
-        m.dirty = n
+        m.dirty, m.rows_key = n, None
 
     def upload(self, rows: Optional[int] = None, *, lists: bool = True) -> None:
         """Copy rows [0, rows) (default: max_batch) of the mirror to the device on the current stream."""
@@ -199,7 +207,7 @@ class SamplerParams:
         m = self._mirrors[self._cur]
         m.wait()
         self._reset_rows(m, 0, m.dirty)
-        m.dirty = 0
+        m.dirty, m.rows_key = 0, None
         self.upload(rows, lists=False)
         return self._cur
 
