@@ -13,14 +13,16 @@ the driver's batch checks (`StepBatch.check_runnable`, `check_multi_step(1)`), t
 and the driver's `decode_reply`; "sum" adds the pieces of a strict step on one DP rank.
 
 `--sampling` (`bench.dist_bench.SAMPLING_MODES`, side by side): a mode other than greedy carries its sampler
-extras in the request, and the rank's host work of a sampled decode step is timed too: "stage_graph_rows" (the
-captured sampler head's rows: `HostBatch` from the batch's arrays, staged and copied into a CPU parameter block)
-and, with logprobs, "read_back" (`PendingTokens.result` of the packed tokens and logprobs, one host buffer); both
-count in "sum". The reply of a logprobs mode is its `SampledTokens`.
+extras in the request (a logprobs mode: those the engine builds, `bench.engine_pieces.engine_extras`), and the
+rank's host work of a sampled decode step is timed too: "stage_graph_rows" (the captured sampler head's rows:
+`HostBatch` from the batch's arrays, staged and copied into a CPU parameter block) and, with logprobs, "read_back"
+(`PendingTokens.result` of the packed tokens and logprobs, one host buffer); both count in "sum". The reply of a
+logprobs mode is its `SampledTokens`.
 
-"engine_step" (`LLMEngine.step` over an executor that answers at once) and, for logprob modes, the server's
-conversion of a step's logprobs to the OpenAI shapes ("openai_completion_lp", "openai_chat_lp"; `--tokenizer`: a
-local checkpoint's tokenizer) are the engine's and the server's share (`bench.engine_pieces`), not in "sum".
+"engine_step" (`LLMEngine.step` over an executor that answers at once; "engine_step mean": the mean of as many
+further steps in one run, garbage collections included) and, for logprob modes, the server's conversion of a
+step's logprobs to the OpenAI shapes ("openai_completion_lp", "openai_chat_lp"; `--tokenizer`: a local
+checkpoint's tokenizer) are the engine's and the server's share (`bench.engine_pieces`), not in "sum".
 
 "submit"/"collect" run `Coordinator.submit` and `Coordinator.collect` for real over a `PipeStepper`
 whose rank ends are held here (real FIFOs, no rank processes): the request is drained and the reply
@@ -30,7 +32,6 @@ and in-flight bookkeeping, the pipe writes and reads, `select`, the step-shape k
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     p.add_argument("--out", default=None, help="also write the table as JSON here")
     args = p.parse_args(argv)
     from bench.dist_bench import with_sampling
-    from bench.engine_pieces import engine_step_fn, load_tokenizer, openai_fns
+    from bench.engine_pieces import engine_extras, engine_step_fn, load_tokenizer, mean_us, openai_fns
 
     tokenizer = load_tokenizer(args.tokenizer)
 
@@ -236,19 +237,17 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
             batch = decode_batch(b, args.context, args.block_size, args.num_kv_blocks, args.vocab)
             if mode != "greedy":
                 batch = with_sampling(batch, mode)
-            if batch.extras is not None:  # unused lists as the engine sends them: one column of -1 / 0
-                none_i, none_f = np.full((b, 1), -1, np.int32), np.zeros((b, 1), np.float32)
-                batch.extras = dataclasses.replace(batch.extras, bias_ids=none_i, bias_vals=none_f,
-                                                   ban_ids=none_i.copy(), pen_ids=none_i.copy(),
-                                                   pen_counts=np.zeros((b, 1), np.int32))
+            if batch.extras is not None:  # the extras the engine builds for rows asking only for logprobs
+                batch.extras = engine_extras(b, batch.extras.num_logprobs)
             key: Any = b if mode == "greedy" else f"{b} {mode}"
             dims = (args.vocab, args.block_size, args.max_blocks_per_seq, args.num_kv_blocks, args.iters, args.rounds)
             results[key], tokens = time_pieces(batch, *dims)
             if not args.no_coordinator:
                 results[key].update(time_coordinator(batch, *dims, tokens=tokens))
             if args.engine_iters:
-                step = engine_step_fn(b, mode, args.context, args.vocab, args.engine_iters + 200)
+                step = engine_step_fn(b, mode, args.context, args.vocab, 2 * args.engine_iters + 200)
                 results[key]["engine_step"] = median_ns(step, args.engine_iters, args.rounds) / 1e3
+                results[key]["engine_step mean"] = mean_us(step, args.engine_iters)
             for name, fn in openai_fns(b, mode, args.vocab, tokenizer).items():
                 results[key][name] = median_ns(fn, max(200, args.iters // 20), args.rounds, warmup=20) / 1e3
     print_table(results)

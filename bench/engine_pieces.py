@@ -9,6 +9,7 @@ makes them, with the tokenizer of `--tokenizer` (a local checkpoint directory; n
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -46,6 +47,17 @@ class FixedExecutor:
                 for b in batches]
 
 
+def engine_extras(b: int, num_logprobs: int) -> Any:
+    """The `SamplerExtras` `engine.sampling_rows.build_extras` makes for `b` rows that only ask for logprobs."""
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    from engine.sampling_rows import build_extras
+    from engine.sequence import Sequence
+
+    sp = SamplingParams(logprobs=num_logprobs)
+    return build_extras([Sequence(Request.make([1, 2], sp, max_tokens=8)) for _ in range(b)])
+
+
 def engine_step_fn(b: int, mode: str, context: int, vocab: int, steps: int) -> Callable[[], Any]:
     """`LLMEngine.step` of `b` decoding requests of sampling `mode` with `context`-token prompts, room for `steps`
     more steps (after a few warm-up steps)."""
@@ -62,6 +74,14 @@ def engine_step_fn(b: int, mode: str, context: int, vocab: int, steps: int) -> C
     for _ in range(5):
         eng.step()
     return eng.step
+
+
+def mean_us(fn: Callable[[], Any], n: int) -> float:
+    """Microseconds per call of `n` calls in one run (what a long run costs: collections and outliers included)."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 def openai_fns(b: int, mode: str, vocab: int, tokenizer: Any) -> dict[str, Callable[[], Any]]:
