@@ -103,6 +103,7 @@ class SamplerParams:
         # a ring of pinned mirrors: staging the next step never waits for the upload of the one before it
         self._mirrors = [_Mirror(max_batch, self.layout.width, pin) for _ in range(MIRRORS if pin else 1)]
         self._cur = 0
+        self._row_views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (mirror, rows) -> `upload`'s slices
         for m in self._mirrors:
             self._reset_rows(m, 0, max_batch)
         self.upload(max_batch, lists=True)
@@ -188,9 +189,13 @@ class SamplerParams:
             raise SamplerParamError(f"rows must be in [1, {self.max_batch}], got {rows}")
         nb = self.device.type == "cuda"
         m = self._mirrors[self._cur]
-        self.scalars[:rows].copy_(m.scalars[:rows], non_blocking=nb)
+        views = self._row_views.get((self._cur, rows))
+        if views is None:  # (device, mirror) row slices of both sections: made once per mirror and row count
+            views = self._row_views[(self._cur, rows)] = (self.scalars[:rows], m.scalars[:rows], self.lists[:rows],
+                                                          m.lists[:rows])
+        views[0].copy_(views[1], non_blocking=nb)
         if lists:
-            self.lists[:rows].copy_(m.lists[:rows], non_blocking=nb)
+            views[2].copy_(views[3], non_blocking=nb)
         if nb:
             m.copied.record()
             m.pending = True
