@@ -16,8 +16,8 @@ import enum
 import secrets
 from typing import Optional
 
-from engine.request import FinishReason, Request, RequestOutput
 from engine.logprob_rows import entries
+from engine.request import FinishReason, Request, RequestOutput
 from engine.sampling_rows import extras_flags
 
 
