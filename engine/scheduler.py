@@ -272,7 +272,11 @@ class Scheduler(StepPlanner):
                 continue
             if entries is not None and (n := seq.request.sampling.logprobs) is not None:
                 e = entries[i]
-                seq.new_logprobs.append(e if n == width else (e[0], e[1][:n], e[2][:n]))
+                if n != width:
+                    if n > width:
+                        raise SchedulerError(f"a step returned {width} top logprobs for a request asking {n}")
+                    e = (e[0], e[1][:n], e[2][:n])
+                seq.new_logprobs.append(e)
                 seq.logprobs.append(rows[i * row_size: i * row_size + 4 + 8 * n])
             if seq.first_token_time is None:
                 seq.first_token_time = now
