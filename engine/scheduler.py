@@ -256,6 +256,10 @@ class Scheduler(StepPlanner):
         if toks.shape != (len(sched.seqs), sched.num_steps):
             raise SchedulerError(f"tokens of shape {tuple(np.shape(next_tokens))} for {len(sched.seqs)} sequences "
                                  f"and {sched.num_steps} steps")
+        ex = sched.batch.extras
+        if entries is not None and (len(entries) != len(sched.seqs) or (ex is not None and width < ex.num_logprobs)):
+            raise SchedulerError(f"logprobs of shape {tuple(lp.top_ids.shape)} for {len(sched.seqs)} sequences "
+                                 f"asking for up to {-1 if ex is None else ex.num_logprobs}")
         now = time.monotonic() if now is None else now
         ends = (sched.batch.num_history + sched.batch.q_seqlens).tolist() if sched.is_prefill else None
         finished = False
@@ -273,8 +277,6 @@ class Scheduler(StepPlanner):
             if entries is not None and (n := seq.request.sampling.logprobs) is not None:
                 e = entries[i]
                 if n != width:
-                    if n > width:
-                        raise SchedulerError(f"a step returned {width} top logprobs for a request asking {n}")
                     e = (e[0], e[1][:n], e[2][:n])
                 seq.new_logprobs.append(e)
                 seq.logprobs.append(rows[i * row_size: i * row_size + 4 + 8 * n])

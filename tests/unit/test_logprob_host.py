@@ -204,6 +204,21 @@ def test_engine_logprob_entries_are_the_steps_values_as_lists():
         assert o.logprobs is not o.new_logprobs
 
 
+def test_a_step_with_fewer_top_logprobs_than_asked_is_refused():
+    from engine.scheduler import SchedulerError
+
+    class Short(_LogprobExecutor):
+        def step(self, batches, num_steps: int = 1):
+            (out,) = super().step(batches, num_steps)
+            lp = out.logprobs
+            return [SampledTokens(out.tokens, StepLogprobs(lp.chosen, lp.top_ids[:, :2], lp.top_logprobs[:, :2]))]
+
+    eng = LLMEngine(Short(), EngineConfig(max_num_seqs=8))
+    eng.add_request(eng.make_request([1, 2, 3], SamplingParams(logprobs=3), max_tokens=4))
+    with pytest.raises(SchedulerError, match="logprobs of shape"):
+        eng.step()
+
+
 def test_kept_logprob_rows_give_back_the_entries_bit_for_bit():
     """`engine.logprob_rows`: a step's rows, each request's prefix of n, turn back into the entries `step_entries`
     gives (bits of every float: NaN payloads, -0.0, infinities), whatever the step's width and dtypes."""
