@@ -35,6 +35,38 @@ def prev_token(row: int) -> int:
 
 MAX_LOGPROBS = 20  # top log-probabilities a step may return per row
 _PENALTIES_OFF = np.array([0.0, 0.0, 1.0], np.float32)  # presence, frequency, repetition
+_PENALTIES_OFF_BYTES = _PENALTIES_OFF.tobytes()
+_UNUSED_BYTE = b"\xff"  # every byte of an int32 -1 (an unused list entry)
+_F32 = np.dtype(np.float32)
+# SamplerExtras' arrays: (name, dtype, ndim)
+_EXTRAS_ARRAYS = (("min_p", _F32, 1), ("penalties", _F32, 2), ("bias_ids", _I32, 2), ("bias_vals", _F32, 2),
+                  ("ban_ids", _I32, 2), ("pen_ids", _I32, 2), ("pen_counts", _I32, 2))
+_EXTRAS_LAYOUT = tuple((dtype, ndim) for _, dtype, ndim in _EXTRAS_ARRAYS)
+
+
+# batch size -> `SamplerExtras.off`'s shared arrays (at most _MAX_OFF sizes, then forgotten all at once)
+_OFF: dict[int, tuple[np.ndarray, ...]] = {}
+_MAX_OFF = 512
+
+
+def _off_arrays(b: int) -> tuple[np.ndarray, ...]:
+    got = _OFF.get(b)
+    if got is None:
+        if len(_OFF) >= _MAX_OFF:
+            _OFF.clear()
+        got = (np.zeros(b, np.float32), np.tile(_PENALTIES_OFF, (b, 1)), np.full((b, 1), -1, np.int32),
+               np.zeros((b, 1), np.float32), np.full((b, 1), -1, np.int32), np.full((b, 1), -1, np.int32),
+               np.zeros((b, 1), np.int32))
+        for a in got:
+            a.flags.writeable = False
+        _OFF[b] = got
+    return got
+
+
+def _unused(a: np.ndarray) -> bool:
+    """Whether every entry of int32 list `a` is -1 (unused), by its bytes (no reduction): True decides it, False
+    decides nothing."""
+    return a.tobytes() == _UNUSED_BYTE * a.nbytes
 
 
 @dataclass
@@ -59,26 +91,53 @@ class SamplerExtras:
     pen_counts: np.ndarray
     num_logprobs: int = -1
 
+    @classmethod
+    def off(cls, b: int, num_logprobs: int) -> "SamplerExtras":
+        """The extras of `b` rows that only ask for logprobs: every array off (min_p 0, penalties (0, 0, 1), lists
+        of one unused column), read-only and shared by every such `SamplerExtras` of `b` rows (`logprobs_only`)."""
+        return cls(*_off_arrays(b), num_logprobs)
+
+    @property
+    def logprobs_only(self) -> bool:
+        """Whether every array is `off`'s own (identity, no reduction): nothing but logprobs. False decides
+        nothing (other arrays may hold off values too)."""
+        got = _OFF.get(self.min_p.shape[0]) if type(self.min_p) is np.ndarray and self.min_p.ndim == 1 else None
+        return got is not None and self.min_p is got[0] and self.penalties is got[1] and self.bias_ids is got[2] \
+            and self.bias_vals is got[3] and self.ban_ids is got[4] and self.pen_ids is got[5] \
+            and self.pen_counts is got[6]
+
     @property
     def processed(self) -> bool:
         """Whether a row needs the logits patched (bias, banned ids, penalties) before sampling."""
-        # a list holds an id when its largest entry is >= 0; penalties are off at exactly (0, 0, 1)
-        return bool(any(a.size and int(a.max()) >= 0 for a in (self.bias_ids, self.ban_ids))
-                    or (self.penalties != _PENALTIES_OFF).any())
+        if self.logprobs_only:
+            return False
+        # a list holds an id when its largest entry is >= 0; penalties are off at exactly (0, 0, 1). The usual
+        # case (lists unused, penalties off bit for bit) is decided by bytes; anything else by reductions.
+        pen = self.penalties
+        off = pen.dtype == _F32 and pen.ndim == 2 and pen.shape[1] == 3 \
+            and pen.tobytes() == _PENALTIES_OFF_BYTES * pen.shape[0]
+        if not off and (pen != _PENALTIES_OFF).any():
+            return True
+        return any(a.size and not (a.dtype == _I32 and _unused(a)) and int(a.max()) >= 0
+                   for a in (self.bias_ids, self.ban_ids))
 
     def validate(self, b: int, vocab_size: int) -> None:
-        for name, dtype, ndim in (("min_p", np.float32, 1), ("penalties", np.float32, 2), ("bias_ids", np.int32, 2),
-                                  ("bias_vals", np.float32, 2), ("ban_ids", np.int32, 2), ("pen_ids", np.int32, 2),
-                                  ("pen_counts", np.int32, 2)):
-            a = getattr(self, name)
-            if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != ndim or a.shape[0] != b:
-                raise BatchError(f"sampler extras: {name} must be {np.dtype(dtype).name} with {ndim} dims and {b} rows")
+        if self.logprobs_only and self.min_p.shape[0] == b:  # `off`'s arrays: valid by construction
+            if not -1 <= self.num_logprobs <= MAX_LOGPROBS:
+                raise BatchError(f"sampler extras: num_logprobs must be in [-1, {MAX_LOGPROBS}]")
+            return
+        arrays = (self.min_p, self.penalties, self.bias_ids, self.bias_vals, self.ban_ids, self.pen_ids,
+                  self.pen_counts)
+        if not all(type(a) is np.ndarray and (a.dtype, a.ndim) == want and a.shape[0] == b
+                   for a, want in zip(arrays, _EXTRAS_LAYOUT)):
+            for a, (name, dtype, ndim) in zip(arrays, _EXTRAS_ARRAYS):
+                if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != ndim or a.shape[0] != b:
+                    raise BatchError(f"sampler extras: {name} must be {dtype.name} with {ndim} dims and {b} rows")
         if self.penalties.shape[1] != 3 or self.bias_vals.shape != self.bias_ids.shape \
                 or self.pen_counts.shape != self.pen_ids.shape:
             raise BatchError("sampler extras: inconsistent list shapes")
-        for name in ("bias_ids", "ban_ids", "pen_ids"):
-            a = getattr(self, name)
-            if a.size and (a.min() < -1 or a.max() >= vocab_size):
+        for name, a in (("bias_ids", self.bias_ids), ("ban_ids", self.ban_ids), ("pen_ids", self.pen_ids)):
+            if a.size and not _unused(a) and (a.min() < -1 or a.max() >= vocab_size):
                 raise BatchError(f"sampler extras: {name} must be token ids in [0, {vocab_size}) or -1")
         if not -1 <= self.num_logprobs <= MAX_LOGPROBS:
             raise BatchError(f"sampler extras: num_logprobs must be in [-1, {MAX_LOGPROBS}]")

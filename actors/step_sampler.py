@@ -79,8 +79,9 @@ class StepSampler:
         self._params: Optional[SamplerParams] = None
         self._capacity = capacity
         self._graph_params: Optional[SamplerParams] = None  # read by the captured sampler heads, by address
-        # the latest step's captured-head rows: (the inputs they were derived from, as bytes; the `HostBatch`)
-        self._last_rows: Optional[tuple[tuple, HostBatch]] = None
+        # the latest step's captured-head rows: (the key of the inputs they derive from, `_graph_rows`; the
+        # `HostBatch`; its variant)
+        self._last_rows: Optional[tuple[tuple, HostBatch, SamplerVariant]] = None
 
     def _params_for(self, n: int) -> SamplerParams:
         if self._params is None or self._params.max_batch < n:
@@ -103,28 +104,38 @@ class StepSampler:
 
     def _host_batch(self, batch: StepBatch, lists: bool = True) -> HostBatch:
         """The batch's sampling rows; `lists=False` leaves out the per-row lists (bias, bans, penalties), keeping
-        min_p: for the captured heads, whose parameter block has no room for them."""
+        min_p: for the captured heads, whose parameter block has no room for them (`_graph_rows`)."""
+        if not lists:
+            return self._graph_rows(batch)[0]
         ex = batch.extras
         position = batch.num_history.astype(np.int64) + batch.q_seqlens
-        if not lists:  # a decode loop's next step: the same rows, one position further (derived once, reused)
-            key = tuple((a.dtype.str, a.shape, a.tobytes()) for a in (batch.temperature, batch.top_k, batch.top_p,
-                                                                     batch.seeds, None if ex is None else ex.min_p)
-                        if a is not None) + (ex is None,)
-            last = self._last_rows
-            if last is not None and last[0] == key:
-                host = last[1].with_position(position)
-                if host is not None:
-                    return host
-        kw = {} if ex is None else dict(min_p=ex.min_p)
-        if ex is not None and lists:
-            kw.update(penalties=ex.penalties, bias_ids=ex.bias_ids, bias_vals=ex.bias_vals, ban_ids=ex.ban_ids,
-                      pen_ids=ex.pen_ids, pen_counts=ex.pen_counts)
-        host = host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
+        kw = {} if ex is None else dict(min_p=ex.min_p, penalties=ex.penalties, bias_ids=ex.bias_ids,
+                                        bias_vals=ex.bias_vals, ban_ids=ex.ban_ids, pen_ids=ex.pen_ids,
+                                        pen_counts=ex.pen_counts)
+        return host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
                                       vocab_size=self.vocab_size, **kw)
-        if not lists:  # kept for the next step: owning its arrays (top_p and min_p may view the caller's)
-            host.top_p, host.min_p = host.top_p.copy(), host.min_p.copy()
-            self._last_rows = (key, host)
-        return host
+
+    def _graph_rows(self, batch: StepBatch) -> tuple[HostBatch, SamplerVariant, tuple]:
+        """The captured heads' rows of `batch` (no lists), their `HostBatch.variant()`, and the key of the inputs
+        they derive from but the positions. A decode loop's next step (the same key, positions moved on) reuses the
+        previous step's rows and variant with the new positions (derived once, `HostBatch.with_position`)."""
+        ex = batch.extras
+        position = batch.num_history.astype(np.int64) + batch.q_seqlens
+        arrays = (batch.temperature, batch.top_k, batch.top_p, batch.seeds) if ex is None else \
+            (batch.temperature, batch.top_k, batch.top_p, batch.seeds, ex.min_p)
+        key = (tuple([(a.dtype, a.shape) for a in arrays]), b"".join([a.tobytes() for a in arrays]))
+        last = self._last_rows
+        if last is not None and last[0] == key:
+            host = last[1].with_position(position)
+            if host is not None:
+                return host, last[2], key
+        host = host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
+                                      vocab_size=self.vocab_size, **({} if ex is None else dict(min_p=ex.min_p)))
+        # kept for the next step: owning its arrays (top_p and min_p may view the caller's)
+        host.top_p, host.min_p = host.top_p.copy(), host.min_p.copy()
+        variant = host.variant()
+        self._last_rows = (key, host, variant)
+        return host, variant, key
 
     # ---- captured sampler heads
     def graph_heads(self, logits_fn: Callable[[torch.Tensor, int], torch.Tensor], max_rows: int
@@ -162,32 +173,38 @@ class StepSampler:
         the batch's rows for the heads' parameter block: (head, rows), or None when the batch needs the eager
         sampler (more than `GRAPH_LOGPROBS` logprobs, logit bias, bans, penalties, a large top-k) or no head of
         that bucket was captured (`captured(bucket, name)` is None). Host only: nothing is staged or enqueued."""
+        found = self._graph_head(batch, bucket, captured)
+        return None if found is None else found[:2]
+
+    def _graph_head(self, batch: StepBatch, bucket: int, captured: Callable[[int, str], object]
+                    ) -> Optional[tuple[GraphHead, HostBatch, tuple]]:
+        """`graph_head` and the rows' key (`_graph_rows`)."""
         ex = batch.extras
         params = self._graph_params
         if params is None or bucket > params.max_batch or (ex is not None and (ex.num_logprobs > GRAPH_LOGPROBS
                                                                                   or ex.processed)):
             return None
-        host = self._host_batch(batch, lists=False)
-        need = host.variant()
+        host, need, key = self._graph_rows(batch)
         if need.large_top_k:
             return None
         num_logprobs = -1 if ex is None else ex.num_logprobs
         name = _BY_FLAGS[(need.top_k, need.top_p, num_logprobs >= 0)]
         if captured(bucket, name) is None:
             return None
-        return GraphHead(name, num_logprobs), host
+        return GraphHead(name, num_logprobs), host, key
 
     def stage_graph_rows(self, batch: StepBatch, bucket: int, captured: Callable[[int, str], object]
                          ) -> Optional[str]:
         """For a sampled decode batch about to replay a decode graph of `bucket`: the name of the captured sampler
         head that serves it (`graph_head`), its rows staged and uploaded (current stream) into the heads'
         parameter block; or None (nothing enqueued) when the batch needs the eager sampler. A logprob head's
-        outputs hold `GRAPH_LOGPROBS` top entries: the caller keeps the batch's first N."""
-        found = self.graph_head(batch, bucket, captured)
+        outputs hold `GRAPH_LOGPROBS` top entries: the caller keeps the batch's first N. Rows of the same key as
+        the staging mirror's last ones (a decode loop's) write only their positions (`SamplerParams.stage`)."""
+        found = self._graph_head(batch, bucket, captured)
         if found is None:
             return None
         params = self._graph_params
-        params.stage(found[1])
+        params.stage(found[1], rows_key=found[2])
         params.upload(bucket, lists=False)
         return found[0].name
 

@@ -13,7 +13,8 @@ body     = u8 global_decode (0 False, 1 True, 2 None) | u8 flags (1 batch, 2 run
             | block_tables i32[B*W] | temperature f32[B] | top_k i32[B] | top_p f32[B] | seeds i64[B]
             [| the batch's `SamplerExtras` (flag 16: only steps with penalties, bias, bans, min_p or logprobs carry
                them): i32 K | i32 M | i32 P | i32 num_logprobs | min_p f32[B] | penalties f32[B*3]
-               | bias_ids i32[B*K] | bias_vals f32[B*K] | ban_ids i32[B*M] | pen_ids i32[B*P] | pen_counts i32[B*P]]]
+               | bias_ids i32[B*K] | bias_vals f32[B*K] | ban_ids i32[B*M] | pen_ids i32[B*P] | pen_counts i32[B*P];
+               K = -1, M = P = 0 and no arrays: logprobs only, every array off (`SamplerExtras.off`)]]
            flag 4 (`StepPlan.arm_next`): the driver waits for this step's tokens before it sends anything else, so
            a tensor-parallel rank may arm the next decode step (`actors.armed`); flag 8 alone: a disarm frame (the
            driver went idle after such a step: cancel the arm), which gets no reply
@@ -63,6 +64,8 @@ _EXTRAS_HEAD = struct.Struct("<iiii")  # K (bias columns), M (banned), P (penali
 # SamplerExtras' arrays in wire order: (field, dtype, columns: 1, 3 or the head's K / M / P)
 _EXTRAS = (("min_p", _F32, 1), ("penalties", _F32, 3), ("bias_ids", _I32, "K"), ("bias_vals", _F32, "K"),
            ("ban_ids", _I32, "M"), ("pen_ids", _I32, "P"), ("pen_counts", _I32, "P"))
+_EXTRAS_DTYPES = tuple(dtype for _, dtype, _ in _EXTRAS)
+_EXTRAS_NDARRAYS = (np.ndarray,) * len(_EXTRAS)
 
 
 class WireError(ValueError):
@@ -91,11 +94,16 @@ def encode_request(plan: StepPlan, dp_rank: int) -> bytes:
 
 
 def encode_extras(ex: SamplerExtras) -> bytes:
-    """A batch's `SamplerExtras` as raw arrays (its section of a request body; `validate`d on the driver)."""
+    """A batch's `SamplerExtras` as raw arrays (its section of a request body; `validate`d on the driver); extras
+    that only ask for logprobs (`SamplerExtras.logprobs_only`) as their head alone (K = -1)."""
+    if ex.logprobs_only:
+        return _EXTRAS_HEAD.pack(-1, 0, 0, ex.num_logprobs)
     k, m, p = ex.bias_ids.shape[1], ex.ban_ids.shape[1], ex.pen_ids.shape[1]
     arrays = (ex.min_p, ex.penalties, ex.bias_ids, ex.bias_vals, ex.ban_ids, ex.pen_ids, ex.pen_counts)
-    return _EXTRAS_HEAD.pack(k, m, p, ex.num_logprobs) + b"".join(
-        [np.ascontiguousarray(a, dtype).tobytes() for a, (_, dtype, _) in zip(arrays, _EXTRAS)])
+    head = _EXTRAS_HEAD.pack(k, m, p, ex.num_logprobs)
+    if tuple(map(type, arrays)) == _EXTRAS_NDARRAYS and tuple(map(_dtype_of, arrays)) == _EXTRAS_DTYPES:
+        return head + b"".join([a.tobytes() for a in arrays])  # C order whatever the strides
+    return head + b"".join([np.ascontiguousarray(a, dtype).tobytes() for a, (_, dtype, _) in zip(arrays, _EXTRAS)])
 
 
 def decode_extras(body: memoryview | bytes, off: int, b: int) -> SamplerExtras:
@@ -104,19 +112,19 @@ def decode_extras(body: memoryview | bytes, off: int, b: int) -> SamplerExtras:
         raise WireError(f"request body of {len(body)} bytes ends inside its sampler extras")
     k, m, p, num_logprobs = _EXTRAS_HEAD.unpack_from(body, off)
     off += _EXTRAS_HEAD.size
-    cols = {"K": k, "M": m, "P": p}
-    end = off + 4 * b * (4 + 2 * k + m + 2 * p)  # 4-byte items: min_p, 3 penalties, 2K bias, M bans, 2P penalised
-    if min(k, m, p) < 0 or len(body) != end:
-        raise WireError(f"request body has {len(body)} bytes, its sampler extras say {end} (B={b}, K={k}, M={m}, P={p})")
-    n = (end - off) // 4
-    views = {_I32: np.frombuffer(body, _I32, n, off), _F32: np.frombuffer(body, _F32, n, off)}  # then slices
-    out, at = [], 0
-    for _, dtype, c in _EXTRAS:
-        w = cols.get(c, c)
-        a = views[dtype][at:at + b * w]
-        out.append(a if c == 1 else a.reshape(b, w))
-        at += b * w
-    return SamplerExtras(*out, num_logprobs=num_logprobs)
+    if k == -1 and m == p == 0 and len(body) == off:  # logprobs only: every array off (shared, read-only)
+        return SamplerExtras.off(b, num_logprobs)
+    n = b * (4 + 2 * k + m + 2 * p)  # 4-byte items: min_p, 3 penalties, 2K bias, M bans, 2P penalised
+    if min(k, m, p) < 0 or len(body) != off + 4 * n:
+        raise WireError(f"request body has {len(body)} bytes, its sampler extras say {off + 4 * n} (B={b}, K={k}, "
+                        f"M={m}, P={p})")
+    # one int32 and one float32 view of the section, then slices in wire order (`_EXTRAS`)
+    i32, f32 = np.frombuffer(body, _I32, n, off), np.frombuffer(body, _F32, n, off)
+    e1, e2, e3, e4 = 4 * b, 4 * b + b * k, 4 * b + 2 * b * k, 4 * b + b * (2 * k + m)
+    e5 = e4 + b * p
+    return SamplerExtras(f32[:b], f32[b:e1].reshape(b, 3), i32[e1:e2].reshape(b, k), f32[e2:e3].reshape(b, k),
+                         i32[e3:e4].reshape(b, m), i32[e4:e5].reshape(b, p), i32[e5:n].reshape(b, p),
+                         num_logprobs=num_logprobs)
 
 
 def encode_disarm() -> bytes:
@@ -199,9 +207,10 @@ def decode_reply(body: bytes) -> tuple[int, float, object]:
         off = _REPLY.size + _LP_HEAD.size
         toks = np.frombuffer(body, _I64, b, off).copy()
         off += 8 * b
-        chosen = np.frombuffer(body, _F32, b, off).copy()
-        off += 4 * b
-        ids = np.frombuffer(body, _I32, b * n, off).reshape(b, n).copy()
-        lps = np.frombuffer(body, _F32, b * n, off + 4 * b * n).reshape(b, n).copy()
-        return REPLY_OK, seconds, SampledTokens(toks, StepLogprobs(chosen, ids, lps))
+        # chosen, top ids, top logprobs: 4-byte items back to back, one copy, seen through int32 / float32 views
+        i32 = np.frombuffer(body, _I32, b * (1 + 2 * n), off).copy()
+        f32 = i32.view(_F32)
+        e = b + b * n
+        return REPLY_OK, seconds, SampledTokens(toks, StepLogprobs(f32[:b], i32[b:e].reshape(b, n),
+                                                                   f32[e:].reshape(b, n)))
     return status, seconds, bytes(body[_REPLY.size:]).decode("utf-8", "replace")

@@ -3,6 +3,7 @@
     python -m bench.driver_overhead                      # batches 1 and 64, context 128
     python -m bench.driver_overhead --batches 1,8,64 --iters 50000 --out /tmp/driver_overhead.json
     python -m bench.driver_overhead --sampling greedy,greedy_lp5 --no-coordinator   # + top-5 logprobs steps
+    python -m bench.driver_overhead --batches 1,8,64 --sampling greedy,greedy_lp5 --tokenizer DIR  # + the server's
 
 Every piece is timed call by call with `time.perf_counter_ns`, in `--rounds` rounds; reported is the smallest
 round median (us), which a busy host disturbs less than one long median:
@@ -12,10 +13,16 @@ the driver's batch checks (`StepBatch.check_runnable`, `check_multi_step(1)`), t
 and the driver's `decode_reply`; "sum" adds the pieces of a strict step on one DP rank.
 
 `--sampling` (`bench.dist_bench.SAMPLING_MODES`, side by side): a mode other than greedy carries its sampler
-extras in the request, and the rank's host work of a sampled decode step is timed too: "stage_graph_rows" (the
-captured sampler head's rows: `HostBatch` from the batch's arrays, staged and copied into a CPU parameter block)
-and, with logprobs, "read_back" (`PendingTokens.result` of the packed tokens and logprobs, one host buffer); both
-count in "sum". The reply of a logprobs mode is its `SampledTokens`.
+extras in the request (a logprobs mode: those the engine builds, `bench.engine_pieces.engine_extras`), and the
+rank's host work of a sampled decode step is timed too: "stage_graph_rows" (the captured sampler head's rows:
+`HostBatch` from the batch's arrays, staged and copied into a CPU parameter block) and, with logprobs, "read_back"
+(`PendingTokens.result` of the packed tokens and logprobs, one host buffer); both count in "sum". The reply of a
+logprobs mode is its `SampledTokens`.
+
+"engine_step" (`LLMEngine.step` over an executor that answers at once; "engine_step mean": the mean of as many
+further steps in one run, garbage collections included) and, for logprob modes, the server's conversion of a
+step's logprobs to the OpenAI shapes ("openai_completion_lp", "openai_chat_lp"; `--tokenizer`: a local
+checkpoint's tokenizer) are the engine's and the server's share (`bench.engine_pieces`), not in "sum".
 
 "submit"/"collect" run `Coordinator.submit` and `Coordinator.collect` for real over a `PipeStepper`
 whose rank ends are held here (real FIFOs, no rank processes): the request is drained and the reply
@@ -97,8 +104,8 @@ def _rank_sampling_pieces(batch: StepBatch, vocab: int, max_blocks: int, block_s
 
 
 def time_pieces(batch: StepBatch, vocab: int, block_size: int, max_blocks: int, num_kv_blocks: int,
-                iters: int, rounds: int) -> dict[str, float]:
-    """Median microseconds of each driver / rank hot-path piece for `batch`."""
+                iters: int, rounds: int) -> tuple[dict[str, float], Any]:
+    """Median microseconds of each driver / rank hot-path piece for `batch`, and the step's reply tokens."""
     plan = plan_step([batch], cross_dp=False, decode_buckets=DECODE_BUCKETS, token_buckets=TOKEN_BUCKETS)
     body = encode_request(plan, 0)[LENGTH.size:]
     sampled = bool(batch.temperature.any()) or batch.extras is not None
@@ -120,7 +127,7 @@ def time_pieces(batch: StepBatch, vocab: int, block_size: int, max_blocks: int, 
     }
     out = {name: median_ns(fns[name], iters, rounds) / 1e3 for name in (*PIECES, *rank_fns)}
     out["sum"] = sum(out[name] for name in (*SUM_OF, *rank_fns))
-    return out
+    return out, tokens
 
 
 class _LoopbackRanks:
@@ -150,10 +157,10 @@ class _LoopbackRanks:
 
 
 def time_coordinator(batch: StepBatch, vocab: int, block_size: int, max_blocks: int, num_kv_blocks: int,
-                     iters: int, rounds: int) -> dict[str, float]:
+                     iters: int, rounds: int, tokens: Any = None) -> dict[str, float]:
     """Microseconds of `Coordinator.submit` and `Coordinator.collect` (one DP rank, one TP rank) over real FIFOs
-    (smallest round median, as `median_ns`); between the two the rank's request is read and its reply written
-    (untimed)."""
+    (smallest round median, as `median_ns`); between the two the rank's request is read and its reply (`tokens`:
+    int64 `[B]` or `SampledTokens`; None: arange) written (untimed)."""
     from actors.coordinator import Coordinator, DeploymentConfig
     from actors.pipes import PipeStepper
     from actors.rank import RuntimeConfig
@@ -166,7 +173,7 @@ def time_coordinator(batch: StepBatch, vocab: int, block_size: int, max_blocks: 
     coord._state, coord._stepper = "serving", stepper
     coord._model_config = SimpleNamespace(vocab_size=vocab)
     coord._num_kv_blocks, coord._sizes = num_kv_blocks, (list(DECODE_BUCKETS), list(TOKEN_BUCKETS))
-    reply = encode_tokens(np.arange(batch.batch_size, dtype=np.int64), 0.001)
+    reply = encode_tokens(np.arange(batch.batch_size, dtype=np.int64) if tokens is None else tokens, 0.001)
     clock = time.perf_counter_ns
     n = max(1, iters // rounds)
     submit, collect = [], []
@@ -215,9 +222,14 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     p.add_argument("--no-coordinator", action="store_true", help="skip the submit/collect rows (FIFOs)")
     p.add_argument("--sampling", default="greedy",
                    help="comma list of sampling modes (bench.dist_bench.SAMPLING_MODES), one column each per batch")
+    p.add_argument("--engine-iters", type=int, default=4000, help="timed engine steps per point (0: none)")
+    p.add_argument("--tokenizer", default=None, help="a local checkpoint directory: its tokenizer for the openai rows")
     p.add_argument("--out", default=None, help="also write the table as JSON here")
     args = p.parse_args(argv)
     from bench.dist_bench import with_sampling
+    from bench.engine_pieces import engine_extras, engine_step_fn, load_tokenizer, mean_us, openai_fns
+
+    tokenizer = load_tokenizer(args.tokenizer)
 
     results: dict[Any, dict[str, float]] = {}
     for b in (int(x) for x in args.batches.split(",")):
@@ -225,11 +237,19 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
             batch = decode_batch(b, args.context, args.block_size, args.num_kv_blocks, args.vocab)
             if mode != "greedy":
                 batch = with_sampling(batch, mode)
+            if batch.extras is not None:  # the extras the engine builds for rows asking only for logprobs
+                batch.extras = engine_extras(b, batch.extras.num_logprobs)
             key: Any = b if mode == "greedy" else f"{b} {mode}"
             dims = (args.vocab, args.block_size, args.max_blocks_per_seq, args.num_kv_blocks, args.iters, args.rounds)
-            results[key] = time_pieces(batch, *dims)
+            results[key], tokens = time_pieces(batch, *dims)
             if not args.no_coordinator:
-                results[key].update(time_coordinator(batch, *dims))
+                results[key].update(time_coordinator(batch, *dims, tokens=tokens))
+            if args.engine_iters:
+                step = engine_step_fn(b, mode, args.context, args.vocab, 2 * args.engine_iters + 200)
+                results[key]["engine_step"] = median_ns(step, args.engine_iters, args.rounds) / 1e3
+                results[key]["engine_step mean"] = mean_us(step, args.engine_iters)
+            for name, fn in openai_fns(b, mode, args.vocab, tokenizer).items():
+                results[key][name] = median_ns(fn, max(200, args.iters // 20), args.rounds, warmup=20) / 1e3
     print_table(results)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "us": results}, indent=2))

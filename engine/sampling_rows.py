@@ -4,6 +4,10 @@ A step carries extras only when a row needs one: min_p, a penalty, a logit bias,
 request has fewer than `min_tokens` output tokens) or logprobs. Penalty inputs follow vLLM: repetition_penalty
 over the distinct tokens of prompt and output, presence / frequency over the output tokens (their counts). Plain
 numpy, no torch.
+
+Which of these a request uses is fixed with its `SamplingParams`: `extras_flags` sums it up once per sequence
+(`Sequence.extras_flags`), so that a step's rows are checked with one int each, and a step whose rows only ask for
+logprobs builds its arrays without a pass over their parameters.
 """
 from __future__ import annotations
 
@@ -13,11 +17,28 @@ import numpy as np
 
 from actors.batch import SamplerExtras
 
+# `extras_flags` bits: a row with MIN_P, PENALTY, BIAS or LOGPROBS always needs extras; one with MIN_TOKENS only
+# while it has fewer output tokens than min_tokens and stop ids to ban (`_banned`). Above the bits (FLAG_BITS), the
+# request's logprobs + 1 (0: none), so that the largest flags of a step's rows carry its largest logprobs.
+MIN_P, PENALTY, BIAS, LOGPROBS, MIN_TOKENS = 1, 2, 4, 8, 16
+FLAG_BITS = 5
+ALWAYS = MIN_P | PENALTY | BIAS | LOGPROBS
+_LISTS = PENALTY | BIAS | MIN_TOKENS  # rows with per-row lists
+
+
+def extras_flags(sp) -> int:
+    """The `SamplingParams`' use of sampler extras as bits, with its logprobs + 1 above them (min_p and penalties
+    compare by value: -0.0 is off)."""
+    return ((MIN_P if sp.min_p > 0 else 0)
+            | (PENALTY if sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1 else 0)
+            | (BIAS if sp.logit_bias else 0) | (LOGPROBS if sp.logprobs is not None else 0)
+            | (MIN_TOKENS if sp.min_tokens else 0) | (0 if sp.logprobs is None else sp.logprobs + 1) << FLAG_BITS)
+
 
 def needs_extras(seq) -> bool:
-    sp = seq.request.sampling
-    return (sp.min_p > 0 or sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
-            or bool(sp.logit_bias) or sp.logprobs is not None or _banned(seq) is not None)
+    """Whether `seq`'s row of a step needs sampler extras this step."""
+    f = seq.extras_flags
+    return bool(f & ALWAYS) or (bool(f & MIN_TOKENS) and _banned(seq) is not None)
 
 
 def _banned(seq) -> Optional[list[int]]:
@@ -51,32 +72,51 @@ def _padded(b: int, rows: dict[int, Sequence], dtype, fill) -> np.ndarray:
 
 def build_extras(seqs: Sequence) -> Optional[SamplerExtras]:
     """The step's `SamplerExtras` for `seqs` (batch order), or None when no row needs any. Once per step on the
-    driver: one pass over the rows, the lists built only for the rows that have them."""
-    if not any(needs_extras(s) for s in seqs):
+    driver: the rows' `extras_flags` decide which arrays come from the rows' parameters and which rows build lists;
+    an array no row sets is the off value (min_p 0, penalties (0, 0, 1), lists of one unused column), read-only and
+    shared by every step of that batch size (`SamplerExtras.off`: a logprobs-only step's extras are that, whole)."""
+    flags = [s.extras_flags for s in seqs]
+    union = 0
+    for f in set(flags):
+        union |= f
+    union &= (1 << FLAG_BITS) - 1
+    if not union & ALWAYS and not (union & MIN_TOKENS and any(needs_extras(s) for s in seqs)):
         return None
     b = len(seqs)
-    sps = [s.request.sampling for s in seqs]
-    min_p = np.array([sp.min_p for sp in sps], np.float32)
-    penalties = np.array([(sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) for sp in sps],
-                         np.float32).reshape(b, 3)
+    num_logprobs = (max(flags) >> FLAG_BITS) - 1  # the rows' largest logprobs (-1: none asks)
+    off = SamplerExtras.off(b, num_logprobs)
+    if not union & (MIN_P | _LISTS):  # logprobs only: every array off
+        return off
+    off = (off.min_p, off.penalties, off.bias_ids, off.bias_vals, off.ban_ids, off.pen_ids, off.pen_counts)
+    if union & MIN_P:
+        min_p = np.array([s.request.sampling.min_p for s in seqs], np.float32)
+    else:
+        min_p = off[0]
+    if union & PENALTY:
+        penalties = np.array([(sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
+                              for sp in (s.request.sampling for s in seqs)], np.float32).reshape(b, 3)
+    else:
+        penalties = off[1]
     bias_ids: dict[int, list] = {}
     bias_vals: dict[int, list] = {}
     bans: dict[int, list] = {}
     pen_ids: dict[int, np.ndarray] = {}
     pen_counts: dict[int, np.ndarray] = {}
-    num_logprobs = -1
-    for i, (seq, sp) in enumerate(zip(seqs, sps)):
-        if sp.logit_bias:
-            bias_ids[i] = [t for t, _ in sp.logit_bias]
-            bias_vals[i] = [v for _, v in sp.logit_bias]
-        if sp.min_tokens:
-            banned = _banned(seq)
-            if banned:
-                bans[i] = banned
-        if sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1:
-            pen_ids[i], pen_counts[i] = _penalised(seq)
-        if sp.logprobs is not None and sp.logprobs > num_logprobs:
-            num_logprobs = sp.logprobs
-    return SamplerExtras(min_p, penalties, _padded(b, bias_ids, np.int32, -1), _padded(b, bias_vals, np.float32, 0.0),
-                         _padded(b, bans, np.int32, -1), _padded(b, pen_ids, np.int32, -1),
-                         _padded(b, pen_counts, np.int32, 0), num_logprobs)
+    if union & _LISTS:
+        for i, (seq, f) in enumerate(zip(seqs, flags)):
+            if not f & _LISTS:
+                continue
+            sp = seq.request.sampling
+            if f & BIAS:
+                bias_ids[i] = [t for t, _ in sp.logit_bias]
+                bias_vals[i] = [v for _, v in sp.logit_bias]
+            if f & MIN_TOKENS:
+                banned = _banned(seq)
+                if banned:
+                    bans[i] = banned
+            if f & PENALTY:
+                pen_ids[i], pen_counts[i] = _penalised(seq)
+    lists = [_padded(b, rows, dtype, fill) if rows else off[k] for k, (rows, dtype, fill) in enumerate(
+        ((bias_ids, np.int32, -1), (bias_vals, np.float32, 0.0), (bans, np.int32, -1), (pen_ids, np.int32, -1),
+         (pen_counts, np.int32, 0)), 2)]
+    return SamplerExtras(min_p, penalties, *lists, num_logprobs)

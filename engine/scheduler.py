@@ -34,6 +34,7 @@ import numpy as np
 from actors.batch import SampledTokens, StepBatch, prev_token
 from engine.block_manager import BlockManager, chain_hashes
 from engine.chunking import StepPlanner
+from engine.logprob_rows import step_entries, step_rows
 from engine.request import FinishReason, Request
 from engine.scheduler_config import SchedulerConfig
 from engine.sequence import Sequence, SeqStatus
@@ -241,17 +242,24 @@ class Scheduler(StepPlanner):
         if sched is not self._in_flight:
             raise SchedulerError("update() for a batch that is not in flight")
         self._in_flight, self._ahead = self._ahead, None  # the round scheduled ahead is now the one in flight
-        logprobs = None
+        entries = None
         if isinstance(next_tokens, SampledTokens):
             next_tokens, lp = next_tokens
-            # the step's arrays as Python values once (not per row): (chosen, top ids, top logprobs) per row
-            logprobs = (lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist())
+            # once per step, not per row: the rows' entries as outputs carry them, and their compact rows, which
+            # the sequences keep (`engine.logprob_rows`); a row asking n keeps the first n of the step's `width`
+            width = lp.top_ids.shape[1]
+            entries = step_entries(lp)
+            rows, row_size = step_rows(lp)
         toks = np.asarray(next_tokens)
         if toks.ndim == 1:
             toks = toks[:, None]
         if toks.shape != (len(sched.seqs), sched.num_steps):
             raise SchedulerError(f"tokens of shape {tuple(np.shape(next_tokens))} for {len(sched.seqs)} sequences "
                                  f"and {sched.num_steps} steps")
+        ex = sched.batch.extras
+        if entries is not None and (len(entries) != len(sched.seqs) or (ex is not None and width < ex.num_logprobs)):
+            raise SchedulerError(f"logprobs of shape {tuple(lp.top_ids.shape)} for {len(sched.seqs)} sequences "
+                                 f"asking for up to {-1 if ex is None else ex.num_logprobs}")
         now = time.monotonic() if now is None else now
         ends = (sched.batch.num_history + sched.batch.q_seqlens).tolist() if sched.is_prefill else None
         finished = False
@@ -266,9 +274,12 @@ class Scheduler(StepPlanner):
                 self.num_chunks += 1
                 self._register(seq)
                 continue
-            if logprobs is not None and seq.request.sampling.logprobs is not None:
-                n = seq.request.sampling.logprobs
-                seq.logprobs.append((logprobs[0][i], logprobs[1][i][:n], logprobs[2][i][:n]))
+            if entries is not None and (n := seq.request.sampling.logprobs) is not None:
+                e = entries[i]
+                if n != width:
+                    e = (e[0], e[1][:n], e[2][:n])
+                seq.new_logprobs.append(e)
+                seq.logprobs.append(rows[i * row_size: i * row_size + 4 + 8 * n])
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now

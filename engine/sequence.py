@@ -16,7 +16,9 @@ import enum
 import secrets
 from typing import Optional
 
+from engine.logprob_rows import entries
 from engine.request import FinishReason, Request, RequestOutput
+from engine.sampling_rows import extras_flags
 
 
 class SeqStatus(str, enum.Enum):
@@ -28,8 +30,8 @@ class SeqStatus(str, enum.Enum):
 class Sequence:
     __slots__ = ("request", "token_ids", "prompt_len", "block_table", "num_computed", "status", "finish_reason",
                  "num_preemptions", "first_token_time", "last_token_time", "_emitted", "dp_rank", "error",
-                 "sampling_row", "num_failures", "stop_ids", "stopped_on_token", "logprobs", "_emitted_logprobs",
-                 "block_hashes", "num_registered", "prefilled", "num_cached_tokens")
+                 "sampling_row", "num_failures", "stop_ids", "stopped_on_token", "logprobs", "new_logprobs",
+                 "block_hashes", "num_registered", "prefilled", "num_cached_tokens", "extras_flags")
 
     def __init__(self, request: Request, dp_rank: int = 0):
         self.request = request
@@ -48,9 +50,12 @@ class Sequence:
         self.num_failures = 0  # executor failures (a rank died or hung) this sequence was in flight for
         self.stop_ids = request.stop_token_ids  # the engine adds the model's EOS ids (unless ignore_eos)
         self.stopped_on_token = False
-        # per generated token when the request asked for logprobs: (chosen logprob, top ids, top logprobs)
-        self.logprobs: list[tuple[float, list[int], list[float]]] = []
-        self._emitted_logprobs = 0
+        # when the request asked for logprobs: per generated token its entry (chosen logprob, top ids, top logprobs)
+        # as a compact row (`engine.logprob_rows`: bytes, which the garbage collector never walks); `new_logprobs`:
+        # the entries not reported yet, as the outputs carry them (lists), which `take_output` hands out (the
+        # scheduler appends to both)
+        self.logprobs: list[bytes] = []
+        self.new_logprobs: list[tuple[float, list[int], list[float]]] = []
         self.block_hashes: list[bytes] = []  # prefix-cache keys of the full blocks computed so far (tokens only grow)
         self.num_registered = 0  # leading blocks of block_table registered in the prefix cache
         self.prefilled = False  # the prompt (and, after a preemption, the generated tokens) is computed
@@ -61,6 +66,7 @@ class Sequence:
         # preempted or requeued sequence samples the same tokens again.
         seed = sp.seed if sp.seed is not None else (secrets.randbits(63) if sp.temperature > 0 else -1)
         self.sampling_row = (sp.temperature, sp.top_k, sp.top_p, seed)
+        self.extras_flags = extras_flags(sp)  # which sampler extras the request uses (`engine.sampling_rows`)
 
     @property
     def request_id(self) -> str:
@@ -100,14 +106,15 @@ class Sequence:
         self._emitted += len(new)
         done = self.status is SeqStatus.FINISHED
         req = self.request
-        lps = None
+        lps = every = None
         if req.sampling.logprobs is not None:
-            lps, self._emitted_logprobs = self.logprobs[self._emitted_logprobs:], len(self.logprobs)
+            lps, self.new_logprobs = self.new_logprobs, []
+            if done:
+                every = entries(self.logprobs, req.sampling.logprobs)
         return RequestOutput(req.request_id, req.prompt_token_ids, new, self.token_ids[self.prompt_len:] if done else [],
                              self._emitted, done, self.finish_reason, req.arrival_time, self.first_token_time,
                              self.last_token_time if done else None, self.num_preemptions, self.error,
-                             done and self.stopped_on_token, lps,
-                             list(self.logprobs) if done and lps is not None else None)
+                             done and self.stopped_on_token, lps, every)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "

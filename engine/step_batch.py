@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from actors.batch import StepBatch
-from engine.sampling_rows import build_extras, needs_extras
+from engine.sampling_rows import build_extras
 from engine.sequence import Sequence as Seq
 
 _GREEDY_ROW = (0.0, 0, 1.0, -1)
@@ -33,13 +33,16 @@ def build_batch(seqs: Sequence[Seq], hist: Sequence[int], q: Sequence[int],
         else:
             tokens = [t for s, h, k in zip(seqs, hist, q) for t in s.token_ids[h:h + k]]
     rows = [s.sampling_row for s in seqs]
-    greedy = all(r == _GREEDY_ROW for r in rows) and not any(needs_extras(s) for s in seqs)
+    extras = build_extras(seqs)
+    if rows.count(_GREEDY_ROW) == n:  # every row greedy (with or without extras): no pass over the rows
+        temperature, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
+        seeds = np.full(n, -1, np.int64)
+    else:
+        temps, ks, ps, ss = zip(*rows)
+        temperature, top_k = np.array(temps, dtype=np.float32), np.array(ks, dtype=np.int32)
+        top_p, seeds = np.array(ps, dtype=np.float32), np.array(ss, dtype=np.int64)
     return StepBatch(
         token_ids=np.array(tokens, dtype=np.int64), q_seqlens=np.array(q, dtype=np.int32),
-        num_history=np.array(hist, dtype=np.int32), block_tables=tables,
-        temperature=np.zeros(n, np.float32) if greedy else np.array([r[0] for r in rows], dtype=np.float32),
-        top_k=np.zeros(n, np.int32) if greedy else np.array([r[1] for r in rows], dtype=np.int32),
-        top_p=np.ones(n, np.float32) if greedy else np.array([r[2] for r in rows], dtype=np.float32),
-        seeds=np.full(n, -1, np.int64) if greedy else np.array([r[3] for r in rows], dtype=np.int64),
-        extras=None if greedy else build_extras(seqs),
+        num_history=np.array(hist, dtype=np.int32), block_tables=tables, temperature=temperature, top_k=top_k,
+        top_p=top_p, seeds=seeds, extras=extras,
     )

@@ -79,7 +79,8 @@ async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, gr
     reqs = [r for p, mt in zip(greq.prompts, greq.max_tokens)
             for r in eng.make_samples(eng.make_request(p, greq.sampling, mt, greq.stop_token_ids), greq.n,
                                       fit_max_tokens=not greq.max_tokens_given)]
-    choices = [ChoiceState(i, len(greq.prompts[i // greq.n]), tokenizer, greq.stop) for i in range(len(reqs))]
+    choices = [ChoiceState(i, len(greq.prompts[i // greq.n]), tokenizer, greq.stop, keep_logprobs=not greq.stream)
+               for i in range(len(reqs))]
     created = now_s()
     if greq.stream:
         return await _stream(request, eng, greq, reqs, choices, rid, created, shape)

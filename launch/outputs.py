@@ -18,9 +18,13 @@ from launch.stop_strings import StopStringMatcher
 
 class ChoiceState:
     __slots__ = ("index", "num_prompt_tokens", "detok", "stop", "token_ids", "texts", "finish_reason", "done",
-                 "stopped_early", "logprobs", "last_logprobs", "_lp_queue", "text_len", "last_text_start")
+                 "stopped_early", "logprobs", "last_logprobs", "_lp_queue", "text_len", "last_text_start",
+                 "_keep_logprobs")
 
-    def __init__(self, index: int, num_prompt_tokens: int, tokenizer: Any = None, stop: Sequence[str] = ()):
+    def __init__(self, index: int, num_prompt_tokens: int, tokenizer: Any = None, stop: Sequence[str] = (),
+                 keep_logprobs: bool = True):
+        """`keep_logprobs`: hold every returned token's logprob entry in `logprobs` (a response answered whole
+        needs them; a streamed one sends each feed's `last_logprobs` and keeps `logprobs` empty)."""
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         self.index = index
@@ -32,9 +36,12 @@ class ChoiceState:
         self.finish_reason: Optional[str] = None
         self.done = False
         self.stopped_early = False  # a stop string ended the choice before the engine finished the request
-        # logprob entries aligned with `token_ids` (None: the request did not ask); `last_logprobs`: those of the
-        # tokens the latest `feed` returned; `last_text_start`: the characters of text before that feed's text
+        # logprob entries aligned with `token_ids` (None: the request did not ask; empty unless `keep_logprobs`),
+        # held as tuples of numbers (which the garbage collector stops following; `launch.logprobs` reads either);
+        # `last_logprobs`: those of the tokens the latest `feed` returned, as the engine gave them;
+        # `last_text_start`: the characters of text before that feed's text
         self.logprobs: Optional[list] = None
+        self._keep_logprobs = keep_logprobs
         self.last_logprobs: list = []
         self._lp_queue: list = []
         self.text_len = 0
@@ -60,8 +67,10 @@ class ChoiceState:
         text, tokens = self._feed_tokens(new_ids, finished, finish_reason, stop_token)
         self.last_text_start, self.text_len = start, start + len(text)
         if self.logprobs is not None:
-            self.last_logprobs, self._lp_queue = self._lp_queue[:len(tokens)], self._lp_queue[len(tokens):]
-            self.logprobs.extend(self.last_logprobs)
+            q, k = self._lp_queue, len(tokens)
+            self.last_logprobs, self._lp_queue = (q, []) if k == len(q) else (q[:k], q[k:])
+            if self._keep_logprobs:
+                self.logprobs.extend([(c, tuple(ids), tuple(lps)) for c, ids, lps in self.last_logprobs])
         return text, tokens
 
     def _feed_tokens(self, new_ids: list[int], finished: bool, finish_reason: Optional[str],

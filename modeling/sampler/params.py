@@ -72,6 +72,8 @@ class _Mirror:
         self.lists = torch.zeros((rows, width), dtype=torch.int32, pin_memory=pin)
         self.scalars_np, self.lists_np = self.scalars.numpy(), self.lists.numpy()
         self.dirty = rows  # rows [0, dirty) may hold non-default values
+        # the `stage` caller's key of rows [0, dirty) (equal keys: equal rows but for their positions); None: unknown
+        self.rows_key = None
         self.copied = torch.cuda.Event() if pin else None
         self.pending = False
 
@@ -101,6 +103,7 @@ class SamplerParams:
         # a ring of pinned mirrors: staging the next step never waits for the upload of the one before it
         self._mirrors = [_Mirror(max_batch, self.layout.width, pin) for _ in range(MIRRORS if pin else 1)]
         self._cur = 0
+        self._row_views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (mirror, rows) -> `upload`'s slices
         for m in self._mirrors:
             self._reset_rows(m, 0, max_batch)
         self.upload(max_batch, lists=True)
@@ -132,14 +135,20 @@ class SamplerParams:
             f[lo:hi, col] = _DEFAULTS_F[name]
         m.lists_np[lo:hi] = self._default_lists
 
-    def stage(self, host: HostBatch) -> None:
+    def stage(self, host: HostBatch, rows_key: object = None) -> None:
         """Write `host` (n <= max_batch rows) into the next pinned mirror of the ring; rows [n, max_batch) become
-        defaults. Waits (on the host) only for the upload that last read that mirror, `MIRRORS` uploads ago."""
+        defaults. Waits (on the host) only for the upload that last read that mirror, `MIRRORS` uploads ago.
+        `rows_key` (not None): the caller's promise that rows staged under an equal key differ from `host` in
+        their positions alone; a mirror that holds such rows (n of them) gets only the positions written."""
         self._check(host)
         self._cur = (self._cur + 1) % len(self._mirrors)
         m = self._mirrors[self._cur]
         m.wait()
+        if rows_key is not None and m.rows_key == rows_key and m.dirty == host.n:
+            m.scalars_np.view(np.int64)[:host.n, Q_POSITION] = host.position
+            return
         self._write(m, host)
+        m.rows_key = rows_key
 
     def _check(self, host: HostBatch) -> None:
         n = host.n
@@ -171,7 +180,7 @@ class SamplerParams:
         hl[:n, lay.pen_ids: lay.pen_ids + host.pen_ids.shape[1]] = host.pen_ids
         hl[:n, lay.pen_counts: lay.pen_counts + host.pen_counts.shape[1]] = host.pen_counts
         self._reset_rows(m, n, m.dirty)
-        m.dirty = n
+        m.dirty, m.rows_key = n, None
 
     def upload(self, rows: Optional[int] = None, *, lists: bool = True) -> None:
         """Copy rows [0, rows) (default: max_batch) of the mirror to the device on the current stream."""
@@ -180,9 +189,13 @@ class SamplerParams:
             raise SamplerParamError(f"rows must be in [1, {self.max_batch}], got {rows}")
         nb = self.device.type == "cuda"
         m = self._mirrors[self._cur]
-        self.scalars[:rows].copy_(m.scalars[:rows], non_blocking=nb)
+        views = self._row_views.get((self._cur, rows))
+        if views is None:  # (device, mirror) row slices of both sections: made once per mirror and row count
+            views = self._row_views[(self._cur, rows)] = (self.scalars[:rows], m.scalars[:rows], self.lists[:rows],
+                                                          m.lists[:rows])
+        views[0].copy_(views[1], non_blocking=nb)
         if lists:
-            self.lists[:rows].copy_(m.lists[:rows], non_blocking=nb)
+            views[2].copy_(views[3], non_blocking=nb)
         if nb:
             m.copied.record()
             m.pending = True
@@ -199,7 +212,7 @@ class SamplerParams:
         m = self._mirrors[self._cur]
         m.wait()
         self._reset_rows(m, 0, m.dirty)
-        m.dirty = 0
+        m.dirty, m.rows_key = 0, None
         self.upload(rows, lists=False)
         return self._cur
 
