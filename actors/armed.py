@@ -20,8 +20,8 @@ transfer of the heads' sampler parameters (`SamplerParams.arm_upload`: rows of o
 the sampler head graph; the copies of its outputs (tokens, and for a logprob head the tokens and logprobs packed
 by `actors.step_sampler.pack_logprobs`, whole buckets) to pinned host buffers. Both transfers come after the gate, so they read
 their pinned mirrors only once it opened; a go writes both mirrors (`stage_armed_decode`, then
-`SamplerParams.stage_armed`) before it opens the gate. A cancel leaves both mirrors as padding (default rows:
-greedy, no logprobs asked) and drops every output. Each row's draw is keyed by its (seed, position), so a go
+`SamplerParams.stage_armed`) before it opens the gate. A cancel leaves the staging mirror as padding and the
+sampler mirror with the rows it last held (valid rows: defaults, or an earlier step's), and drops every output. Each row's draw is keyed by its (seed, position), so a go
 draws the very tokens the unarmed path draws on the same graphs.
 
 Tensor-parallel ranks arm too, collectively (`collective=True`): a cancelled replay runs every collective of
@@ -183,12 +183,13 @@ class ArmedDecode:
         return self._free_sampled[(arm.lane.key.batch, len(arm.host))]
 
     def take(self, runner: Any, lane: Any, batch: Any, pending: Callable[..., Any], head: Any = None,
-             rows: Any = None) -> Optional[Any]:
+             rows: Any = None, rows_key: Any = None) -> Optional[Any]:
         """Run the decode step `batch` (host token ids, `lane`'s shape) on the armed replay: its `PendingTokens`
         (the tokens on the device: `lane.tokens` for a greedy step, the sampler head's first output for a sampled
         one), or None when the arm could not take it (another graph or head, or the gate had given up waiting);
         the arm is spent either way and the caller runs the step the usual way. `head`: None for a greedy step,
-        else the `GraphHead` the step needs, with `rows` its `HostBatch` for the heads' parameter block.
+        else the `GraphHead` the step needs, with `rows` its `HostBatch` for the heads' parameter block and
+        `rows_key` their key (`StepSampler.graph_head_keyed`; None: unknown).
         `pending(host, event, multi, recycle, logprobs=None)` makes the `PendingTokens`."""
         with self._lock:
             arm, self._arm = self._arm, None
@@ -202,7 +203,7 @@ class ArmedDecode:
             runner.stage_armed_decode(lane.key, batch.token_ids, batch.num_history, batch.block_tables,
                                       lane.block_size)
             if head is not None:
-                arm.params.stage_armed(arm.slot, rows)
+                arm.params.stage_armed(arm.slot, rows, rows_key)
         except BaseException:
             self._spend(arm, "cancelled")  # the padding rows the mirrors may half hold are dropped like padding
             raise

@@ -46,18 +46,18 @@ class RankStepIO:
         if lane is None or self.logits_observer is not None or int(batch.token_ids.min()) < 0:
             armer.cancel()
             return None
-        head = rows = None
+        head = rows = key = None
         if not greedy:
             try:
-                need = self.sampler().graph_head(batch, lane.key.batch, self.runner.epilogue_outputs)
+                need = self.sampler().graph_head_keyed(batch, lane.key.batch, self.runner.epilogue_outputs)
             except BaseException:
                 armer.cancel()
                 raise
             if need is None:  # the eager sampler's step
                 armer.cancel()
                 return None
-            head, rows = need
-        pending = armer.take(self.runner, lane, batch, PendingTokens, head, rows)
+            head, rows, key = need
+        pending = armer.take(self.runner, lane, batch, PendingTokens, head, rows, rows_key=key)
         if pending is not None:
             self._count_lane_step(lane, batch.batch_size)
             tokens = lane.tokens if head is None else \

@@ -173,12 +173,13 @@ class StepSampler:
         the batch's rows for the heads' parameter block: (head, rows), or None when the batch needs the eager
         sampler (more than `GRAPH_LOGPROBS` logprobs, logit bias, bans, penalties, a large top-k) or no head of
         that bucket was captured (`captured(bucket, name)` is None). Host only: nothing is staged or enqueued."""
-        found = self._graph_head(batch, bucket, captured)
+        found = self.graph_head_keyed(batch, bucket, captured)
         return None if found is None else found[:2]
 
-    def _graph_head(self, batch: StepBatch, bucket: int, captured: Callable[[int, str], object]
-                    ) -> Optional[tuple[GraphHead, HostBatch, tuple]]:
-        """`graph_head` and the rows' key (`_graph_rows`)."""
+    def graph_head_keyed(self, batch: StepBatch, bucket: int, captured: Callable[[int, str], object]
+                         ) -> Optional[tuple[GraphHead, HostBatch, tuple]]:
+        """`graph_head` and the rows' key (`_graph_rows`: equal keys, equal rows but for their positions), for
+        `SamplerParams.stage` / `stage_armed` to write only the positions of rows a mirror already holds."""
         ex = batch.extras
         params = self._graph_params
         if params is None or bucket > params.max_batch or (ex is not None and (ex.num_logprobs > GRAPH_LOGPROBS
@@ -200,7 +201,7 @@ class StepSampler:
         parameter block; or None (nothing enqueued) when the batch needs the eager sampler. A logprob head's
         outputs hold `GRAPH_LOGPROBS` top entries: the caller keeps the batch's first N. Rows of the same key as
         the staging mirror's last ones (a decode loop's) write only their positions (`SamplerParams.stage`)."""
-        found = self._graph_head(batch, bucket, captured)
+        found = self.graph_head_keyed(batch, bucket, captured)
         if found is None:
             return None
         params = self._graph_params

@@ -144,6 +144,9 @@ class SamplerParams:
         self._cur = (self._cur + 1) % len(self._mirrors)
         m = self._mirrors[self._cur]
         m.wait()
+        self._write_rows(m, host, rows_key)
+
+    def _write_rows(self, m: "_Mirror", host: HostBatch, rows_key: object) -> None:
         if rows_key is not None and m.rows_key == rows_key and m.dirty == host.n:
             m.scalars_np.view(np.int64)[:host.n, Q_POSITION] = host.position
             return
@@ -202,25 +205,25 @@ class SamplerParams:
 
     # ---- armed uploads (`actors.armed`): the copy is enqueued behind a closed gate, its rows written later
     def arm_upload(self, rows: int) -> int:
-        """Take the next mirror of the ring (waiting, on the host, for the upload that last read it), reset it to
-        default rows and enqueue its copy of rows [0, rows) to the device (scalars only: the captured heads read
-        no lists) on the current stream, behind whatever holds that stream (a closed gate). The copy reads the
-        pinned mirror when the stream reaches it, so `stage_armed` may still write the live rows into it until
-        the gate opens. Returns the mirror's slot. Until the gate opens nothing else may stage (nothing does:
-        the rank takes or cancels an arm before any other step)."""
+        """Take the next mirror of the ring (waiting, on the host, for the upload that last read it) and enqueue
+        its copy of rows [0, rows) to the device (scalars only: the captured heads read no lists) on the current
+        stream, behind whatever holds that stream (a closed gate). The mirror keeps the rows it holds (valid rows:
+        defaults or an earlier step's, what a cancelled arm's padding replay samples, its outputs dropped). The
+        copy reads the pinned mirror when the stream reaches it, so `stage_armed` may still write the live rows
+        into it until the gate opens. Returns the mirror's slot. Until the gate opens nothing else may stage
+        (nothing does: the rank takes or cancels an arm before any other step)."""
         self._cur = (self._cur + 1) % len(self._mirrors)
         m = self._mirrors[self._cur]
         m.wait()
-        self._reset_rows(m, 0, m.dirty)
-        m.dirty, m.rows_key = 0, None
         self.upload(rows, lists=False)
         return self._cur
 
-    def stage_armed(self, slot: int, host: HostBatch) -> None:
+    def stage_armed(self, slot: int, host: HostBatch, rows_key: object = None) -> None:
         """Write `host` into mirror `slot` of an `arm_upload` whose copy still waits behind a closed gate (no
-        wait: that copy's event is behind the gate too). Host only; open the gate after it."""
+        wait: that copy's event is behind the gate too). Host only; open the gate after it. `rows_key`: as in
+        `stage` (a mirror holding rows of an equal key gets only the positions written)."""
         self._check(host)
-        self._write(self._mirrors[slot], host)
+        self._write_rows(self._mirrors[slot], host, rows_key)
 
     def load(self, host: HostBatch, rows: Optional[int] = None) -> None:
         """`stage(host)` then `upload(rows or max_batch)`, copying the lists only when the batch needs them."""

@@ -373,7 +373,7 @@ def test_staged_rows_of_a_decode_loop_equal_a_full_staging_every_step():
     steps += [_sampled(4, 12 + k) for k in range(6)]
     for k, batch in enumerate(steps):
         if k == 14:
-            s.graph_params.arm_upload(8)  # resets a mirror: its rows are no longer the loop's
+            s.graph_params.arm_upload(8)  # an arm's upload in between (it keeps the mirror's rows)
         assert s.stage_graph_rows(batch, 8, lambda b, name: ()) is not None
         fresh = StepSampler(torch.device("cpu"), V, 256)
         list(fresh.graph_heads(lambda h, b: h, max_rows=16))
