@@ -60,8 +60,7 @@ class SamplerVariant:
 
     processed: logit bias, banned ids or penalties (an fp32 copy of the logits is patched first);
     top_k: top-k with k <= TOP_K_FAST (per-chunk candidates); large_top_k: larger k too (a 3-level radix
-    select); top_p: mass bins linear in z, then the 3-level radix select inside the crossing bin, weighted by
-    fixed-point probability mass."""
+    select); top_p: the 3-level radix select weighted by fixed-point probability mass."""
 
     processed: bool = False
     top_k: bool = False

@@ -10,7 +10,6 @@ torch reference and the kernels agree bitwise on every device:
 - `plog` / `pexp`: Cephes `logf` / `expf` (~1 ulp) from adds, multiplies and exponent bit tricks.
 - `ordered_key`: fp32 -> int64 in [0, 2^32), order-preserving, -0.0 mapped to +0.0.
 - `mass`: fixed-point probability floor(pexp(z - m) * 2^32) clamped to 2^32 - 1 (0 below z - m < -23).
-- `mass_bin`: top-p's first-level bin 2047 - trunc((m - z) * 89), non-decreasing in z (the kernels' `zbin`).
 - `pack`: (ordered score key, lowest index first) -> one int64, so a max is an argmax with lowest-index ties.
 """
 from __future__ import annotations
@@ -27,8 +26,6 @@ KEY_NEG_INF = 8388607  # ordered_key(-inf)
 MASS_CUT = -23.0  # below this z - m the fixed-point mass is 0 (e^-23 < 2^-32)
 MASS_ONE = 4294967296.0  # 2^32
 MASS_MAX = (1 << 32) - 1
-MASS_BINS = 2048  # top-p's first kernel level: bins linear in m - z, 89 per unit (23 * 89 = 2047)
-MASS_BIN_SCALE = 89.0
 
 # fp32-exact constants (Cephes), shared with the Triton numerics
 _c = lambda x: float(np.float32(x))  # noqa: E731
@@ -146,14 +143,6 @@ def mass(z: torch.Tensor, m: torch.Tensor, allowed: torch.Tensor) -> torch.Tenso
     e = torch.where(ok, pexp(torch.clamp(d, MASS_CUT, 0.0)), torch.zeros_like(d))
     e = torch.clamp(e, max=1.0)
     return torch.clamp((e * MASS_ONE).to(torch.int64), max=MASS_MAX)
-
-
-def mass_bin(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """`triton_numerics.zbin`: int64 `[B, V]` mass bin 2047 - trunc((m - z) * 89) in [0, 2048) of tokens with
-    0 <= m - z <= 23 (every token of mass > 0), 2047 elsewhere; non-decreasing in z."""
-    d = m.unsqueeze(1) - z
-    d = torch.where((d >= 0.0) & (d <= -MASS_CUT), d, torch.zeros_like(d))
-    return (MASS_BINS - 1) - (d * MASS_BIN_SCALE).to(torch.int64)
 
 
 def pack(score: torch.Tensor, gid: torch.Tensor) -> torch.Tensor:

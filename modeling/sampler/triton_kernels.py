@@ -149,11 +149,11 @@ def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hi
     seed = tl.load(recq + row * rsq + Q_SEED)
     position = tl.load(recq + row * rsq + Q_POS)
     if HAS_TOPP:
-        sp = st + (5 * B + row) * 4  # top-p level 3's state: key_lo, mass bin, key prefix, mass needed
+        sp = st + (4 * B + row) * 4
         key_lo = tl.load(sp)
-        d, _n = find_bin(hist + (6 * B + row) * HS, 1024, tl.load(sp + 3))
+        d, _n = find_bin(hist + (5 * B + row) * HS, 1024, tl.load(sp + 2))
         on_p = (t > 0) & (tl.load(recq + row * rsq + Q_TOPP) > 0)
-        key_lo = tl.where(on_p, tl.maximum(key_lo, (tl.load(sp + 2) << 10) | d), key_lo)
+        key_lo = tl.where(on_p, tl.maximum(key_lo, (tl.load(sp + 1) << 10) | d), key_lo)
     else:
         k = tl.load(reci + row * rs + I_TOPK)
         m = row_zmax(parts, row, B, C, NT, NPP2)

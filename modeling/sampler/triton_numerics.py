@@ -108,16 +108,6 @@ def mass(z, m, allowed):
 
 
 @triton.jit
-def zbin(z, m):
-    """Mass bin int32 in [0, 2048) of z: 2047 - trunc((m - z) * 89) where 0 <= m - z <= 23 (every token of mass
-    > 0; 23 * 89 = 2047), 2047 elsewhere (callers count only masses > 0). Non-decreasing in z, so each bin is an
-    interval of keys and a higher bin holds higher keys."""
-    d = m - z
-    d = tl.where((d >= 0.0) & (d <= 23.0), d, 0.0)
-    return 2047 - (d * 89.0).to(tl.int32)
-
-
-@triton.jit
 def gumbel_tile(g0, seed, position, R: tl.constexpr):
     """Gumbel noise fp32 `[R, 4]` for global ids g0 + 4 r + j (g0 a multiple of 4); seed, position int64."""
     ctr = ((g0 >> 2) + tl.arange(0, R)).to(tl.uint32)

@@ -10,13 +10,12 @@ Stages per call, each a `(B, C)` grid over chunks of the vocabulary shard unless
   [top_k]      grid B: tau, the k-th largest group max; candidates above tau; grid B:
                the k-th largest candidate (k <= 128)                                 1 pass    gather each
   [large_top_k] top-k levels 2, 3 (rows with k > 128)                                2 passes  sum each
-  [top_p]      top-p level 0 (fixed-point mass by mass bin, linear in z), levels 1-3
-               (key of z, weighted by mass, inside the crossing bin)                4 passes  sum each
+  [top_p]      top-p levels 1, 2, 3 (key of z, weighted by fixed-point mass)          3 passes  sum each
   sample       Gumbel-max over the allowed set, per chunk                            1 pass    gather
   finish       grid B: token, chosen logprob, top-N (one rank: `local_top` itself; TP: the
                N best of the ranks' top N)                                           -
 
-So 2 passes over the logits for temperature / min-p / greedy batches, 3 with top-k (k <= 128), 6 with top-p, +2
+So 2 passes over the logits for temperature / min-p / greedy batches, 3 with top-k (k <= 128), 5 with top-p, +2
 with larger k, +1 when processed; top-N reads back only the raw logits of its (<= 32) best groups of 32 ids.
 All buffers are allocated per call (inside a capture: from the graph's pool, so the outputs stay valid until the
 next replay). No host synchronisation.
@@ -85,12 +84,9 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
                               OFF_PC=lay.pen_counts, MB=lay.max_bias, MBP2=_pow2(lay.max_bias), MBAN=lay.max_ban,
                               MBANP2=_pow2(lay.max_ban), MP=lay.max_pen, PB=min(1024, _pow2(lay.max_pen)), **_OPTS)
     need_hist = variant.large_top_k or variant.top_p
-    hist = torch.empty((7 if need_hist else 1, b, tsel.HS), dtype=torch.int64, device=dev)
-    if variant.large_top_k:  # histograms 0-2: large top-k; 3-6: top-p (only the ones in use are cleared)
-        hist[:3].zero_()
-    if variant.top_p:
-        hist[3:].zero_()
-    st = torch.empty((7, b, 4), dtype=torch.int64, device=dev)
+    hist = (torch.zeros if need_hist else torch.empty)((6 if need_hist else 1, b, tsel.HS), dtype=torch.int64,
+                                                        device=dev)
+    st = torch.empty((6, b, 4), dtype=torch.int64, device=dev)
     parts = torch.empty((b, c, 4), dtype=torch.float32, device=dev)
     kf = TOP_K_FAST if variant.top_k else 2
     g = TOPK_GROUP
@@ -133,10 +129,10 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
             group.sum_(hist[level - 1])
     sel = {"HAS_TOPK": variant.top_k, "TOPK_LARGE": variant.large_top_k}
     if variant.top_p:
-        for level in (0, 1, 2, 3):
+        for level in (1, 2, 3):
             tsel.topp_level_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, hist, b, v, ch, c, nt, kf,
                                        LEVEL=level, BLOCK=BLOCK, **flags, **sel, NPP2=npp2, **_OPTS)
-            group.sum_(hist[level + 3])
+            group.sum_(hist[level + 2])
     best = torch.empty((b, c, 2), dtype=torch.int64, device=dev)
     tk.sample_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, hist, best, b, v, ch, c, nt, voff, kf,
                            BLOCK=BLOCK, **flags, **sel, HAS_TOPP=variant.top_p, NPP2=npp2, **_OPTS)

@@ -2,32 +2,22 @@
 histogram helpers the other kernels (`triton_kernels.py`) read it back with; the scalar record's columns
 (`modeling.sampler.params`) every kernel loads.
 
-Buffers (allocated by the launcher, `triton_sampler.py`): int64 histograms `[7, B, HS]` and per-row state
-`[7, B, 4]`, summed or gathered over TP ranks between passes. Every program of a pass re-derives the previous
+Buffers (allocated by the launcher, `triton_sampler.py`): int64 histograms `[6, B, HS]` and per-row state
+`[6, B, 4]`, summed or gathered over TP ranks between passes. Every program of a pass re-derives the previous
 pass's per-row result from those buffers (a 2048-bin scan), program c == 0 stores it for the pass after, so no
 pass needs a separate resolve launch. Top-k with k <= KF: `stats_kernel` stores the maximum key of every group
-of G consecutive ids; one program per row finds tau, the k-th largest of those maxima (state 6 slot 1); a pass
+of G consecutive ids; one program per row finds tau, the k-th largest of those maxima (state 5 slot 1); a pass
 appends every key above tau to the row's candidates (at most (k - 1) * G of them, since fewer than k groups
-reach above tau); one program per row bisects them for the k-th largest key (state 6 slot 0), or takes tau
-when fewer than k lie above it. Larger k: radix select on the ordered key of z (digits 11 / 11 / 10 bits;
-histograms 0-2 count, state 0-1 (prefix, remaining count)).
-
-Top-p, 4 passes (`topp_level_kernel` LEVEL 0-3) over the fixed-point masses q of the allowed tokens. The
-threshold is the largest key K with sum(q over keys >= K) >= target. Level 0 adds each q into its mass bin
-`zbin` = 2047 - trunc((max z - z) * 89), linear in z over the 23 units where q > 0 (histogram 3; slot 2048: the
-row's total): a row's tokens spread over up to 2048 bins, not the few that share the key's sign, exponent and
-top mantissa bits, so its atomics rarely meet on one address. The bin is non-decreasing in z, hence in the key:
-every token of a bin above the crossing bin b* (the bin where the mass from the top first reaches the target)
-has a higher key than every token of b*, their mass is below the target and b*'s reaches it, so K is a key of
-b* and is the largest key K' with sum(q over b*'s keys >= K') >= the target less the mass above b*. Levels 1-3
-find it by the radix on the key (digits 11 / 11 / 10 bits, histograms 4-6) counting only b*'s tokens; blocks
-without one skip the masses. State 2: key_lo (top-k, min-p); states 3-5: (key_lo, b*, key prefix, mass still
-needed) after levels 1-3; `sample_kernel` resolves the last digit from state 5 and histogram 6.
+reach above tau); one program per row bisects them for the k-th largest key (state 5 slot 0), or takes tau
+when fewer than k lie above it. Larger k: radix select on the ordered key of z (digits 11 / 11 / 10 bits; histograms 0-2 count,
+state 0-1 (prefix, remaining count)). Top-p: the same radix on the key of z, each token weighted by its
+fixed-point mass q (histograms 3-5, slot 2048 of histogram 3 = the row's total mass; state 2 key_lo, 3-4 (key_lo,
+prefix, remaining mass)).
 """
 import triton
 import triton.language as tl
 
-from .triton_numerics import KEY_NEG_INF, mass, okey, top_p_target, zbin
+from .triton_numerics import KEY_NEG_INF, mass, okey, top_p_target
 
 HS = tl.constexpr(2056)  # histogram row stride; slot 2048 = total mass
 # scalar record columns (modeling.sampler.params)
@@ -77,7 +67,7 @@ def lowest_key(row, B, k, topk_on, sampled, log_min_p, m, st, hist, KF, HAS_TOPK
     """Lowest allowed ordered key after top-k and min-p (always above -inf)."""
     key_lo = tl.full((), KEY_NEG_INF + 1, tl.int64)
     if HAS_TOPK:
-        key_k = tl.load(st + (6 * B + row) * 4)
+        key_k = tl.load(st + (5 * B + row) * 4)
         if TOPK_LARGE:
             if k > KF:
                 d, _r = find_bin(hist + (2 * B + row) * HS, 1024, tl.load(st + (1 * B + row) * 4 + 1))
@@ -115,7 +105,7 @@ def topk_tau_kernel(recf, reci, rs, gmax, st, B, M, NT, KF, TB: tl.constexpr):
             lo = tl.where(big, mid, lo)
             hi = tl.where(big, hi, mid)
         tau = lo
-    tl.store(st + (6 * B + row) * 4 + 1, tau)
+    tl.store(st + (5 * B + row) * 4 + 1, tau)
 
 
 @triton.jit
@@ -128,7 +118,7 @@ def topk_compact_kernel(logits, sl, work, sw, recf, reci, rs, st, cand, ccount, 
     k = tl.load(reci + row * rs + I_TOPK)
     if (tl.load(recf + row * rs + F_T) > 0) & (k > 0) & (k <= KF):
         invt = tl.load(recf + row * rs + F_INVT)
-        tau = tl.load(st + (6 * B + row) * 4 + 1)
+        tau = tl.load(st + (5 * B + row) * 4 + 1)
         lo = c * CH
         for s in range(0, CH, BLOCK):
             offs = lo + s + tl.arange(0, BLOCK)
@@ -149,7 +139,7 @@ def topk_select_kernel(recf, reci, rs, st, cand, ccount, B, NT, KF, CAP, CB: tl.
     k = tl.load(reci + row * rs + I_TOPK)
     key_k = tl.zeros((), tl.int64)
     if (tl.load(recf + row * rs + F_T) > 0) & (k > 0) & (k <= KF):
-        res = tl.load(st + (6 * B + row) * 4 + 1)
+        res = tl.load(st + (5 * B + row) * 4 + 1)
         total = tl.zeros((), tl.int32)
         for r in range(NT):
             total += tl.minimum(tl.load(ccount + r * B + row), CAP)
@@ -171,7 +161,7 @@ def topk_select_kernel(recf, reci, rs, st, cand, ccount, B, NT, KF, CAP, CB: tl.
                 hi = tl.where(big, hi, mid)
             res = lo
         key_k = res + 2147483648
-    tl.store(st + (6 * B + row) * 4, key_k)
+    tl.store(st + (5 * B + row) * 4, key_k)
 
 
 @triton.jit
@@ -214,28 +204,11 @@ def topk_level_kernel(logits, sl, work, sw, recf, reci, rs, st, hist, B, V, CH, 
 
 
 @triton.jit
-def add_mass(hrow, bins, q):
-    """hrow[bins] += q where q > 0 (int64 masses): the block's highest bin by one atomic of its sum (a row whose
-    tokens share a bin, e.g. flat logits, adds once per block, not once per token), every other token by one
-    atomic each. Integer sums: exact in any order."""
-    sel = q > 0
-    top = tl.max(tl.where(sel, bins, -1))
-    one = sel & (bins == top)
-    s = tl.sum(tl.where(one, q, 0))
-    tl.atomic_add(hrow + top, s, mask=s > 0)
-    tl.atomic_add(hrow + bins, q, mask=sel & (bins != top))
-
-
-@triton.jit
 def topp_level_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hist, B, V, CH, C, NT, KF,
                       LEVEL: tl.constexpr, BLOCK: tl.constexpr, PROCESSED: tl.constexpr, HAS_TOPK: tl.constexpr,
                       TOPK_LARGE: tl.constexpr, NPP2: tl.constexpr):
-    """Top-p pass LEVEL (0-3) over the masses q of the allowed tokens. LEVEL 0: key_lo (top-k, min-p), the
-    masses by mass bin (`zbin`, histogram 3) and their total (slot 2048). LEVEL 1: resolve the mass bin b* where
-    the mass from the top first reaches the target, count the masses of bin b*'s tokens by key digit 1
-    (histogram 4). LEVELS 2, 3: resolve the previous key digit, count the masses of bin b*'s tokens inside it by
-    key digit LEVEL (histograms 5, 6). Program c == 0 stores the resolved state (key_lo, b*, key prefix, mass
-    still needed) in state LEVEL + 2."""
+    """Resolve the previous top-p digit (or, at LEVEL 1, key_lo), add the masses q of allowed tokens by digit
+    LEVEL of their key (and, at LEVEL 1, their total)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = tl.load(recf + row * rs + F_T)
@@ -243,43 +216,38 @@ def topp_level_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st
     fixed = tl.load(recq + row * rsq + Q_TOPP)
     on = (t > 0) & (fixed > 0)
     m = row_zmax(parts, row, B, C, NT, NPP2)
-    zb = tl.full((), 0, tl.int64)
-    prefix = tl.full((), 0, tl.int64)
-    need = tl.full((), 0, tl.int64)
-    if LEVEL == 0:
+    if LEVEL == 1:
         k = tl.load(reci + row * rs + I_TOPK)
         key_lo = lowest_key(row, B, k, (t > 0) & (k > 0), t > 0, tl.load(recf + row * rs + F_LOGMINP), m, st, hist,
                          KF, HAS_TOPK, TOPK_LARGE)
-    elif LEVEL == 1:
-        key_lo = tl.load(st + (2 * B + row) * 4)
-        total = tl.load(hist + (3 * B + row) * HS + 2048)
-        zb, need = find_bin(hist + (3 * B + row) * HS, 2048, top_p_target(total, fixed))
-    else:
-        sp = st + ((LEVEL + 1) * B + row) * 4
-        key_lo = tl.load(sp)
-        zb = tl.load(sp + 1)
-        d, need = find_bin(hist + ((LEVEL + 2) * B + row) * HS, 2048, tl.load(sp + 3))
-        prefix = (tl.load(sp + 2) << 11) | d
-    if LEVEL == 1:
+        prefix = tl.full((), 0, tl.int64)
+        need = tl.full((), 0, tl.int64)
         SHIFT_IN: tl.constexpr = 32
         SHIFT_D: tl.constexpr = 21
         DMASK: tl.constexpr = 2047
     elif LEVEL == 2:
+        key_lo = tl.load(st + (2 * B + row) * 4)
+        total = tl.load(hist + (3 * B + row) * HS + 2048)
+        d, need = find_bin(hist + (3 * B + row) * HS, 2048, top_p_target(total, fixed))
+        prefix = d
         SHIFT_IN: tl.constexpr = 21
         SHIFT_D: tl.constexpr = 10
         DMASK: tl.constexpr = 2047
     else:
+        sp = st + (3 * B + row) * 4
+        key_lo = tl.load(sp)
+        d, need = find_bin(hist + (4 * B + row) * HS, 2048, tl.load(sp + 2))
+        prefix = (tl.load(sp + 1) << 11) | d
         SHIFT_IN: tl.constexpr = 10
         SHIFT_D: tl.constexpr = 0
         DMASK: tl.constexpr = 1023
     if c == 0:
-        sp = st + ((LEVEL + 2) * B + row) * 4
+        sp = st + ((LEVEL + 1) * B + row) * 4
         tl.store(sp, key_lo)
-        tl.store(sp + 1, zb)
-        tl.store(sp + 2, prefix)
-        tl.store(sp + 3, need)
+        tl.store(sp + 1, prefix)
+        tl.store(sp + 2, need)
     if on:
-        hrow = hist + ((LEVEL + 3) * B + row) * HS
+        hrow = hist + ((LEVEL + 2) * B + row) * HS
         total = tl.zeros((), tl.int64)
         lo = c * CH
         for s in range(0, CH, BLOCK):
@@ -287,13 +255,9 @@ def topp_level_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st
             msk = offs < V
             z = load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED)
             key = okey(z)
-            if LEVEL == 0:
-                q = mass(z, m, msk & (key >= key_lo))
-                add_mass(hrow, zbin(z, m), q)
+            q = mass(z, m, msk & (key >= key_lo))
+            tl.atomic_add(hrow + ((key >> SHIFT_D) & DMASK), q, mask=((key >> SHIFT_IN) == prefix) & (q > 0))
+            if LEVEL == 1:
                 total += tl.sum(q)
-            else:  # only bin b*'s tokens count; a block with none of them skips the masses
-                cand = msk & (key >= key_lo) & (zbin(z, m) == zb) & ((key >> SHIFT_IN) == prefix)
-                if tl.max(cand.to(tl.int32)) > 0:
-                    add_mass(hrow, (key >> SHIFT_D) & DMASK, mass(z, m, cand))
-        if LEVEL == 0:
+        if LEVEL == 1:
             tl.atomic_add(hrow + 2048, total)

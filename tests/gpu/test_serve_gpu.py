@@ -14,8 +14,10 @@ from e2e_support import ARTIFACTS, graphline, start_server  # noqa: E402
 
 aiohttp = pytest.importorskip("aiohttp")
 
+# a fixed KV cache (1024 blocks of 64 tokens: 7.5 GB), not half the free memory: the GPU suite runs its files in
+# parallel processes on one GPU, and the others capture graphs while this server holds its cache
 GPU_ARGS = ["--model", "qwen3-0.6b", "--max-model-len", "2048", "--max-decode-batch", "64", "--pcg-max-tokens", "1024",
-            "--pcg-token-stride", "256", "--no-progress", "--port", "0"]
+            "--pcg-token-stride", "256", "--num-kv-blocks", "1024", "--no-progress", "--port", "0"]
 
 
 async def _complete(s, url: str, prompt, stream: bool = False, max_tokens: int = 16) -> list[int]:

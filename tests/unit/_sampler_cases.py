@@ -6,10 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import torch
 
 from modeling.sampler import HostBatch, RowSpec, SamplerParams
-from modeling.sampler import numerics as nx
 
 CAPS = dict(max_bias=8, max_ban=4, max_penalty_tokens=16)
 
@@ -64,38 +62,3 @@ def reference_probs(logits: np.ndarray, spec: RowSpec) -> np.ndarray:
 
 def with_seed(spec: RowSpec, seed: int) -> RowSpec:
     return dataclasses.replace(spec, seed=seed)
-
-
-def boundary_logits(v: int) -> torch.Tensor:
-    """fp32 logits `[v]` (row max 0; for T = 1, top_p = 0.5) whose top-p target ceil(total / 2) is exactly the mass of
-    the six tokens z = 0, -1, ..., -3 (the top mass bins down to the bin of -3): the crossing token is the last
-    one of its bin. Below: tokens at z in [-6, -3.5] and a few of tiny mass (found by bisection over fp32 values)
-    that make the mass below exactly equal the mass above; every other token at -40 (mass 0); ids shuffled."""
-    def q(z: torch.Tensor) -> torch.Tensor:
-        return nx.mass(z.reshape(1, -1), torch.zeros(1), torch.ones(1, z.numel(), dtype=torch.bool))[0]
-
-    upper = torch.tensor([0.0, -1.0, -1.5, -2.0, -2.5, -3.0])
-    want = int(q(upper).sum())
-    lower = []
-    for z in torch.linspace(-3.5, -6.0, 400).tolist():
-        if int(q(torch.tensor(lower + [z])).sum()) <= want:
-            lower.append(z)
-    lo_bits = torch.tensor([-3.5]).view(torch.int32).item()  # negative floats: larger bits = smaller value
-    hi_bits = torch.tensor([-23.0]).view(torch.int32).item()
-    gap = want - int(q(torch.tensor(lower)).sum())
-    while gap > 0:  # the largest z in [-23, -3.5] whose mass fits the gap (masses fall with z)
-        a, b = lo_bits, hi_bits
-        while a < b:
-            mid = (a + b) // 2
-            if int(q(torch.tensor([mid], dtype=torch.int32).view(torch.float32))) <= gap:
-                b = mid
-            else:
-                a = mid + 1
-        z = torch.tensor([a], dtype=torch.int32).view(torch.float32)
-        lower.append(float(z))
-        gap -= int(q(z))
-    vals = torch.cat([upper, torch.tensor(lower)])
-    assert vals.numel() <= v and int(q(vals).sum()) == 2 * want
-    x = torch.full((v,), -40.0)
-    x[torch.randperm(v, generator=torch.Generator().manual_seed(v))[: vals.numel()]] = vals
-    return x

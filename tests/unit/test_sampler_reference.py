@@ -1,6 +1,5 @@
 """The torch sampler path: counter-based noise (Philox known-answer vectors, reproducible whatever the batch and
-row), logprobs of the raw logits, greedy rows, exact radix thresholds (ties kept), log / exp accuracy; the
-kernels' top-p selection (mass bins first) written in torch gives the reference threshold."""
+row), logprobs of the raw logits, greedy rows, exact radix thresholds (ties kept), log / exp accuracy."""
 import numpy as np
 import pytest
 import torch
@@ -9,7 +8,7 @@ from modeling.sampler import HostBatch, RowSpec, SamplerParams, SamplerVariant, 
 from modeling.sampler import numerics as nx
 from modeling.sampler.collectives import ShardGroup
 from modeling.sampler.reference import radix_select
-from tests.unit._sampler_cases import CAPS, boundary_logits
+from tests.unit._sampler_cases import CAPS
 
 V = 3000
 
@@ -146,52 +145,3 @@ def test_top_k_keeps_every_token_tied_at_the_threshold():
     p.load(HostBatch.from_rows(rows, vocab_size=V, **CAPS))
     drawn = set(sample(logits.expand(len(rows), V), p).tokens.tolist())
     assert drawn == {5, 6, 7, 8}
-
-
-def _mass_bin_select(z, m, allowed, target):
-    """The kernels' top-p selection in torch: the mass bin where the mass from the top first reaches the target
-    (a higher bin holds higher keys), then the key radix over that bin's tokens with the mass still needed."""
-    keys, q, bins = nx.ordered_key(z), nx.mass(z, m, allowed), nx.mass_bin(z, m)
-    h = torch.zeros(z.shape[0], nx.MASS_BINS, dtype=torch.int64).scatter_add_(1, bins, q)
-    suf = h.flip(1).cumsum(1).flip(1)
-    b = ((suf >= target[:, None]).sum(1) - 1).clamp(min=0)
-    need = target - (suf.gather(1, b[:, None]) - h.gather(1, b[:, None])).squeeze(1)
-    inbin = torch.where(bins == b[:, None], q, torch.zeros_like(q))
-    return radix_select(keys, inbin, need, torch.ones_like(target, dtype=torch.bool), ShardGroup(None)), h, suf
-
-
-def test_mass_bins_first_give_the_reference_top_p_threshold():
-    """Bins are non-decreasing in the key; the bin-first selection equals `radix_select` on every row (equal
-    logits, flat to peaked, bf16 ties, z crossing 0, tokens on bin edges, a target equal to the mass of the top
-    bins down to a bin boundary) for top_p from 2^-24 to 1 - 2^-24 and for targets on every kind of boundary."""
-    g = torch.Generator().manual_seed(7)
-    n = 2000
-    r = torch.randn(12, n, generator=g)
-    z = torch.stack([torch.full((n,), 1.25), r[0] * 1e-3, r[1] * 0.05, r[2], r[3] * 3, r[4] * 10,
-                     (r[5] * 2.5).bfloat16().float(), (r[6] * 0.8).bfloat16().float() / 0.7,
-                     r[7] * 0.004 + 0.001, -(torch.arange(n) % 600).float() / 89 + 2.0,
-                     torch.where(r[8] > 1.5, r[9] * 0.5, -40.0), boundary_logits(n)])
-    z[3, :50] = float("-inf")
-    z[8, :4] = torch.tensor([0.0, -0.0, 1e-30, -1e-30])
-    m = z.amax(1)
-    allowed = torch.ones_like(z, dtype=torch.bool)
-    allowed[4] = z[4] >= z[4].sort(descending=True).values[300]  # as after top-k
-    keys, bins = nx.ordered_key(z), nx.mass_bin(z, m)
-    q = nx.mass(z, m, allowed)
-    pos = q > 0
-    for i in range(z.shape[0]):  # a higher key never has a lower bin
-        order = keys[i][pos[i]].argsort()
-        assert (bins[i][pos[i]][order].diff() >= 0).all()
-    total = q.sum(1)
-    fixed = [1, 17, 1 << 12, 1 << 23, 15099494, (1 << 24) - 1]
-    for f in fixed:
-        target = nx.top_p_target(total, torch.full_like(total, f))
-        got, _, _ = _mass_bin_select(z, m, allowed, target)
-        assert torch.equal(got, radix_select(keys, q, target, torch.ones_like(pos[:, 0]), ShardGroup(None))), f
-    _, _, suf = _mass_bin_select(z, m, allowed, nx.top_p_target(total, torch.full_like(total, 1 << 23)))
-    assert suf[-1][nx.mass_bin(torch.tensor([[-3.0]]), torch.zeros(1)).item()] == (total[-1] + 1) // 2
-    for j in (2047, 2046, 2000, 1900, 1780, 1500, 1000, 300, 0):  # the mass of the bins >= j, +-1
-        for delta in (-1, 0, 1):
-            target = (suf[:, j] + delta).clamp(1, None).minimum(total)
-            got, _, _ = _mass_bin_select(z, m, allowed, target)
-            assert torch.equal(got, radix_select(keys, q, target, torch.ones_like(pos[:, 0]), ShardGroup(None)))
