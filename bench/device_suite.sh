@@ -38,6 +38,8 @@ benches)
 owed)
   # issue 20: sampled vs greedy through the coordinator, with top_k 50 and logprobs, armed and not
   timeout 110 python3 -m bench.dist_bench --model qwen3-0.6b --tp 1 --batches 1,8,64 --paths pipe --sampling greedy,t1_p0.9,t1_k50,greedy_lp5,t1_p0.9_lp5 --steps 150 --armed-wait-ms 20,0 --out "$out/dist_bench_sampling.json" 2>&1 | quiet | tee "$out/dist_bench_sampling.log" | grep -E "^1 |sampled /"
+  timeout 60 python3 -m bench.sampler_bench --batches 1,8,64 --out "$out/sampler_bench.json" 2>&1 | quiet | tee "$out/sampler_bench.log" | tail -5
+  timeout 120 python3 bench/serve_bench.py --model qwen3-0.6b --temperature 1.0 --top-p 0.9 --compare-greedy --concurrency 1,64 --requests-per-client 4 --out "$out/serve_sampled.json" 2>&1 | grep -v "\[server\]" | tail -8
   # issue 22: TTFT over HTTP at 1 client with and without full prefill graphs; TTFT, chunking, prefix caching
   for pg in 2048 0; do
     timeout 60 python3 bench/serve_bench.py --model qwen3-0.6b --concurrency 1 --requests-per-client 24 --server-arg=--prefill-graph-max-tokens=$pg --out "$out/serve_ttft_pg$pg.json" 2>&1 | grep -v "\[server\]" | tail -4
