@@ -189,7 +189,7 @@ class ArmedDecode:
         one), or None when the arm could not take it (another graph or head, or the gate had given up waiting);
         the arm is spent either way and the caller runs the step the usual way. `head`: None for a greedy step,
         else the `GraphHead` the step needs, with `rows` its `HostBatch` for the heads' parameter block and
-        `rows_key` their key (`StepSampler.graph_head_keyed`; None: unknown).
+        `rows_key` their key (`StepSampler.graph_head`; None: unknown).
         `pending(host, event, multi, recycle, logprobs=None)` makes the `PendingTokens`."""
         with self._lock:
             arm, self._arm = self._arm, None

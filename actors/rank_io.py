@@ -49,7 +49,7 @@ class RankStepIO:
         head = rows = key = None
         if not greedy:
             try:
-                need = self.sampler().graph_head_keyed(batch, lane.key.batch, self.runner.epilogue_outputs)
+                need = self.sampler().graph_head(batch, lane.key.batch, self.runner.epilogue_outputs)
             except BaseException:
                 armer.cancel()
                 raise

@@ -102,11 +102,9 @@ class StepSampler:
             return logits
         return logits[:, sh.offset: sh.offset + sh.width]
 
-    def _host_batch(self, batch: StepBatch, lists: bool = True) -> HostBatch:
-        """The batch's sampling rows; `lists=False` leaves out the per-row lists (bias, bans, penalties), keeping
-        min_p: for the captured heads, whose parameter block has no room for them (`_graph_rows`)."""
-        if not lists:
-            return self._graph_rows(batch)[0]
+    def _host_batch(self, batch: StepBatch) -> HostBatch:
+        """The batch's sampling rows, lists included, for the eager sampler (the captured heads' rows, without
+        lists: `_graph_rows`)."""
         ex = batch.extras
         position = batch.num_history.astype(np.int64) + batch.q_seqlens
         kw = {} if ex is None else dict(min_p=ex.min_p, penalties=ex.penalties, bias_ids=ex.bias_ids,
@@ -168,18 +166,13 @@ class StepSampler:
         return self._graph_params
 
     def graph_head(self, batch: StepBatch, bucket: int, captured: Callable[[int, str], object]
-                   ) -> Optional[tuple[GraphHead, HostBatch]]:
-        """Which captured sampler head serves the sampled decode batch `batch` on a decode graph of `bucket`, and
-        the batch's rows for the heads' parameter block: (head, rows), or None when the batch needs the eager
-        sampler (more than `GRAPH_LOGPROBS` logprobs, logit bias, bans, penalties, a large top-k) or no head of
-        that bucket was captured (`captured(bucket, name)` is None). Host only: nothing is staged or enqueued."""
-        found = self.graph_head_keyed(batch, bucket, captured)
-        return None if found is None else found[:2]
-
-    def graph_head_keyed(self, batch: StepBatch, bucket: int, captured: Callable[[int, str], object]
-                         ) -> Optional[tuple[GraphHead, HostBatch, tuple]]:
-        """`graph_head` and the rows' key (`_graph_rows`: equal keys, equal rows but for their positions), for
-        `SamplerParams.stage` / `stage_armed` to write only the positions of rows a mirror already holds."""
+                   ) -> Optional[tuple[GraphHead, HostBatch, tuple]]:
+        """Which captured sampler head serves the sampled decode batch `batch` on a decode graph of `bucket`, the
+        batch's rows for the heads' parameter block and their key (`_graph_rows`: equal keys, equal rows but for
+        their positions, so `SamplerParams.stage` / `stage_armed` write only the positions of rows a mirror
+        already holds): (head, rows, key), or None when the batch needs the eager sampler (more than
+        `GRAPH_LOGPROBS` logprobs, logit bias, bans, penalties, a large top-k) or no head of that bucket was
+        captured (`captured(bucket, name)` is None). Host only: nothing is staged or enqueued."""
         ex = batch.extras
         params = self._graph_params
         if params is None or bucket > params.max_batch or (ex is not None and (ex.num_logprobs > GRAPH_LOGPROBS
@@ -201,7 +194,7 @@ class StepSampler:
         parameter block; or None (nothing enqueued) when the batch needs the eager sampler. A logprob head's
         outputs hold `GRAPH_LOGPROBS` top entries: the caller keeps the batch's first N. Rows of the same key as
         the staging mirror's last ones (a decode loop's) write only their positions (`SamplerParams.stage`)."""
-        found = self.graph_head_keyed(batch, bucket, captured)
+        found = self.graph_head(batch, bucket, captured)
         if found is None:
             return None
         params = self._graph_params

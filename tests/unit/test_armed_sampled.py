@@ -67,7 +67,7 @@ def test_graph_head_names_the_head_the_unarmed_path_stages():
              (_batch(temperature=[1.0] * 3, top_k=[9] * 3, top_p=[0.8] * 3, seeds=[1, 2, 3], extras=_extras(3, 0)),
               GraphHead("sample_kp_lp", 0))]
     for batch, want in cases:
-        head, rows = s.graph_head(batch, BUCKET, _captured)
+        head, rows, _ = s.graph_head(batch, BUCKET, _captured)
         assert head == want and rows.n == batch.batch_size
         assert s.stage_graph_rows(batch, BUCKET, _captured) == want.name
     # the eager sampler's steps: no head
@@ -219,7 +219,7 @@ def test_armed_goes_of_a_decode_loop_write_what_a_full_staging_does():
                                            step(12, n=2), step(13)] + [step(14 + k) for k in range(5)]
     positions_only = 0
     for batch in steps:
-        head, rows, key = s.graph_head_keyed(batch, BUCKET, _captured)
+        head, rows, key = s.graph_head(batch, BUCKET, _captured)
         slot = got.arm_upload(BUCKET)
         before = got._mirrors[slot].scalars_np.copy()
         got.stage_armed(slot, rows, key)
@@ -228,7 +228,7 @@ def test_armed_goes_of_a_decode_loop_write_what_a_full_staging_does():
         positions_only += changed <= set(range(8 * Q_POSITION, 8 * Q_POSITION + 8))
         got.upload(BUCKET, lists=False)  # on CPU the arm's copy ran before the rows were written: copy again
         fresh = _sampler().graph_params
-        fresh.stage(_sampler()._host_batch(batch, lists=False))
+        fresh.stage(_sampler()._graph_rows(batch)[0])
         fresh.upload(BUCKET, lists=False)
         assert torch.equal(got.scalars[:BUCKET], fresh.scalars[:BUCKET])
     # a mirror of the ring of 4 writes whole rows when it last held other rows (another key or size): 5 of the first
@@ -277,7 +277,7 @@ def test_sampled_go_writes_both_mirrors_before_it_opens_the_gate(parts):
     slot, seq = a._arm.slot, a._arm.seq
     del parts.calls[:]
     batch = _top_p(3, seed0=40)
-    need, rows = parts.sampler.graph_head(batch, BUCKET, _captured)
+    need, rows, _ = parts.sampler.graph_head(batch, BUCKET, _captured)
     assert need == head
     got = a.take(parts.runner, parts.lane, batch, PendingTokens, need, rows)
     assert parts.calls == ["stage decode", "stage params", ("open", seq, True)]
@@ -301,7 +301,7 @@ def test_logprob_go_reads_back_the_steps_top_n_like_the_unarmed_path(parts):
     a, head = parts.armer, GraphHead("sample_lp", 5)
     a.arm(parts.runner, parts.lane, head, parts.params)
     batch = _lp5(3)
-    need, rows = parts.sampler.graph_head(batch, BUCKET, _captured)
+    need, rows, _ = parts.sampler.graph_head(batch, BUCKET, _captured)
     out = a.take(parts.runner, parts.lane, batch, PendingTokens, need, rows).result()
     outs, (chosen, top_ids, top_lp) = parts.runner.outs["sample_lp"], parts.runner.lp
     np.testing.assert_array_equal(out.tokens, outs[0][:3].numpy())
@@ -340,7 +340,7 @@ def test_a_greedy_arm_cancels_for_a_sampled_step_and_a_sampled_go_follows(parts)
     a.arm(parts.runner, parts.lane)
     assert a._arm.head is None and "params transfer" not in parts.calls
     batch = _top_p()
-    need, rows = parts.sampler.graph_head(batch, BUCKET, _captured)
+    need, rows, _ = parts.sampler.graph_head(batch, BUCKET, _captured)
     assert a.take(parts.runner, parts.lane, batch, PendingTokens, need, rows) is None
     assert a.counts["cancelled"] == 1
     a.arm(parts.runner, parts.lane, need, parts.params)  # the rank arms again with the head that step took

@@ -377,11 +377,11 @@ def test_staged_rows_of_a_decode_loop_equal_a_full_staging_every_step():
         assert s.stage_graph_rows(batch, 8, lambda b, name: ()) is not None
         fresh = StepSampler(torch.device("cpu"), V, 256)
         list(fresh.graph_heads(lambda h, b: h, max_rows=16))
-        fresh.graph_params.stage(fresh._host_batch(batch, lists=False))
+        fresh.graph_params.stage(fresh._graph_rows(batch)[0])
         fresh.graph_params.upload(8, lists=False)
         assert torch.equal(s.graph_params.scalars[:8], fresh.graph_params.scalars[:8]), k
         variant = s._graph_rows(batch)[1]
-        assert variant == fresh._host_batch(batch, lists=False).variant()
+        assert variant == fresh._graph_rows(batch)[0].variant()
 
 
 # ---- the server's token strings

@@ -152,13 +152,13 @@ def test_captured_head_rows_of_the_next_decode_step_equal_fresh_ones():
     reused = 0
     for step in steps:
         last = s._last_rows
-        got = s._host_batch(step, lists=False)
+        got = s._graph_rows(step)[0]
         reused += last is not None and got is not last[1] and got.top_p is last[1].top_p
-        want = StepSampler(torch.device("cpu"), V, 512)._host_batch(step, lists=False)
+        want = StepSampler(torch.device("cpu"), V, 512)._graph_rows(step)[0]
         for name in {**HostBatch.SCALARS, **HostBatch.LISTS}:
             a, w = getattr(got, name), getattr(want, name)
             assert a.dtype == w.dtype and a.shape == w.shape and a.tobytes() == w.tobytes(), name
     assert reused == 3  # the three steps that only moved on
-    s._host_batch(b, lists=False)  # then the same rows at bad positions: not reused, `validate`'s error
+    s._graph_rows(b)[0]  # then the same rows at bad positions: not reused, `validate`'s error
     with pytest.raises(SamplerParamError, match="position"):
-        s._host_batch(dataclasses.replace(b, num_history=b.num_history - 1000), lists=False)
+        s._graph_rows(dataclasses.replace(b, num_history=b.num_history - 1000))[0]
