@@ -151,7 +151,7 @@ class ArmedDecode:
                     lane.replay_head(runner)
                     host.copy_(lane.head_out[:p], non_blocking=True)
                 else:
-                    slot = params.arm_upload(p)  # default rows now; the go writes the live ones before opening
+                    slot = params.arm_upload(p)  # the mirror keeps its rows; the go writes the live ones before opening
                     runner.replay_epilogue(p, head.name)
                     for h, o in zip(host, outs):
                         h.copy_(o, non_blocking=True)

@@ -265,7 +265,8 @@ def test_sampled_arm_orders_gate_decode_graph_params_head_then_copies(parts):
                            ("head", "sample_p")]
     arm = a._arm
     assert a.armed and a.counts["armed"] == 1 and arm.event.recorded == 1
-    # padding: the mirror the armed transfer reads holds default rows (greedy, seed 0) until a go writes it
+    # padding: the (fresh) mirror the armed transfer reads holds default rows (greedy, seed 0) until a go writes it;
+    # a mirror that served a step keeps that step's rows (test_armed_goes_of_a_decode_loop_...)
     m = _mirror(parts.params, arm.slot)
     assert (m.view(np.float32)[:, F_TEMPERATURE] == 0).all() and (m.view(np.int64)[:, Q_SEED] == 0).all()
     assert torch.equal(arm.host[0], parts.runner.outs["sample_p"][0])  # the head's whole bucket is copied
