@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional, Sequence
 
-Entry = tuple[float, list[int], list[float]]
+from engine.logprob_rows import Entry  # (chosen logprob, top ids, top logprobs) of one token
 
 # most ids a tokenizer's cache keeps (a vocabulary's worth); ids beyond it are decoded each time
 MAX_CACHED_IDS = 1 << 18
