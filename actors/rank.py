@@ -139,7 +139,8 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
         """A graph runner over the model and KV cache (captures nothing yet). Also compiles every attention kernel
         variant serving can pick, side by side on threads (`Qwen3ForCausalLM.warm_up_kernels`): a compile
         mid-serving stalls every request of the step for about a second. A worker starts these compiles before
-        its process groups form (`actors.kernel_warm_up`), so here they are usually cached already."""
+        its process groups form (`actors.kernel_warm_up`), so here they are usually cached already. Then the
+        eager sampler's variant classes (`warm_up_sampler`; `cfg.sampler_warm_up`), in lock-step under TP."""
         self._forget_lanes()
         self.runner = CUDAGraphRunner(
             self.model, self.cfg.graph, self.device, self._dummy_step, self.cfg.max_blocks_per_seq, stream=self.stream,
@@ -150,7 +151,11 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
             with torch.inference_mode(), self.on_stream():
                 self.model.warm_up_kernels(self.kv_cache.layers)
                 self._armer = self._make_armer()
+                t1 = time.perf_counter()
+                if self.cfg.sampler_warm_up:
+                    self.warm_up_sampler()
             self.timings["kernel_warm_up_s"] = time.perf_counter() - t0
+            self.timings["sampler_warm_up_s"] = time.perf_counter() - t1
 
     def _make_armer(self) -> Optional[ArmedDecode]:
         """The armed-decode state of this rank, or None where it may not arm (see `RuntimeConfig`); compiles the

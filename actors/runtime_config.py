@@ -35,6 +35,8 @@ class RuntimeConfig:
         sampled by a captured sampler head, enqueued behind a gate while the rank waits for its request) waits
         before it gives up (TP > 1: before the driver disarms it); 0 = never arm. Only CUDA ranks with
         expert-parallel size 1 arm.
+    sampler_warm_up: launch the eager sampler once per variant class at start-up (CUDA ranks;
+        `modeling.sampler.warm_up`), so that no request compiles a sampler kernel mid-serving.
     """
 
     model: str = "qwen3-tiny"
@@ -50,6 +52,7 @@ class RuntimeConfig:
     head_graph_max_batch: int = 64
     armed_decode_wait_ms: float = 20.0
     kernels: KernelOptions = KernelOptions()
+    sampler_warm_up: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:

@@ -20,6 +20,7 @@ import numpy as np
 TEMPERATURE_EPS = 1e-5  # below it a row is greedy (vLLM's _SAMPLING_EPS)
 TOP_P_ONE = 1 << 24  # top_p fixed point: round(top_p * 2^24)
 TOP_K_FAST = 128  # top-k up to this k takes the per-chunk candidate path on the device
+LOGPROB_CLASSES = (5, 20)  # top-N the kernels compute: the smallest class >= N asked for, cut to N after
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias value
 
 

@@ -87,7 +87,7 @@ def patch_kernel(work, sw, recf, rs, li, lf, lrs, V, voff, OFF_BI: tl.constexpr,
         tl.store(wrow + ploc, y, mask=pok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("B", "C"))
 def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, nmax, gmax, hist, B, V, CH, C, KF,
                  BLOCK: tl.constexpr, N: tl.constexpr, GN: tl.constexpr, G: tl.constexpr,
                  HAS_TOPK: tl.constexpr, PROCESSED: tl.constexpr, TOPK_LARGE: tl.constexpr):
@@ -136,7 +136,7 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, nmax, gmax, hist, 
         tl.atomic_add(hist + row * HS + ar, hacc.to(tl.int64), mask=hacc > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("B", "C"))
 def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hist, best, B, V, CH, C, NT, voff, KF,
                   BLOCK: tl.constexpr, PROCESSED: tl.constexpr, HAS_TOPK: tl.constexpr, TOPK_LARGE: tl.constexpr,
                   HAS_TOPP: tl.constexpr, NPP2: tl.constexpr):
@@ -245,7 +245,7 @@ def local_top(logits, sl, nmax, row, V, M, voff, NP2: tl.constexpr, GN: tl.const
     return _largest(tl.where(ok, pack(raw, loc + voff), SENTINEL), NP2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))
 def topn_kernel(logits, sl, nmax, cands, V, M, voff, N: tl.constexpr, NP2: tl.constexpr, GN: tl.constexpr,
                 S: tl.constexpr, TB: tl.constexpr):
     """TP only, one program per row: this rank's top N packed raw keys (`local_top`) into `cands` `[B, NP2]`."""
@@ -253,7 +253,7 @@ def topn_kernel(logits, sl, nmax, cands, V, M, voff, N: tl.constexpr, NP2: tl.co
     tl.store(cands + row * NP2 + tl.arange(0, NP2), local_top(logits, sl, nmax, row, V, M, voff, NP2, GN, S, TB))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("B", "C", "M"))
 def finish_kernel(parts, cands, best, logits, sl, nmax, tokens, chosen, top_ids, top_lp, B, C, NT, V, M, voff,
                   N: tl.constexpr, NP2: tl.constexpr, GN: tl.constexpr, S: tl.constexpr, TB: tl.constexpr,
                   NPP2: tl.constexpr, NTP2: tl.constexpr, LOCAL: tl.constexpr):

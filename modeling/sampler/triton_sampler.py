@@ -22,12 +22,15 @@ next replay). No host synchronisation.
 """
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 
 from . import triton_kernels as tk
 from . import triton_select as tsel
 from .collectives import ShardGroup
-from .host import TOP_K_FAST, SamplerVariant
+from .host import LOGPROB_CLASSES, TOP_K_FAST, SamplerVariant
 from .params import I_TOP_K, SamplerParams  # noqa: F401  (record layout shared with triton_select)
 from .reference import SampleOutput
 
@@ -59,16 +62,60 @@ def chunking(batch: int, width: int, target: int = TARGET_PROGRAMS, max_chunks: 
     return ch, -(-width // ch)
 
 
-def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVariant, n: int, voff: int,
+class LaunchShape(NamedTuple):
+    """The compile-time constants of one shard width, TP size and top-N class, the same for every batch size
+    (each the largest any batch's chunking needs), so a variant compiled at one batch serves every batch: a
+    captured head's compile serves the eager path too. g / gn: ids per top-k / top-N group maximum; npp2: the
+    power of two >= every rank's chunks of a row; tb_k: of every rank's top-k group maxima; topn: the top-N
+    constexprs of `local_top`."""
+
+    g: int
+    gn: int
+    npp2: int
+    tb_k: int
+    topn: dict  # read-only (shared by every launch of the shape)
+
+
+def launch_shape(width: int, nt: int, n: int) -> LaunchShape:
+    """`width`: the chunking width (the widest shard); `nt`: TP ranks; `n`: the kernels' top N (0 or a class)."""
+    return _launch_shape(width, nt, n, BLOCK, MAX_CHUNK)  # the tests lower BLOCK and MAX_CHUNK
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_shape(width: int, nt: int, n: int, _block: int, _max_chunk: int) -> LaunchShape:
+    shapes = {chunking(b, width) for b in range(1, TARGET_PROGRAMS + 1)}  # b >= TARGET_PROGRAMS chunks as b does
+    padded = max(ch * c for ch, c in shapes)  # ids per row a chunking covers, at most
+    g = TOPK_GROUP
+    while nt * padded // g > TOPK_MAX_GROUPS and g < BLOCK:
+        g *= 2
+    gn = TOPN_GROUP
+    while n and padded // gn > TOPN_MAX_GROUPS and gn < BLOCK:
+        gn *= 2
+    mn = padded // gn
+    np2 = max(2, _pow2(n)) if n else 2
+    sup = max(2, _pow2(mn) // TOPN_SUPERS)  # group maxima per super group
+    topn = {"N": n, "NP2": np2, "GN": gn, "S": sup, "TB": sup * max(np2, _pow2(mn) // sup)}  # >= NP2 supers
+    return LaunchShape(g, gn, _pow2(nt * max(c for _ch, c in shapes)), _pow2(nt * padded // g), topn)
+
+
+def topn_class(n: int) -> int:
+    """The top N the kernels compute for `n` logprobs (0: none)."""
+    return 0 if n <= 0 else next((k for k in LOGPROB_CLASSES if k >= n), n)
+
+
+def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVariant, n_asked: int, voff: int,
                   group: ShardGroup, shard_width: int) -> SampleOutput:
     b, v = logits.shape
-    if n > v:
-        raise ValueError(f"num_logprobs {n} exceeds the shard width {v}")
+    if n_asked > v:
+        raise ValueError(f"num_logprobs {n_asked} exceeds the shard width {v}")
+    n = min(topn_class(n_asked), v)
     dev = logits.device
-    ch, c = chunking(b, max(shard_width, v))
+    width = max(shard_width, v)
+    ch, c = chunking(b, width)
     nt = group.size
-    npp2 = _pow2(nt * c)
-    np2 = max(2, _pow2(n)) if n else 2
+    shape = launch_shape(width, nt, n)
+    npp2, topn = shape.npp2, shape.topn
+    np2 = topn["NP2"]
     grid = (b, c)
     recf, reci, recq = p.scalars.view(torch.float32), p.scalars.view(torch.int32), p.scalars.view(torch.int64)
     rs, rsq = recf.stride(0), recq.stride(0)
@@ -89,18 +136,11 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
     st = torch.empty((6, b, 4), dtype=torch.int64, device=dev)
     parts = torch.empty((b, c, 4), dtype=torch.float32, device=dev)
     kf = TOP_K_FAST if variant.top_k else 2
-    g = TOPK_GROUP
-    while variant.top_k and nt * c * (ch // g) > TOPK_MAX_GROUPS and g < BLOCK:
-        g *= 2
+    g, gn = shape.g, shape.gn
     m = c * (ch // g)  # group maxima per row and rank
     gmax = torch.empty((b, m) if variant.top_k else (1,), dtype=torch.int32, device=dev)
-    gn = TOPN_GROUP
-    while n and c * (ch // gn) > TOPN_MAX_GROUPS and gn < BLOCK:
-        gn *= 2
     mn = c * (ch // gn)  # top-N group maxima per row (this rank's)
     nmax = torch.empty((b, mn) if n else (1,), dtype=torch.int32, device=dev)
-    sup = max(2, _pow2(mn) // TOPN_SUPERS)  # group maxima per super group
-    topn = {"N": n, "NP2": np2, "GN": gn, "S": sup, "TB": sup * max(np2, _pow2(mn) // sup)}  # >= NP2 supers
     common = (logits, sl, work, sw)
     flags = {"PROCESSED": variant.processed}
     tk.stats_kernel[grid](*common, recf, reci, rs, parts, nmax, gmax, hist, b, v, ch, c, kf, BLOCK=BLOCK, N=n,
@@ -112,7 +152,7 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
         tk.topn_kernel[(b,)](logits, sl, nmax, cands, v, mn, voff, **topn, num_warps=8, enable_fp_fusion=False)
         cands = group.gather(cands)
     if variant.top_k:  # k <= kf: tau from the group maxima, the candidates above it, the k-th largest of those
-        tsel.topk_tau_kernel[(b,)](recf, reci, rs, group.gather(gmax), st, b, m, nt, kf, TB=_pow2(nt * m),
+        tsel.topk_tau_kernel[(b,)](recf, reci, rs, group.gather(gmax), st, b, m, nt, kf, TB=shape.tb_k,
                                    num_warps=8, enable_fp_fusion=False)
         cap = kf * g  # > (k - 1) * g, the most candidates a row can have over all ranks
         cand = torch.empty((b, cap), dtype=torch.int32, device=dev)
@@ -144,4 +184,4 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
     tk.finish_kernel[(b,)](parts, cands, best, logits, sl, nmax, tokens, chosen, top_ids, top_lp, b, c, nt, v, mn,
                            voff, **topn, NPP2=npp2, NTP2=_pow2(nt), LOCAL=nt == 1, num_warps=8 if n else NUM_WARPS,
                            enable_fp_fusion=False)
-    return SampleOutput(tokens, chosen, top_ids[:, :n], top_lp[:, :n])
+    return SampleOutput(tokens, chosen, top_ids[:, :n_asked], top_lp[:, :n_asked])

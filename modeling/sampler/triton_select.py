@@ -86,7 +86,7 @@ def load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED: tl.constexpr):
     return x * invt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("B", "M"))
 def topk_tau_kernel(recf, reci, rs, gmax, st, B, M, NT, KF, TB: tl.constexpr):
     """One program per row with 0 < k <= KF: tau, the k-th largest of the row's group maxima (int32 keys
     `[NT, B, M]`, every rank's; -2^31 when fewer than k groups), into state 5 slot 1. Fewer than k groups have a
@@ -108,7 +108,7 @@ def topk_tau_kernel(recf, reci, rs, gmax, st, B, M, NT, KF, TB: tl.constexpr):
     tl.store(st + (5 * B + row) * 4 + 1, tau)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("B",))
 def topk_compact_kernel(logits, sl, work, sw, recf, reci, rs, st, cand, ccount, B, V, CH, KF, CAP,
                         BLOCK: tl.constexpr, PROCESSED: tl.constexpr):
     """Rows with 0 < k <= KF: append the int32 key of every z above tau to the row's candidates `[B, CAP]`
@@ -131,7 +131,7 @@ def topk_compact_kernel(logits, sl, work, sw, recf, reci, rs, st, cand, ccount, 
                 tl.store(cand + row * CAP + pos, key.to(tl.int32), mask=sel & (pos < CAP))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("B",))
 def topk_select_kernel(recf, reci, rs, st, cand, ccount, B, NT, KF, CAP, CB: tl.constexpr):
     """One program per row with 0 < k <= KF: the k-th largest key of z, into state 5: bisection over the
     candidates above tau (every rank's, `[NT, B, CAP]`) when there are at least k of them, else tau itself."""
@@ -164,7 +164,7 @@ def topk_select_kernel(recf, reci, rs, st, cand, ccount, B, NT, KF, CAP, CB: tl.
     tl.store(st + (5 * B + row) * 4, key_k)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("B",))
 def topk_level_kernel(logits, sl, work, sw, recf, reci, rs, st, hist, B, V, CH, KF, LEVEL: tl.constexpr,
                       BLOCK: tl.constexpr, PROCESSED: tl.constexpr):
     """Rows with k > KF: resolve top-k digit LEVEL-1, count keys inside it by digit LEVEL."""
@@ -203,7 +203,7 @@ def topk_level_kernel(logits, sl, work, sw, recf, reci, rs, st, hist, B, V, CH, 
         tl.atomic_add(hist + ((LEVEL - 1) * B + row) * HS + ar, hacc.to(tl.int64), mask=hacc > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("B", "C"))
 def topp_level_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hist, B, V, CH, C, NT, KF,
                       LEVEL: tl.constexpr, BLOCK: tl.constexpr, PROCESSED: tl.constexpr, HAS_TOPK: tl.constexpr,
                       TOPK_LARGE: tl.constexpr, NPP2: tl.constexpr):

@@ -1,0 +1,56 @@
+"""Start-up launches of the batched sampler, one per variant class the eager path can meet, so that no request
+compiles a Triton kernel mid-serving: a compile stalls every request of its step for seconds.
+
+The Triton kernels' compile-time constants do not depend on the batch (`triton_sampler.launch_shape`; the batch
+and chunk counts are not specialised), so one row per class compiles what every batch size of that class runs.
+A class is a `SamplerVariant` (processing, top-k up to `TOP_K_FAST` or larger, top-p) and a top-N class (none or
+one of `LOGPROB_CLASSES`). The captured sampler heads compile the unprocessed classes again at capture (from the
+cache); prefill, mixed and uncaptured steps sample eagerly and meet all of them.
+
+Lifetime: a rank's start-up, on the caller's current stream, before any graph is captured. Under TP every rank
+must call it with the same arguments (the sampler's collectives run in lock-step).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional
+
+import torch
+
+from .api import sample
+from .host import LOGPROB_CLASSES, TOP_K_FAST, HostBatch, RowSpec, SamplerVariant
+from .params import SamplerParams
+
+
+def warm_up_classes() -> list[tuple[SamplerVariant, int]]:
+    """Every (variant, top-N) pair the eager sampler can launch: 2 x 3 x 2 variants x (1 + len(LOGPROB_CLASSES))."""
+    variants = [SamplerVariant(processed, top_k != "off", top_p, top_k == "large")
+                for processed, top_k, top_p in itertools.product((False, True), ("off", "fast", "large"),
+                                                                 (False, True))]
+    return [(v, n) for v in variants for n in (0, *LOGPROB_CLASSES)]
+
+
+def warm_up_row(variant: SamplerVariant, vocab_size: int) -> RowSpec:
+    """A sampled row that runs every stage of `variant` (ids within `vocab_size` >= 4)."""
+    top_k = (TOP_K_FAST + 1 if variant.large_top_k else 20) if variant.top_k else 0
+    extra: dict[str, Any] = {}
+    if variant.processed:
+        extra = dict(logit_bias={1: 1.0}, banned_ids=[2], presence_penalty=0.5, repetition_penalty=1.1,
+                     prompt_token_ids=[3], output_token_ids=[3])
+    return RowSpec(temperature=1.0, top_k=min(top_k, vocab_size - 1), top_p=0.9 if variant.top_p else 1.0, seed=1,
+                   position=1, **extra)
+
+
+def warm_up_sampler(logits: torch.Tensor, params: SamplerParams, vocab_size: int, *, vocab_offset: int = 0,
+                    tp_group: Optional[Any] = None, shard_width: Optional[int] = None) -> int:
+    """Sample `logits` (`[1, V_shard]`, the dtype and layout the eager path passes) once per class of
+    `warm_up_classes`, with `params` (capacity >= 1 row, lists as wide as serving loads); returns the launches.
+    The outputs are dropped (the caller's stream orders their buffers' reuse)."""
+    lay = params.layout
+    caps = dict(max_bias=lay.max_bias, max_ban=lay.max_ban, max_penalty_tokens=lay.max_pen)
+    classes = warm_up_classes()
+    for variant, n in classes:
+        params.load(HostBatch.from_rows([warm_up_row(variant, vocab_size)], vocab_size=vocab_size, **caps), rows=1)
+        sample(logits[:1], params, num_logprobs=min(n, logits.shape[1]), variant=variant, vocab_offset=vocab_offset,
+               tp_group=tp_group, shard_width=shard_width)
+    return len(classes)
