@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
 _CHILD = r"""
-import json, sys
+import json, sys, time
 import torch
 from modeling.sampler import HostBatch, SamplerParams, sample
 from modeling.sampler import triton_kernels as tk, triton_select as tsel
@@ -57,7 +57,10 @@ before = compiled()
 if mode == "bare":
     logits = torch.randn(max(BATCHES), V, device="cuda") * 3
     params = SamplerParams(max(BATCHES), "cuda", **CAPS)
+    t0 = time.perf_counter()
     launches = warm_up_sampler(logits[:1], params, V)
+    torch.cuda.synchronize()
+    warm_up_s = time.perf_counter() - t0
     vocab = V
 else:
     from tests.gpu.helpers import make_runtime
@@ -67,11 +70,12 @@ else:
     logits = torch.randn(max(BATCHES), vocab, device="cuda")
     params = rt.sampler()._params_for(max(BATCHES))  # the rank's list layout (the patch kernel's constants)
     print("warm-up", rt.timings.get("sampler_warm_up_s"), file=sys.stderr)
+    warm_up_s = rt.timings.get("sampler_warm_up_s")
 torch.cuda.synchronize()
 warmed = compiled()
 calls = sweep(logits, params, vocab)
 print("RESULT" + json.dumps({"before": before, "warmed": warmed, "after": compiled(), "calls": calls,
-                             "launches": launches, "classes": len(warm_up_classes())}))
+                             "launches": launches, "warm_up_s": warm_up_s, "classes": len(warm_up_classes())}))
 """
 
 
@@ -81,7 +85,9 @@ def _run(mode: str) -> dict:
                           timeout=900)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     assert proc.returncode == 0 and line, proc.stderr[-4000:]
-    return json.loads(line[-1][len("RESULT"):])
+    result = json.loads(line[-1][len("RESULT"):])
+    print(mode, result)  # the warm-up's figures, for the log (`pytest -s`)
+    return result
 
 
 def test_eager_sampling_after_the_warm_up_compiles_nothing():
