@@ -7,17 +7,21 @@ A class is a `SamplerVariant` (processing, top-k up to `TOP_K_FAST` or larger, t
 one of `LOGPROB_CLASSES`). The captured sampler heads compile the unprocessed classes again at capture (from the
 cache); prefill, mixed and uncaptured steps sample eagerly and meet all of them.
 
-Lifetime: a rank's start-up, on the caller's current stream, before any graph is captured. Under TP every rank
-must call it with the same arguments (the sampler's collectives run in lock-step).
+Lifetime: a rank's start-up, on the caller's current stream, before any graph is captured. One rank compiles the
+classes side by side on threads (`modeling.ops.warm_up.run_side_by_side`), each with its own one-row parameter
+block, so a cold Triton cache costs seconds, not a minute. Under TP every rank must call it with the same
+arguments and the classes run one after another (the sampler's collectives run in lock-step).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any, Optional
 
 import torch
 
 from .api import sample
+from .collectives import ShardGroup
 from .host import LOGPROB_CLASSES, TOP_K_FAST, HostBatch, RowSpec, SamplerVariant
 from .params import SamplerParams
 
@@ -42,15 +46,30 @@ def warm_up_row(variant: SamplerVariant, vocab_size: int) -> RowSpec:
 
 
 def warm_up_sampler(logits: torch.Tensor, params: SamplerParams, vocab_size: int, *, vocab_offset: int = 0,
-                    tp_group: Optional[Any] = None, shard_width: Optional[int] = None) -> int:
+                    tp_group: Optional[Any] = None, shard_width: Optional[int] = None,
+                    threads: Optional[int] = None) -> int:
     """Sample `logits` (`[1, V_shard]`, the dtype and layout the eager path passes) once per class of
-    `warm_up_classes`, with `params` (capacity >= 1 row, lists as wide as serving loads); returns the launches.
-    The outputs are dropped (the caller's stream orders their buffers' reuse)."""
+    `warm_up_classes`, with `params` (capacity >= 1 row, lists as wide as serving loads; without TP each class
+    thread takes a fresh block of the same layout instead); returns the launches. `threads`: compile threads
+    (None: `compile_threads()`; 1: one after another). The outputs are dropped (the caller's stream orders their
+    buffers' reuse)."""
+    from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
+
     lay = params.layout
     caps = dict(max_bias=lay.max_bias, max_ban=lay.max_ban, max_penalty_tokens=lay.max_pen)
     classes = warm_up_classes()
-    for variant, n in classes:
-        params.load(HostBatch.from_rows([warm_up_row(variant, vocab_size)], vocab_size=vocab_size, **caps), rows=1)
-        sample(logits[:1], params, num_logprobs=min(n, logits.shape[1]), variant=variant, vocab_offset=vocab_offset,
+    alone = ShardGroup(tp_group).size == 1
+
+    def launch(variant: SamplerVariant, n: int) -> None:
+        block = SamplerParams(1, params.device, **caps) if alone else params
+        block.load(HostBatch.from_rows([warm_up_row(variant, vocab_size)], vocab_size=vocab_size, **caps), rows=1)
+        sample(logits[:1], block, num_logprobs=min(n, logits.shape[1]), variant=variant, vocab_offset=vocab_offset,
                tp_group=tp_group, shard_width=shard_width)
+
+    calls = [functools.partial(launch, variant, n) for variant, n in classes]
+    if alone and logits.is_cuda:
+        from . import triton_kernels, triton_select
+
+        prime_kernel_caches([triton_kernels, triton_select], logits.device)
+    run_side_by_side(calls, threads if alone else 1)
     return len(classes)
