@@ -214,7 +214,7 @@ class RankDecodeSteps:
         hidden = torch.zeros((1, self.model_config.hidden_size), dtype=self.model_config.dtype, device=self.device)
         rows = torch.zeros((1,), dtype=torch.int64, device=self.device)
         head = self.model.compute_logits_shard if self.ctx.tp_size > 1 else self.model.compute_logits
-        return self.sampler().warm_up(head(hidden, rows))
+        return self.sampler().warm_up(head(hidden, rows), threads=self.cfg.kernels.compile_threads)
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The eager batched sampler over fp32 logits `[n, V]`; the step's logprobs, when its batch asks for them,

@@ -202,13 +202,14 @@ class StepSampler:
         params.upload(bucket, lists=False)
         return found[0].name
 
-    def warm_up(self, logits: torch.Tensor) -> int:
+    def warm_up(self, logits: torch.Tensor, threads: Optional[int] = None) -> int:
         """Launch the eager sampler once per variant class over `logits` (fp32 `[1, V]` or this rank's shard, as
         `sample` gets them; `modeling.sampler.warm_up`), so that no request compiles a kernel; launches made.
-        Under TP every rank calls it together."""
+        `threads`: compile threads without TP (None: `compile_threads()`). Under TP every rank calls it together."""
         from modeling.sampler.warm_up import warm_up_sampler
 
-        return warm_up_sampler(self.own_columns(logits), self._params_for(1), self.vocab_size, **self._shard_args())
+        return warm_up_sampler(self.own_columns(logits), self._params_for(1), self.vocab_size, threads=threads,
+                               **self._shard_args())
 
     def sample(self, logits: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, int]]]:
         """logits fp32 `[n, V]` (the whole vocabulary, or under TP this rank's shard; row i = batch row i) ->
