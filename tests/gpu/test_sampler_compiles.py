@@ -69,7 +69,6 @@ else:
     vocab = rt.model_config.vocab_size
     logits = torch.randn(max(BATCHES), vocab, device="cuda")
     params = rt.sampler()._params_for(max(BATCHES))  # the rank's list layout (the patch kernel's constants)
-    print("warm-up", rt.timings.get("sampler_warm_up_s"), file=sys.stderr)
     warm_up_s = rt.timings.get("sampler_warm_up_s")
 torch.cuda.synchronize()
 warmed = compiled()
