@@ -1,7 +1,8 @@
-"""Config sweep for the decode GEMV (`modeling/ops/triton_gemv.py`) on Qwen3-0.6B's TP=1 projections, and the
-per-layer chain of projections as the model runs it with and without the GEMV.
+"""Config sweep for the decode GEMV (`modeling/ops/triton_gemv.py`) on a preset's TP=1 projections (Qwen3-0.6B by
+default), and, for Qwen3-0.6B, the per-layer chain of projections as the model runs it with and without the GEMV.
 
     python -m bench.gemv_tune --out artifacts/gemv_tune.json
+    python -m bench.gemv_tune --shapes qwen3-8b,qwen3-30b-a3b --no-chain     # other presets' projections
 
 Per projection and row count M it times (microseconds per call inside one CUDA graph over 28 weight copies, as
 `bench.gemm_tune` does) the operators the GEMV replaces, run unfused (`add_rms_norm` kernel, `linear` as the
@@ -30,8 +31,27 @@ EPS = 1e-6
 # name -> (N, K, norm, gated): N is the output width (the SiLU-gate's width when gated), K the input width.
 OPS = {"qkv": (QKV, H, 2, False), "o_proj": (H, ATT, 0, False), "gate_up": (I, H, 2, True), "down": (H, I, 0, False)}
 MS = (1, 2)
-COPIES = 28
+COPIES = 28  # weight copies a graph cycles through (fewer for large weights: at least COPY_BYTES in all)
+COPY_BYTES = 512 << 20
 Cfg = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+
+
+def preset_ops(name: str) -> dict[str, tuple[int, int, int, bool]]:
+    """The GEMV-shaped decode projections of preset `name` at TP=1: qkv and o_proj, plus gate_up and down for a
+    dense MLP (MoE experts take the routed kernel), keyed `<preset>:<op>`."""
+    from modeling.config import PRESETS
+
+    c = PRESETS[name]
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    ops = {"qkv": (q + 2 * kv, c.hidden_size, 2, False), "o_proj": (c.hidden_size, q, 0, False)}
+    if not c.num_experts:
+        ops.update(gate_up=(c.intermediate_size, c.hidden_size, 2, True),
+                   down=(c.hidden_size, c.intermediate_size, 0, False))
+    return {f"{name}:{op}": shape for op, shape in ops.items()}
+
+
+def copies_for(n: int, k: int, gated: bool) -> int:
+    return max(2, min(COPIES, -(-COPY_BYTES // ((2 if gated else 1) * n * k * 2))))
 
 
 def sweep_configs(n: int, k: int, m: int, gated: bool) -> list[Cfg]:
@@ -41,27 +61,26 @@ def sweep_configs(n: int, k: int, m: int, gated: bool) -> list[Cfg]:
     out = []
     kmax = 1 << (k - 1).bit_length()
     for bn in (1, 2, 4, 8, 16, 32):
-        for bk in (256, 512, 1024, 2048, 4096):
+        for bk in ((256, 512, 1024, 2048, 4096) if k <= 4096 else (512, 1024, 2048, 4096)):
             if bk > kmax:
                 continue
             work = bn * bk * m_pad(m) * (2 if gated else 1)
             if not 1024 <= work <= 32768:
                 continue
-            for warps in ((4, 8) if m == 1 else (4,)):
-                for stages in ((1, 3) if m == 1 and k > bk and warps == 4 else (1,)):
+            for warps in ((4, 8) if m == 1 or k > 4096 else (4,)):
+                for stages in (((1, 3) if k <= 4096 else (1, 2, 4)) if k > bk else (1,)):
                     out.append((bn, bk, warps, stages))
     return out
 
 
-def _compile_worker(job: tuple[list[tuple[str, int, Cfg]], int]) -> list[str]:
+def _compile_worker(job: tuple[list[tuple[str, int, Cfg, tuple]], int]) -> list[str]:
     """Spawned process: launch each (op, M, config) once on the real shape (same specialisation as the sweep)."""
     jobs, device_index = job
     from modeling.ops.triton_gemv import GemvConfig, gemv_with_config
 
     torch.cuda.set_device(device_index)
     errors = []
-    for name, m, c in jobs:
-        n, k, norm, gated = OPS[name]
+    for name, m, c, (n, k, norm, gated) in jobs:
         x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
         w = torch.zeros(2 * n if gated else n, k, dtype=torch.bfloat16, device="cuda")
         nw = torch.ones(k, dtype=torch.bfloat16, device="cuda") if norm else None
@@ -74,7 +93,7 @@ def _compile_worker(job: tuple[list[tuple[str, int, Cfg]], int]) -> list[str]:
     return errors
 
 
-def precompile(jobs: list[tuple[str, int, Cfg]], workers: int, device_index: int) -> list[str]:
+def precompile(jobs: list[tuple[str, int, Cfg, tuple]], workers: int, device_index: int) -> list[str]:
     if workers <= 0 or len(jobs) < 2:
         return _compile_worker((jobs, device_index))
     workers = min(workers, len(jobs))
@@ -86,7 +105,7 @@ def precompile(jobs: list[tuple[str, int, Cfg]], workers: int, device_index: int
 def _weights(n: int, k: int, gated: bool, seed: int) -> list[torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(seed)
     w0 = (torch.randn(2 * n if gated else n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
-    return [w0] + [w0.clone() for _ in range(COPIES - 1)]
+    return [w0] + [w0.clone() for _ in range(copies_for(n, k, gated) - 1)]
 
 
 def tune_op(name: str, m: int, timer: GraphTimer, bw: float) -> dict:
@@ -96,6 +115,7 @@ def tune_op(name: str, m: int, timer: GraphTimer, bw: float) -> dict:
 
     n, k, norm, gated = OPS[name]
     ws = _weights(n, k, gated, n * 7 + k)
+    copies = len(ws)
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     res = torch.randn(m, k, device="cuda", generator=g).bfloat16()
@@ -103,17 +123,17 @@ def tune_op(name: str, m: int, timer: GraphTimer, bw: float) -> dict:
 
     def unfused(i: int) -> torch.Tensor:
         h = add_rms_norm(x, res, nw, EPS)[0] if norm else x
-        y = linear(h, ws[i % COPIES])
+        y = linear(h, ws[i % copies])
         return silu_and_mul(y) if gated else y
 
-    base_us, ref, _ = timer.run(unfused, COPIES)
+    base_us, ref, _ = timer.run(unfused, copies)
     ref_sum = add_rms_norm(x, res, nw, EPS)[1] if norm else None
     rows = []
     for c in sweep_configs(n, k, m, gated):
         cfg = GemvConfig(*c)
         kw = dict(residual=res if norm == 2 else None, norm_weight=nw if norm else None, eps=EPS, gated=gated)
         try:
-            us, y, same = timer.run(lambda i: gemv_with_config(x, ws[i % COPIES], cfg, **kw)[0], COPIES)
+            us, y, same = timer.run(lambda i: gemv_with_config(x, ws[i % copies], cfg, **kw)[0], copies)
             summed = gemv_with_config(x, ws[0], cfg, **kw)[1]
         except Exception as e:  # noqa: BLE001 - a config that fails to launch is recorded, not fatal
             rows.append({"config": list(c), "error": f"{type(e).__name__}: {e}"[:300]})
@@ -125,7 +145,7 @@ def tune_op(name: str, m: int, timer: GraphTimer, bw: float) -> dict:
     good = sorted((r for r in rows if "us" in r and r["correct"] and r["deterministic"]), key=lambda r: r["us"])
     best = good[0] if good else None
     roof = (2 if gated else 1) * n * k * 2 / bw * 1e6
-    print(f"{name:>8} {m:3d} {base_us:9.2f} {best['us'] if best else float('nan'):9.2f} {roof:8.2f}  "
+    print(f"{name:>22} {m:3d} {base_us:9.2f} {best['us'] if best else float('nan'):9.2f} {roof:8.2f}  "
           f"{tuple(best['config']) if best else '-'}  {len(good)}/{len(rows)} ok", flush=True)
     return {"op": name, "m": m, "n": n, "k": k, "norm": norm, "gated": gated, "unfused_us": base_us,
             "roofline_us": roof, "best": best, "sweep": rows}
@@ -189,16 +209,23 @@ def chain(m: int, best: dict[tuple[str, int], Cfg], timer: GraphTimer) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="JSON output path")
-    ap.add_argument("--ops", default=",".join(OPS), help="comma list of " + ",".join(OPS))
+    ap.add_argument("--ops", default=None, help="comma list of " + ",".join(OPS) + " (Qwen3-0.6B; default all)")
+    ap.add_argument("--shapes", default=None, help="presets whose projections to sweep instead (comma list)")
+    ap.add_argument("--no-chain", action="store_true", help="skip the Qwen3-0.6B per-layer chain")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=min(16, max(1, (os.cpu_count() or 2) - 1)))
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     dev = torch.device("cuda", torch.cuda.current_device())
-    names = [s for s in args.ops.split(",") if s]
+    if args.shapes:
+        for preset in args.shapes.split(","):
+            OPS.update(preset_ops(preset))
+        names = [n for n in OPS if ":" in n]
+    else:
+        names = [s for s in (args.ops or ",".join(OPS)).split(",") if s]
     ms = tuple(int(m) for m in args.ms.split(","))
-    jobs = [(name, m, c) for name in names for m in ms for c in sweep_configs(OPS[name][0], OPS[name][1], m,
+    jobs = [(name, m, c, OPS[name]) for name in names for m in ms for c in sweep_configs(OPS[name][0], OPS[name][1], m,
                                                                                   OPS[name][3])]
     errors = precompile(jobs, args.jobs, dev.index)
     t_compile = time.perf_counter() - t0
@@ -208,10 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     bw = copy_bandwidth(dev)
     timer = GraphTimer(args.replays)
     print(f"{machine()}; copy bandwidth {bw / 1e12:.2f} TB/s; us per call inside a CUDA graph")
-    print(f"{'op':>8} {'M':>3} {'unfused':>9} {'GEMV':>9} {'roof':>8}  best (BLOCK_N, BLOCK_K, warps, stages)")
+    print(f"{'op':>22} {'M':>3} {'unfused':>9} {'GEMV':>9} {'roof':>8}  best (BLOCK_N, BLOCK_K, warps, stages)")
     rows = [tune_op(name, m, timer, bw) for name in names for m in ms]
     best = {(r["op"], r["m"]): tuple(r["best"]["config"]) for r in rows if r["best"]}
-    chains = [chain(m, best, timer) for m in ms] if set(names) == set(OPS) else []
+    chains = [chain(m, best, timer) for m in ms] if set(names) == {"qkv", "o_proj", "gate_up", "down"} and not args.no_chain else []
     from modeling.ops.triton_gemv import m_pad
 
     lines = ["_CONFIGS: dict[tuple[int, int, int, int, bool], tuple[int, int, int, int]] = {"]
