@@ -48,6 +48,9 @@ class KernelOps:
     # None where the backend has none (the MoE block then takes the torch paths of `moe_ref`).
     moe_routed: Callable | None = None
     moe_packed: Callable | None = None
+    # (router_logits [N, E], top_k, renormalize) -> (weights fp32, ids int64), one launch (`triton_router.route_topk`),
+    # or None: the MoE block routes with the torch `modeling.moe.route`.
+    moe_route: Callable | None = None
     # (shapes [(N, K)], device, dtype) -> {(N, K, row class): Choice}: choose the decode projections' fallbacks
     # outside capture (`triton_gemm_measure`); nothing to choose for the torch backend or with the option off.
     measure_projections: Callable = lambda shapes, device, dtype: {}
@@ -102,7 +105,8 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto",
 
 
 def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
-    from modeling.ops import triton_attention, triton_fused, triton_gemm, triton_gemm_measure, triton_gemv, triton_moe
+    from modeling.ops import (triton_attention, triton_fused, triton_gemm, triton_gemm_measure, triton_gemv, triton_moe,
+                               triton_router)
     from modeling.ops.pdl import pdl_mode
 
     pdl, gemv, single = pdl_mode(dev, options.pdl), options.gemv, options.decode_single_launch
@@ -122,5 +126,6 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         prologue_norm_max_tokens=triton_gemv.GEMV_MAX_M if gemv else 0,
         warm_up_attention=bind(triton_attention.warm_up_attention, threads=options.compile_threads, pdl=pdl,
                                single_launch=single),
-        moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts, measure_projections=measure,
+        moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts,
+        moe_route=bind(triton_router.route_topk, pdl=pdl), measure_projections=measure,
         options=options)

@@ -2,7 +2,8 @@
 (`modeling/ops/moe_ref.py`) in bf16 and fp32 at 1..2048 tokens on the Qwen3-30B-A3B layer shape and a small one,
 eager and inside a CUDA graph replayed with new inputs and new routing (one graph serves every expert load, and
 its replay equals the eager call bitwise); the EP layout (other ranks' experts and -1 slots contribute zero); the
-packed DeepEP layout; and qwen3-moe-small through the rank's decode graphs: greedy tokens equal to the torch
+packed DeepEP layout; the one-launch router (`modeling/ops/triton_router.py`) equal to `modeling.moe.route` eager and
+replayed with new logits; and qwen3-moe-small through the rank's decode graphs: greedy tokens equal to the torch
 reference path for 64 steps in fp32, teacher-forced agreement in bf16, graph == bucket-padded eager bitwise."""
 import numpy as np
 import pytest
@@ -109,6 +110,54 @@ def test_fp32_graph_replay(n):
         x.copy_(x2), ids.copy_(ids2), w.copy_(w2_)
         graph.replay()
         _close(y, _reference(x, ids, w, w13, w2), dtype)
+
+
+def _router_logits(n, e, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed * 7919 + n)
+    return (torch.randn(n, e, device="cuda", generator=g) * 3).to(dtype)
+
+
+def _assert_routes_like_torch(weights, ids, logits, k, renormalize):
+    """weights within 1e-6 relative of `route`'s; ids those of the stable descending sort of the probabilities
+    (ties to the lower id), and `route`'s wherever the row's top k + 1 probabilities are distinct."""
+    from modeling.moe import route
+
+    want_w, want_ids = route(logits, k, renormalize)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=0)
+    stable = torch.sort(torch.softmax(logits.float(), dim=-1), dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, stable.indices[:, :k])
+    top = stable.values[:, : k + 1]
+    distinct = (top[:, 1:] != top[:, :-1]).all(dim=1)
+    assert torch.equal(ids[distinct], want_ids[distinct])
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1, 8, 64, 256])
+def test_router_kernel_eager_and_replayed_equals_route(n, dtype, renormalize):
+    """`triton_router.route_topk` (the backend's bound `moe_route`, PDL as configured) on the Qwen3-30B-A3B router
+    shape (E=128, top-8): eager, and captured in a CUDA graph replayed with new logits in the static input."""
+    from modeling.ops import get_kernel_ops
+
+    e, k = 128, 8
+    route_kernel = get_kernel_ops("cuda").moe_route
+    logits = _router_logits(n, e, dtype, seed=0)
+    w, ids = route_kernel(logits, k, renormalize)  # compiles outside the capture
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.shape == ids.shape == (n, k)
+    _assert_routes_like_torch(w, ids, logits, k, renormalize)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gw, gids = route_kernel(logits, k, renormalize)
+    for seed in (1, 2, 3):
+        logits.copy_(_router_logits(n, e, dtype, seed))
+        if seed == 3:
+            logits[0] = 0  # a row of ties: the lowest ids
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_routes_like_torch(gw, gids, logits, k, renormalize)
+        ew, eids = route_kernel(logits, k, renormalize)
+        assert torch.equal(gw, ew) and torch.equal(gids, eids)
+    assert gids[0].tolist() == list(range(k))
 
 
 @pytest.mark.parametrize("n", [1, 8, 256, 512])

@@ -70,7 +70,8 @@ def test_options_are_frozen_and_checked():
 
 def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     pytest.importorskip("triton", reason="the Triton backend's modules need triton")
-    from modeling.ops import KernelOps, get_kernel_ops, pdl, triton_attention, triton_gemm, triton_gemm_measure
+    from modeling.ops import (KernelOps, get_kernel_ops, pdl, triton_attention, triton_gemm, triton_gemm_measure,
+                              triton_router)
 
     monkeypatch.setattr(pdl, "_INTERPRETED", False)
     monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: True)
@@ -85,6 +86,7 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.warm_up_attention.keywords == {"threads": None, "pdl": 2, "single_launch": True}
     assert ops.measure_projections.func is triton_gemm_measure.measure_projection_fallbacks
     assert ops.measure_projections.keywords == {"gemv": True, "pdl": 2}
+    assert ops.moe_route.func is triton_router.route_topk and ops.moe_route.keywords == {"pdl": 2}
     opts = KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=3)
     ops = get_kernel_ops(dev, "triton", opts)
     assert ops.options == opts and ops.prologue_norm_max_tokens == 0
@@ -93,6 +95,7 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.decode_attention.keywords == {"pdl": 1, "single_launch": False}
     assert ops.warm_up_attention.keywords == {"threads": 3, "pdl": 1, "single_launch": False}
     assert ops.measure_projections.keywords == {"gemv": False, "pdl": 1}
+    assert ops.moe_route.keywords == {"pdl": 1}
     off = get_kernel_ops(dev, "triton", KernelOptions(measure_projections=False))
     assert off.measure_projections is KernelOps.measure_projections  # measures nothing, reads no cache
     assert off.measure_projections([(3072, 1024)], dev, torch.bfloat16) == {}
