@@ -1,6 +1,10 @@
 """Config sweep for the routed-expert GEMMs (`modeling/ops/triton_moe.py`) at decode token counts.
 
     python -m bench.moe_tune --shape 2048,768,128,8 --tokens 1,8,64,256 --out artifacts/moe_tune.json
+    python -m bench.moe_tune --tokens 512,2048 --block-ms 64,128 --warps 4,8 --block-ks 32,64 --block-ns 64,128
+
+`--block-ms` / `--warps` / `--block-ns` / `--block-ks` widen the sweep (default: the default config's row tile,
+4 warps, and the decode sizes' N and K tiles); each w13 candidate runs with the default w2 config.
 
 Per token count: `routed_experts` inside one CUDA graph over `--copies` weight copies (so L2 does not hold the
 experts), microseconds per call, first sweeping the w13 (gate-up) GEMM's config with the w2 GEMM's default, then
@@ -40,6 +44,10 @@ def main() -> None:
     ap.add_argument("--shape", default="2048,768,128,8", help="H,I,E,top_k")
     ap.add_argument("--tokens", default="1,8,64,256")
     ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--block-ms", default="", help="row tiles to sweep (default: the default config's)")
+    ap.add_argument("--warps", default="4")
+    ap.add_argument("--block-ns", default="", help="N tiles (default 16,32,64 for w13 and 32,64,128 for w2)")
+    ap.add_argument("--block-ks", default="64,128,256")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from modeling.ops.triton_moe import MoeGemmConfig, gemm_config, routed_experts
@@ -68,11 +76,15 @@ def main() -> None:
                 return float("inf")
 
         base = run(d13, d2)
-        bm = d13.block_m
-        c13s = [MoeGemmConfig(bm, bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 4))]
+        ints = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
+        bms, warps, bks = ints(args.block_ms) or (d13.block_m,), ints(args.warps), ints(args.block_ks)
+        bns13, bns2 = (ints(args.block_ns),) * 2 if args.block_ns else ((16, 32, 64), (32, 64, 128))
+        c13s = [MoeGemmConfig(bm, bn, bk, nw, st)
+                for bm, bn, bk, nw, st in itertools.product(bms, bns13, bks, warps, (3, 4))]
         t13 = sorted(((run(c, d2), c) for c in c13s), key=lambda r: r[0])
         best13 = t13[0][1]
-        c2s = [MoeGemmConfig(bm, bn, bk, 4, st) for bn, bk, st in itertools.product((32, 64, 128), (64, 128, 256), (3, 4))]
+        c2s = [MoeGemmConfig(best13.block_m, bn, bk, nw, st)
+               for bn, bk, nw, st in itertools.product(bns2, bks, warps, (3, 4))]
         t2 = sorted(((run(best13, c), c) for c in c2s), key=lambda r: r[0])
         row = {"tokens": n, "default_us": base, "default": [d13, d2], "best_us": t2[0][0], "best": [best13, t2[0][1]],
                "w13_top": t13[:5], "w2_top": t2[:5]}

@@ -127,5 +127,6 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         warm_up_attention=bind(triton_attention.warm_up_attention, threads=options.compile_threads, pdl=pdl,
                                single_launch=single),
         moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts,
-        moe_route=bind(triton_router.route_topk, pdl=pdl), measure_projections=measure,
+        moe_route=bind(triton_router.route_topk, pdl=pdl) if options.moe_route_kernel else None,
+        measure_projections=measure,
         options=options)

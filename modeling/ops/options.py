@@ -13,6 +13,7 @@ GEMV_ENV = "GRAPHLINE_GEMV"
 DECODE_SINGLE_LAUNCH_ENV = "GRAPHLINE_DECODE_SINGLE_LAUNCH"
 COMPILE_THREADS_ENV = "GRAPHLINE_COMPILE_THREADS"
 PROJECTION_MEASURE_ENV = "GRAPHLINE_PROJECTION_MEASURE"
+MOE_ROUTE_KERNEL_ENV = "GRAPHLINE_MOE_ROUTE_KERNEL"
 PDL_CHOICES = ("0", "1", "early")
 
 
@@ -28,20 +29,25 @@ class KernelOptions:
     compile_threads: threads compiling Triton variants at start-up; None: up to 8 of the rank's host cores.
     measure_projections: at warm-up, time cuBLAS against the safe skinny-GEMM config for every decode projection
     shape the tuning table lacks and keep the faster, cached on disk (`modeling.ops.projection_choice`); False:
-    neither measure nor read the cache, untuned shapes take the safe config."""
+    neither measure nor read the cache, untuned shapes take the safe config.
+    moe_route_kernel: MoE routing (softmax, top-k, renormalisation) in one Triton launch (`triton_router`) instead of
+    torch's five kernels; off by default until its routing agrees with torch's as closely as the expert paths do
+    (docs/benchmarks.md, seventeenth session)."""
 
     pdl: str = "early"
     gemv: bool = True
     decode_single_launch: bool = True
     compile_threads: Optional[int] = None
     measure_projections: bool = True
+    moe_route_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_CHOICES:
             raise KernelOptionsError(f"{PDL_ENV}={self.pdl!r}: use 0 (off), 1 (trigger after the wait) or early "
                                      "(the default)")
         for name, env in (("gemv", GEMV_ENV), ("decode_single_launch", DECODE_SINGLE_LAUNCH_ENV),
-                          ("measure_projections", PROJECTION_MEASURE_ENV)):
+                          ("measure_projections", PROJECTION_MEASURE_ENV),
+                          ("moe_route_kernel", MOE_ROUTE_KERNEL_ENV)):
             if not isinstance(getattr(self, name), bool):
                 raise KernelOptionsError(f"{name} ({env}) must be a bool, got {getattr(self, name)!r}")
         n = self.compile_threads

@@ -135,12 +135,13 @@ def _assert_routes_like_torch(weights, ids, logits, k, renormalize):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [1, 8, 64, 256])
 def test_router_kernel_eager_and_replayed_equals_route(n, dtype, renormalize):
-    """`triton_router.route_topk` (the backend's bound `moe_route`, PDL as configured) on the Qwen3-30B-A3B router
+    """`triton_router.route_topk` (the backend's bound `moe_route` with `KernelOptions.moe_route_kernel`, PDL as configured) on the Qwen3-30B-A3B router
     shape (E=128, top-8): eager, and captured in a CUDA graph replayed with new logits in the static input."""
     from modeling.ops import get_kernel_ops
+    from modeling.ops.options import KernelOptions
 
     e, k = 128, 8
-    route_kernel = get_kernel_ops("cuda").moe_route
+    route_kernel = get_kernel_ops("cuda", options=KernelOptions(moe_route_kernel=True)).moe_route
     logits = _router_logits(n, e, dtype, seed=0)
     w, ids = route_kernel(logits, k, renormalize)  # compiles outside the capture
     assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.shape == ids.shape == (n, k)
