@@ -100,26 +100,24 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, nmax, gmax, hist, 
     invt = tl.load(recf + row * rs + F_INVT)
     k = tl.load(reci + row * rs + I_TOPK)
     topk_on = (t > 0) & (k > 0)
-    # per-lane running max and sum of exp (rescaled as the lane's max grows) and max of z: no cross-warp reduction
-    # inside the loop, one at the end
-    mv = tl.full([BLOCK], float("-inf"), tl.float32)
-    sv = tl.zeros([BLOCK], tl.float32)
-    zv = tl.full([BLOCK], float("-inf"), tl.float32)
+    rmax = float("-inf")
+    rsum = 0.0
+    zmax = float("-inf")
     hacc = tl.zeros([2048], tl.int32)
     lo = c * CH
     for s in range(0, CH, BLOCK):
         offs = lo + s + tl.arange(0, BLOCK)
         msk = offs < V
         raw = tl.load(logits + row * sl + offs, mask=msk, other=float("-inf")).to(tl.float32)
-        nm = tl.maximum(mv, raw)
-        sv = (sv * tl.where(mv > float("-inf"), tl.exp(mv - nm), 0.0)
-              + tl.where(raw > float("-inf"), tl.exp(raw - nm), 0.0))
-        mv = nm
+        nm = tl.maximum(rmax, tl.max(raw))
+        ex = tl.where(raw > float("-inf"), tl.exp(raw - nm), 0.0)
+        rsum = rsum * tl.where(rmax > float("-inf"), tl.exp(rmax - nm), 0.0) + tl.sum(ex)
+        rmax = nm
         if PROCESSED:
             z = tl.load(work + row * sw + offs, mask=msk, other=float("-inf")) * invt
         else:
             z = raw * invt
-        zv = tl.maximum(zv, z)
+        zmax = tl.maximum(zmax, tl.max(z))
         if HAS_TOPK:
             gk = tl.max(tl.reshape((okey(z) - 2147483648).to(tl.int32), [BLOCK // G, G]), axis=1)
             tl.store(gmax + row * (C * (CH // G)) + (lo + s) // G + tl.arange(0, BLOCK // G), gk)
@@ -129,9 +127,6 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, nmax, gmax, hist, 
             rk = tl.where(msk, okey(raw) - 2147483648, -2147483648).to(tl.int32)
             gn = tl.max(tl.reshape(rk, [BLOCK // GN, GN]), axis=1)
             tl.store(nmax + row * (C * (CH // GN)) + (lo + s) // GN + tl.arange(0, BLOCK // GN), gn)
-    rmax = tl.max(mv)
-    rsum = tl.sum(tl.where(mv > float("-inf"), sv * tl.exp(mv - rmax), 0.0))
-    zmax = tl.max(zv)
     pbase = parts + (row * C + c) * 4
     tl.store(pbase, rmax)
     tl.store(pbase + 1, rsum)
