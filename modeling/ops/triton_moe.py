@@ -56,17 +56,16 @@ class MoeGemmConfig:
 
 def gemm_config(rows: int, e_local: int, gated: bool, dtype: torch.dtype) -> MoeGemmConfig:
     """Heuristic by the mean rows per expert (rows = worst-case pairs): 16-row tiles where decode streams weights,
-    larger tiles as prefill reuses them."""
+    larger tiles as prefill reuses them. The prefill tiers are `python -m bench.moe_tune`'s winners on an H200 for
+    Qwen3-30B-A3B's experts at 512 and 2048 tokens (docs/benchmarks.md, seventeenth session)."""
     if dtype == torch.float32:
         return MoeGemmConfig(16 if rows <= 16 * e_local else 32, 32, 32, 4, 2)
     mean = rows / max(1, e_local)
     if mean <= 16:
         return MoeGemmConfig(16, 32 if gated else 64, 128, 4, 4)
-    if mean <= 48:
-        return MoeGemmConfig(32, 32 if gated else 64, 128, 4, 3)
-    if mean <= 160:
+    if mean <= 64:
         return MoeGemmConfig(64, 64 if gated else 128, 64, 4, 3)
-    return MoeGemmConfig(128, 64 if gated else 128, 64, 8, 3)
+    return MoeGemmConfig(128, 128, 64, 8, 4 if gated else 3)
 
 
 def max_tiles(rows: int, e_local: int, block_m: int) -> int:
