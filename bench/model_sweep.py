@@ -14,6 +14,10 @@ N layers of each so every shape fits the time budget):
 - prefill: one sequence of T tokens through the piecewise plan against the compute floor: 2 * active parameters
   (embedding and LM head excluded, top-k of E experts) * T plus the causal attention FLOPs, at a measured bf16
   matmul rate.
+- engine (`--engine-batches`, "" to skip): decode steps through `LLMEngine` over the in-process local executor with
+  the serving defaults (`engine_decode`): B greedy requests of `--context` random prompt tokens admitted at once,
+  `--engine-steps` tokens each; the median time of the steps in which every row decoded, from the second quarter
+  on, against the same batch's in-rank graph step and roofline where the decode rows have that batch.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import argparse
 import dataclasses
 import gc
 import math
+import statistics
 
 import numpy as np
 import torch
@@ -209,6 +214,48 @@ def sweep_shape(name: str, args, bw: float, rate: float) -> dict:
     return result
 
 
+def engine_decode(preset: str, batches: list[int], context: int, steps: int, device: str = "auto",
+                  extra_args: tuple[str, ...] = ()) -> list[dict]:
+    """Median seconds of a decode step through the engine at each batch (see the module doc): one local executor
+    for all batches (built from `launch.options` as `graphline serve --executor local` would be, plus
+    `extra_args`), a fresh `LLMEngine` per batch. Rows: batch, context, engine_step_s, steps (how many counted)."""
+    from bench.prefill_bench import Driver
+    from engine import LLMEngine
+    from launch.options import add_model_args, build_executor, engine_config, start_executor
+
+    ap = argparse.ArgumentParser()
+    add_model_args(ap, executor_default="local")
+    args = ap.parse_args(["--model", preset, "--device", device, "--max-model-len", str(context + steps + 64),
+                          "--max-num-seqs", str(max(batches)), "--no-progress", *extra_args])
+    executor, _kind = build_executor(args)
+    start_executor(executor, args)
+    rows = []
+    try:
+        cfg = engine_config(args)
+        for b in batches:
+            drv = Driver(LLMEngine(executor, cfg), executor.model_config.vocab_size, seed=b)
+            for _ in range(b):
+                drv.add(drv.prompt(context), steps)
+            drv.drain()
+            counted = drv.decode_steps[len(drv.decode_steps) // 4:]
+            rows.append({"batch": b, "context": context, "engine_step_s": statistics.median(counted),
+                         "steps": len(counted)})
+    finally:
+        executor.shutdown()
+    return rows
+
+
+def _print_engine(rows: list[dict], decode: list[dict]) -> None:
+    by_batch = {r["batch"]: r for r in decode}
+    print(f"  decode through the engine\n  {'batch':>5} {'ctx':>6} {'engine ms':>9} {'steps':>5} {'graph ms':>8} "
+          f"{'x graph':>7} {'x roof':>6}")
+    for r in rows:
+        d = by_batch.get(r["batch"])
+        g = f"{d['graph']['gpu_s'] * 1e3:8.3f} {r['engine_step_s'] / d['graph']['gpu_s']:7.2f} " \
+            f"{r['engine_step_s'] / d['roofline_s']:6.2f}" if d else f"{'-':>8} {'-':>7} {'-':>6}"
+        print(f"  {r['batch']:5d} {r['context']:6d} {r['engine_step_s'] * 1e3:9.3f} {r['steps']:5d} {g}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"presets, comma-separated (default {SHAPES})")
@@ -219,6 +266,8 @@ def main() -> None:
     ap.add_argument("--long-batches", default="1,8,32")
     ap.add_argument("--prefill", default="512,2048")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--engine-batches", default="1,8,64", help="decode batches through the engine (\"\": none)")
+    ap.add_argument("--engine-steps", type=int, default=64, help="tokens each engine request decodes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
@@ -231,6 +280,13 @@ def main() -> None:
         results.append(sweep_shape(shape, args, bw, rate))
         gc.collect()  # the shape's runtime (weights, KV cache, graphs) went out of scope
         torch.cuda.empty_cache()
+        engine_b = [int(b) for b in args.engine_batches.split(",") if b]
+        if engine_b:
+            rows = engine_decode(results[-1]["preset"], engine_b, args.context, args.engine_steps)
+            results[-1]["engine"] = rows
+            _print_engine(rows, results[-1]["decode"])
+            gc.collect()
+            torch.cuda.empty_cache()
     print(f"\n{'shape':>22} {'b1 x roof':>9} {'b_max x roof':>12} {'long b1 x roof':>14} {'prefill x floor':>15}")
     for r in results:
         d, lc, p = r["decode"], r["long_context"], r["prefill"]
