@@ -120,3 +120,21 @@ def test_early_warm_up_compiles_every_gemv_variant_the_capture_uses():
     rt.build_runner()
     rt.capture_all()
     assert variants() == warmed, "the capture compiled GEMV variants the early warm-up missed"
+
+
+def test_every_tuned_config_matches_the_unfused_operators():
+    """Every `_CONFIGS` entry (the tuned presets' projections) at its own shape, row count, prologue and epilogue
+    equals the unfused operators it replaces (bf16 tolerance; the new residual stream bitwise)."""
+    from modeling.ops.triton_fused import add_rms_norm, rms_norm, silu_and_mul
+    from modeling.ops.triton_gemv import _CONFIGS, GemvConfig, gemv_with_config
+
+    for (n, k, m, norm, gated), entry in _CONFIGS.items():
+        x, r, nw, w = _inputs(m, n, k, gated)
+        kw = dict(residual=r if norm == 2 else None, norm_weight=nw if norm else None, eps=1e-6, gated=gated)
+        y, s = gemv_with_config(x, w, GemvConfig(*entry), **kw)
+        h = add_rms_norm(x, r, nw, 1e-6)[0] if norm == 2 else rms_norm(x, nw, 1e-6) if norm == 1 else x
+        want = F.linear(h.float(), w.float())
+        want = silu_and_mul(want.bfloat16()).float() if gated else want
+        torch.testing.assert_close(y.float(), want, atol=3e-2, rtol=3e-2, msg=lambda e, key=(n, k, m): f"{key}: {e}")
+        if norm == 2:
+            assert torch.equal(s, add_rms_norm(x, r, nw, 1e-6)[1]), (n, k, m)
