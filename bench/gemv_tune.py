@@ -4,8 +4,8 @@ default), and, for Qwen3-0.6B, the per-layer chain of projections as the model r
     python -m bench.gemv_tune --out artifacts/gemv_tune.json
     python -m bench.gemv_tune --shapes qwen3-8b,qwen3-30b-a3b --no-chain     # other presets' projections
 
-Per projection and row count M it times (microseconds per call inside one CUDA graph over weight copies: 28, fewer for large weights but at least 512 MiB in all; as
-`bench.gemm_tune` does) the operators the GEMV replaces, run unfused (`add_rms_norm` kernel, `linear` as the
+Per projection and row count M it times (microseconds per call inside one CUDA graph over weight copies, 28 or
+for large weights fewer but at least 512 MiB in all, as `bench.gemm_tune` does) the operators the GEMV replaces, run unfused (`add_rms_norm` kernel, `linear` as the
 skinny-GEMM table picks it, `silu_and_mul`), against every swept GEMV config; each config is checked against
 the unfused result (atol = rtol = 2e-2, and the new residual stream bitwise) and for bitwise-equal outputs
 across replays. Then the chain of one layer's four projections (qkv, o_proj, gate_up, down, attention left
