@@ -4,15 +4,15 @@ default), and, for Qwen3-0.6B, the per-layer chain of projections as the model r
     python -m bench.gemv_tune --out artifacts/gemv_tune.json
     python -m bench.gemv_tune --shapes qwen3-8b,qwen3-30b-a3b --no-chain     # other presets' projections
 
-Per projection and row count M it times (microseconds per call inside one CUDA graph over weight copies, 28 or
-for large weights fewer but at least 512 MiB in all, as `bench.gemm_tune` does) the operators the GEMV replaces, run unfused (`add_rms_norm` kernel, `linear` as the
-skinny-GEMM table picks it, `silu_and_mul`), against every swept GEMV config; each config is checked against
-the unfused result (atol = rtol = 2e-2, and the new residual stream bitwise) and for bitwise-equal outputs
-across replays. Then the chain of one layer's four projections (qkv, o_proj, gate_up, down, attention left
-out: a fixed input to o_proj) over 28 layers: the model's layout before the GEMV (residual add + norm in the
-skinny GEMM's epilogue after o_proj and down, cuBLAS qkv and gate_up) against the GEMV layout (add + norm in
-the prologue of qkv and gate_up, SiLU-gate in gate_up's epilogue) with the best configs; microseconds per
-layer, side by side in one run. The JSON holds every measurement and a ready-to-paste `_CONFIGS`.
+Per projection and row count M it times (microseconds per call inside one CUDA graph over weight copies, 28 or for
+large weights fewer but at least 512 MiB in all, as `bench.gemm_tune` does) the operators the GEMV replaces, run
+unfused (`add_rms_norm` kernel, `linear` as the skinny-GEMM table picks it, `silu_and_mul`), against every swept GEMV
+config; each config is checked against the unfused result (atol = rtol = 2e-2, and the new residual stream bitwise)
+and for bitwise-equal outputs across replays. Then the chain of one layer's four projections (qkv, o_proj, gate_up,
+down, attention left out: a fixed input to o_proj) over 28 layers: the model's layout before the GEMV (residual add +
+norm in the skinny GEMM's epilogue after o_proj and down, cuBLAS qkv and gate_up) against the GEMV layout (add + norm
+in the prologue of qkv and gate_up, SiLU-gate in gate_up's epilogue) with the best configs; microseconds per layer,
+side by side in one run. The JSON holds every measurement and a ready-to-paste `_CONFIGS`.
 """
 from __future__ import annotations
 
@@ -108,12 +108,12 @@ def _weights(n: int, k: int, gated: bool, seed: int) -> list[torch.Tensor]:
     return [w0] + [w0.clone() for _ in range(copies_for(n, k, gated) - 1)]
 
 
-def tune_op(name: str, m: int, timer: GraphTimer, bw: float) -> dict:
+def tune_op(name: str, shape: tuple[int, int, int, bool], m: int, timer: GraphTimer, bw: float) -> dict:
     from modeling.ops.triton_fused import add_rms_norm, silu_and_mul
     from modeling.ops.triton_gemm import linear
     from modeling.ops.triton_gemv import GemvConfig, gemv_with_config
 
-    n, k, norm, gated = OPS[name]
+    n, k, norm, gated = shape
     ws = _weights(n, k, gated, n * 7 + k)
     copies = len(ws)
     g = torch.Generator(device="cuda").manual_seed(m)
@@ -219,14 +219,13 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     dev = torch.device("cuda", torch.cuda.current_device())
     if args.shapes:
-        for preset in args.shapes.split(","):
-            OPS.update(preset_ops(preset))
-        names = [n for n in OPS if ":" in n]
+        ops = {name: shape for preset in args.shapes.split(",") for name, shape in preset_ops(preset).items()}
     else:
-        names = [s for s in (args.ops or ",".join(OPS)).split(",") if s]
+        ops = {s: OPS[s] for s in (args.ops or ",".join(OPS)).split(",") if s}
+    names = list(ops)
     ms = tuple(int(m) for m in args.ms.split(","))
-    jobs = [(name, m, c, OPS[name]) for name in names for m in ms for c in sweep_configs(OPS[name][0], OPS[name][1], m,
-                                                                                  OPS[name][3])]
+    jobs = [(name, m, c, ops[name]) for name in names for m in ms
+            for c in sweep_configs(ops[name][0], ops[name][1], m, ops[name][3])]
     errors = precompile(jobs, args.jobs, dev.index)
     t_compile = time.perf_counter() - t0
     print(f"compiled {len(jobs)} (op, M, config) in {t_compile:.1f} s ({len(errors)} failed)", flush=True)
@@ -236,9 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     timer = GraphTimer(args.replays)
     print(f"{machine()}; copy bandwidth {bw / 1e12:.2f} TB/s; us per call inside a CUDA graph")
     print(f"{'op':>22} {'M':>3} {'unfused':>9} {'GEMV':>9} {'roof':>8}  best (BLOCK_N, BLOCK_K, warps, stages)")
-    rows = [tune_op(name, m, timer, bw) for name in names for m in ms]
+    rows = [tune_op(name, ops[name], m, timer, bw) for name in names for m in ms]
     best = {(r["op"], r["m"]): tuple(r["best"]["config"]) for r in rows if r["best"]}
-    chains = [chain(m, best, timer) for m in ms] if set(names) == {"qkv", "o_proj", "gate_up", "down"} and not args.no_chain else []
+    chains = [chain(m, best, timer) for m in ms] if set(names) == set(OPS) and not args.no_chain else []
     from modeling.ops.triton_gemv import m_pad
 
     lines = ["_CONFIGS: dict[tuple[int, int, int, int, bool], tuple[int, int, int, int]] = {"]

@@ -56,15 +56,6 @@ def expert_path(rows: int, *, routed: bool, capturing: bool, static_max_tokens: 
     return "grouped"
 
 
-def kernel_device(t: torch.Tensor) -> bool:
-    """Whether a Triton kernel can take t: on CUDA, or anywhere under the Triton CPU interpreter."""
-    if t.is_cuda:
-        return True
-    from modeling.ops.pdl import interpreted  # triton is imported only where a Triton backend exists
-
-    return interpreted()
-
-
 def capture_active(t: torch.Tensor) -> bool:
     """Whether a CUDA stream capture is recording on t's device now (False on CPU)."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -74,8 +65,8 @@ class SparseMoeBlock(nn.Module):
     """hidden `[T, H]` -> `[T, H]`. The router runs captured; routing + expert dispatch is an eager
     boundary under piecewise graphs (`moe_boundary`): the EP dispatchers exchange counts on the host in
     prefill, and the torch backend's grouped path reads them. `ops`: the backend whose routed-expert kernels
-    (`KernelOps.moe_routed` / `moe_packed`) and one-launch router (`KernelOps.moe_route`) serve when it has them (None:
-    the torch paths)."""
+    (`KernelOps.moe_routed` / `moe_packed`) and one-launch router (`KernelOps.moe_route`) serve when it has them
+    (None: the torch paths)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, device=None, static_max_tokens: int = 256,
                  ops: KernelOps | None = None):
@@ -139,7 +130,7 @@ class SparseMoeBlock(nn.Module):
 
     def experts(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Route, dispatch (EP), run the local experts, combine. `[T, H]`, `[T, E]` -> `[T, H]`."""
-        if self.route_kernel is not None and kernel_device(router_logits):
+        if self.route_kernel is not None:
             weights, ids = self.route_kernel(router_logits, self.top_k, self.renormalize)
         else:
             weights, ids = route(router_logits, self.top_k, self.renormalize)
