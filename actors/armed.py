@@ -123,7 +123,8 @@ class ArmedDecode:
         """Enqueue `lane`'s decode graph and an LM head behind a closed gate, on padding rows, then the copy of
         the head's outputs to the host (current stream: the rank's forward stream). `head` None: the greedy head;
         else the `GraphHead` of the captured sampler head the step just launched took, whose parameter block
-        `params` (`SamplerParams`) is uploaded between the decode graph and the head (see the module docstring).
+        `params` (`SamplerParams`; None for a head that reads no staged rows, `StepSampler.head_params`) is
+        uploaded between the decode graph and the head (see the module docstring).
         Any lane of the same graph may take it (another batch size of the bucket)."""
         with self._lock:
             if self._arm is not None:
@@ -151,7 +152,8 @@ class ArmedDecode:
                     lane.replay_head(runner)
                     host.copy_(lane.head_out[:p], non_blocking=True)
                 else:
-                    slot = params.arm_upload(p)  # the mirror keeps its rows; the go writes the live ones before opening
+                    if params is not None:  # the mirror keeps its rows; the go writes the live ones before opening
+                        slot = params.arm_upload(p)
                     runner.replay_epilogue(p, head.name)
                     for h, o in zip(host, outs):
                         h.copy_(o, non_blocking=True)
@@ -202,7 +204,7 @@ class ArmedDecode:
         try:  # both mirrors hold the live step before the gate opens; the transfers behind it read them after
             runner.stage_armed_decode(lane.key, batch.token_ids, batch.num_history, batch.block_tables,
                                       lane.block_size)
-            if head is not None:
+            if arm.params is not None:
                 arm.params.stage_armed(arm.slot, rows, rows_key)
         except BaseException:
             self._spend(arm, "cancelled")  # the padding rows the mirrors may half hold are dropped like padding

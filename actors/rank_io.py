@@ -35,7 +35,7 @@ class RankStepIO:
         with self.on_stream(), torch.inference_mode():  # no-op inside the step loop's inference mode
             if self._last_tokens is not None:  # a cancelled arm rewrites the head output it views
                 self._last_tokens = self._last_tokens.clone()
-            armer.arm(self.runner, lane, head, None if head is None else self.sampler().graph_params)
+            armer.arm(self.runner, lane, head, self.sampler().head_params(head))
         return True
 
     def _take_arm(self, armer, lane, greedy: bool, batch) -> Optional[PendingTokens]:

@@ -16,7 +16,7 @@ import torch
 
 from actors.batch import StepBatch
 from modeling.sampler import SamplerParams, SamplerVariant, sample
-from modeling.sampler.host import HostBatch, host_batch_from_arrays
+from modeling.sampler.host import TEMPERATURE_EPS, HostBatch, host_batch_from_arrays
 
 MAX_BIAS = 300  # = engine.sampling_params.LOGIT_BIAS_MAX_ENTRIES
 MAX_BAN = 1040  # stop token ids (at most 1024) and EOS ids, banned while a request is below min_tokens
@@ -37,6 +37,10 @@ GRAPH_HEADS = {
     "sample_kp_lp": (SamplerVariant(top_k=True, top_p=True), GRAPH_LOGPROBS),
 }
 _BY_FLAGS = {(v.top_k, v.top_p, n >= 0): name for name, (v, n) in GRAPH_HEADS.items()}
+# the captured head of decode batches whose rows are all greedy and ask for at most `GRAPH_LOGPROBS` logprobs
+# (and need no processing): the sampler over a parameter block that is never staged (every row at the greedy
+# defaults), so such a step stages nothing on the host; its tokens are the argmax, lowest id on ties
+GREEDY_LOGPROBS_HEAD = "greedy_lp"
 
 
 class GraphHead(NamedTuple):
@@ -79,6 +83,7 @@ class StepSampler:
         self._params: Optional[SamplerParams] = None
         self._capacity = capacity
         self._graph_params: Optional[SamplerParams] = None  # read by the captured sampler heads, by address
+        self._greedy_params: Optional[SamplerParams] = None  # the greedy logprob head's: never staged
         # the latest step's captured-head rows: (the key of the inputs they derive from, `_graph_rows`; the
         # `HostBatch`; its variant)
         self._last_rows: Optional[tuple[tuple, HostBatch, SamplerVariant]] = None
@@ -146,9 +151,9 @@ class StepSampler:
         fills (`max_rows` rows, fixed address)."""
         if self._graph_params is None or self._graph_params.max_batch < max_rows:
             self._graph_params = SamplerParams(max_rows, self.device, max_bias=1, max_ban=1, max_penalty_tokens=1)
-        params = self._graph_params
+            self._greedy_params = SamplerParams(max_rows, self.device, max_bias=1, max_ban=1, max_penalty_tokens=1)
 
-        def head(variant: SamplerVariant, logprobs: int) -> Callable[[torch.Tensor, int], tuple]:
+        def head(variant: SamplerVariant, logprobs: int, params: SamplerParams) -> Callable[[torch.Tensor, int], tuple]:
             def fn(hidden: torch.Tensor, bucket: int) -> tuple:
                 out = sample(logits_fn(hidden, bucket), params, num_logprobs=max(0, logprobs), variant=variant,
                              **self._shard_args())
@@ -158,11 +163,19 @@ class StepSampler:
             return fn
 
         for name, (variant, logprobs) in GRAPH_HEADS.items():
-            yield name, head(variant, logprobs)
+            yield name, head(variant, logprobs, self._graph_params)
+        yield GREEDY_LOGPROBS_HEAD, head(SamplerVariant(), GRAPH_LOGPROBS, self._greedy_params)
 
     @property
     def graph_params(self) -> Optional[SamplerParams]:
         """The parameter block the captured sampler heads read by address (None before `graph_heads`)."""
+        return self._graph_params
+
+    def head_params(self, head: Optional[GraphHead]) -> Optional[SamplerParams]:
+        """The parameter block a step's rows are staged into for captured head `head` (an arm uploads it before
+        the head): None for the greedy head (`head` None) and the greedy logprob head, which read none staged."""
+        if head is None or head.name == GREEDY_LOGPROBS_HEAD:
+            return None
         return self._graph_params
 
     def graph_head(self, batch: StepBatch, bucket: int, captured: Callable[[int, str], object]
@@ -172,12 +185,18 @@ class StepSampler:
         their positions, so `SamplerParams.stage` / `stage_armed` write only the positions of rows a mirror
         already holds): (head, rows, key), or None when the batch needs the eager sampler (more than
         `GRAPH_LOGPROBS` logprobs, logit bias, bans, penalties, a large top-k) or no head of that bucket was
-        captured (`captured(bucket, name)` is None). Host only: nothing is staged or enqueued."""
+        captured (`captured(bucket, name)` is None). A batch of greedy rows that asks for logprobs takes
+        `GREEDY_LOGPROBS_HEAD`, with rows and key None (nothing to stage). Host only: nothing is staged or
+        enqueued."""
         ex = batch.extras
         params = self._graph_params
         if params is None or bucket > params.max_batch or (ex is not None and (ex.num_logprobs > GRAPH_LOGPROBS
                                                                                   or ex.processed)):
             return None
+        if ex is not None and ex.num_logprobs >= 0 and not (batch.temperature >= TEMPERATURE_EPS).any():
+            if captured(bucket, GREEDY_LOGPROBS_HEAD) is None:
+                return None
+            return GraphHead(GREEDY_LOGPROBS_HEAD, ex.num_logprobs), None, None
         host, need, key = self._graph_rows(batch)
         if need.large_top_k:
             return None
@@ -197,19 +216,27 @@ class StepSampler:
         found = self.graph_head(batch, bucket, captured)
         if found is None:
             return None
+        if found[1] is None:  # the greedy logprob head: nothing staged
+            return found[0].name
         params = self._graph_params
         params.stage(found[1], rows_key=found[2])
         params.upload(bucket, lists=False)
         return found[0].name
 
-    def warm_up(self, logits: torch.Tensor, threads: Optional[int] = None) -> int:
+    def warm_up(self, logits: torch.Tensor, threads: Optional[int] = None,
+                head_logits: Optional[torch.Tensor] = None) -> int:
         """Launch the eager sampler once per variant class over `logits` (fp32 `[1, V]` or this rank's shard, as
-        `sample` gets them; `modeling.sampler.warm_up`), so that no request compiles a kernel; launches made.
-        `threads`: compile threads without TP (None: `compile_threads()`). Under TP every rank calls it together."""
+        `sample` gets them; `modeling.sampler.warm_up`), so that no request compiles a kernel, and once per
+        captured head's class over `head_logits` (`[1, w]` in the dtype the heads sample, when it differs), so
+        that their capture compiles nothing either; launches made. `threads`: compile threads without TP (None:
+        `compile_threads()`). Under TP every rank calls it together."""
         from modeling.sampler.warm_up import warm_up_sampler
 
+        heads = [(variant, max(0, n)) for variant, n in GRAPH_HEADS.values()]
+        heads.append((SamplerVariant(), GRAPH_LOGPROBS))  # GREEDY_LOGPROBS_HEAD
         return warm_up_sampler(self.own_columns(logits), self._params_for(1), self.vocab_size, threads=threads,
-                               **self._shard_args())
+                               head_logits=None if head_logits is None else self.own_columns(head_logits),
+                               head_classes=heads, **self._shard_args())
 
     def sample(self, logits: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, int]]]:
         """logits fp32 `[n, V]` (the whole vocabulary, or under TP this rank's shard; row i = batch row i) ->

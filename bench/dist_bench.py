@@ -66,12 +66,8 @@ def with_sampling(batch: StepBatch, mode: str) -> StepBatch:
     """`batch` with every row sampled as `mode` (a `SAMPLING_MODES` key) and seeded by its row index."""
     temp, top_k, top_p, logprobs = SAMPLING_MODES[mode]
     b = batch.batch_size
-    extras = None
-    if logprobs >= 0:
-        extras = SamplerExtras(min_p=np.zeros(b, np.float32), penalties=np.tile(np.float32([0, 0, 1]), (b, 1)),
-                               bias_ids=np.full((b, 0), -1, np.int32), bias_vals=np.zeros((b, 0), np.float32),
-                               ban_ids=np.full((b, 0), -1, np.int32), pen_ids=np.full((b, 0), -1, np.int32),
-                               pen_counts=np.zeros((b, 0), np.int32), num_logprobs=logprobs)
+    # a logprobs-only step's extras as the engine builds them (`engine.sampling_rows.build_extras`)
+    extras = None if logprobs < 0 else SamplerExtras.off(b, logprobs)
     return dataclasses.replace(batch, temperature=np.full(b, temp, np.float32), top_k=np.full(b, top_k, np.int32),
                                top_p=np.full(b, top_p, np.float32),
                                seeds=np.arange(b, dtype=np.int64) if temp > 0 else np.full(b, -1, np.int64),

@@ -170,10 +170,12 @@ def scenario_throughput(make, sizes: Sizes) -> dict:
     return out
 
 
-def scenario_clients(make, sizes: Sizes) -> dict:
+def scenario_clients(make, sizes: Sizes, budgets: tuple[int, ...] = ()) -> dict:
+    """Chunked at the engine's budget, unchunked, then chunked at each of `budgets` (tokens per step; keys
+    `chunked_<budget>`), one after another over the same executor."""
     out = {}
-    for chunked in (True, False):
-        drv = make(chunked=chunked)
+    for chunked, budget in [(True, None), (False, None)] + [(True, b) for b in budgets]:
+        drv = make(chunked=chunked, budget=budget)
         t0 = time.monotonic()
         starts = [t0 + i * sizes.stagger_s for i in range(sizes.clients)]
         left = [sizes.client_rounds] * sizes.clients
@@ -192,7 +194,8 @@ def scenario_clients(make, sizes: Sizes) -> dict:
                 continue
             for rid in drv.step():
                 current.pop(rid, None)
-        out["chunked" if chunked else "unchunked"] = {**drv.latency(ids), "wall_s": round(time.monotonic() - t0, 3)}
+        key = ("chunked" if budget is None else f"chunked_{budget}") if chunked else "unchunked"
+        out[key] = {**drv.latency(ids), "wall_s": round(time.monotonic() - t0, 3)}
     return out
 
 
@@ -214,8 +217,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     add_model_args(p, executor_default="local")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (qwen3-tiny): a check that it runs")
     p.add_argument("--scenarios", default="ttft,prefix,throughput,clients,decode")
+    p.add_argument("--budgets", default="",
+                   help="comma list: the clients scenario also runs chunked at each of these step budgets (tokens)")
     p.add_argument("--out", default=str(Path("artifacts") / "prefill_bench.json"))
     args = p.parse_args(argv)
+    budgets = tuple(int(x) for x in args.budgets.split(",") if x.strip())
+    if any(b < 1 for b in budgets):
+        p.error("--budgets: every budget must be >= 1")
     sizes = Sizes()
     if args.smoke:
         sizes = SMOKE
@@ -236,9 +244,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     base = engine_config(args)
     vocab = executor.model_config.vocab_size
 
-    def make(chunked: bool = True, caching: bool = True) -> Driver:
+    def make(chunked: bool = True, caching: bool = True, budget: Optional[int] = None) -> Driver:
+        tokens = (budget or base.max_num_batched_tokens) if chunked else None
         cfg = dataclasses.replace(base, enable_chunked_prefill=chunked, enable_prefix_caching=caching,
-                                  max_num_batched_tokens=base.max_num_batched_tokens if chunked else None)
+                                  max_num_batched_tokens=tokens)
         return Driver(LLMEngine(executor, cfg), vocab, seed=int(time.time_ns() % 2**31))
 
     warm = make()
@@ -252,7 +261,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     try:
         for name in args.scenarios.split(","):
             t0 = time.monotonic()
-            results[name] = runs[name](make, sizes)
+            results[name] = runs[name](make, sizes, budgets) if name == "clients" else runs[name](make, sizes)
             print(f"prefill_bench: {name} done in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     finally:
         if hasattr(executor, "shutdown"):
@@ -286,6 +295,10 @@ def print_table(r: dict) -> None:
                            ("gap_p99_ms", "token gap p99"), ("gap_max_ms", "token gap max")):
             rows.append((f"{s['clients']} clients ({s['client_prompt']} + {s['output']}), {label}", f"{c[key]} ms",
                          f"{u[key]} ms"))
+        for name, x in r["clients"].items():
+            if name.startswith("chunked_"):
+                rows.append((f"  chunked at a {name[8:]}-token budget: TTFT p50 / p99, TPOT p50 / p99",
+                             f"{x['ttft_p50_ms']} / {x['ttft_p99_ms']}", f"{x['tpot_p50_ms']} / {x['tpot_p99_ms']} ms"))
     if "decode" in r:
         d = r["decode"]
         rows.append((f"decode only, batch {d['batch']} at {d['context']} context, TPOT mean / p99",

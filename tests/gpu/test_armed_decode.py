@@ -210,13 +210,14 @@ def test_armed_sampled_steps_equal_unarmed_steps(rt, n):
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_armed_logprob_steps_equal_unarmed_steps(rt, n):
-    """Greedy rows asking for the top-5 logprobs take the captured "sample_lp" head; through armed goes their
-    tokens, chosen logprobs and top-5 ids and logprobs are bitwise those of the same steps unarmed."""
+    """Greedy rows asking for the top-5 logprobs take the captured "greedy_lp" head (no parameter block staged or
+    uploaded); through armed goes their tokens, chosen logprobs and top-5 ids and logprobs are bitwise those of the
+    same steps unarmed, and the tokens are the greedy head's."""
     prompts, tables, first = _prefill(rt, n, 950 + n, 10)
     counts0 = dict(rt._armer.counts)
     armed = _decode(rt, prompts, tables, first, 5, arm=True, num_logprobs=5)
     c = rt._armer.counts
-    assert rt._last_head == GraphHead("sample_lp", 5)
+    assert rt._last_head == GraphHead("greedy_lp", 5)
     assert c["went"] - counts0["went"] == 4 and c["expired"] == counts0["expired"]
     unarmed = _decode(rt, prompts, tables, first, 5, arm=False, num_logprobs=5)
     for a, u in zip(armed, unarmed):
@@ -225,6 +226,9 @@ def test_armed_logprob_steps_equal_unarmed_steps(rt, n):
             assert x.dtype == y.dtype
             np.testing.assert_array_equal(x, y)  # bitwise: the same head graph on the same rows
     assert (armed[-1][1] <= 0).all()
+    greedy = _decode(rt, prompts, tables, first, 5, arm=False)
+    for a, g in zip(armed, greedy):
+        np.testing.assert_array_equal(a[0], g)
 
 
 def test_another_sampler_head_cancels_and_runs_behind_the_padding(rt):

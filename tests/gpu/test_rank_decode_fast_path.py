@@ -230,23 +230,27 @@ def _logprob_extras(n: int, num_logprobs: int) -> SamplerExtras:
 
 
 @pytest.mark.parametrize("n", [1, 3, 16])
-@pytest.mark.parametrize("case,num_logprobs", [("sample", 0), ("sample_p", 5), ("sample_k", 3), ("sample_kp", 1)])
+@pytest.mark.parametrize("case,num_logprobs", [("sample", 0), ("sample_p", 5), ("sample_k", 3), ("sample_kp", 1),
+                                               ("greedy", 5), ("greedy", 2)])
 @torch.inference_mode()
 def test_captured_logprob_head_equals_eager_sampler(rt, case, num_logprobs, n):
     """A decode step asking for up to GRAPH_LOGPROBS logprobs is served by the captured logprob head of its
-    variant and returns exactly the eager sampler's tokens, chosen logprobs and top-N (ids and values)."""
+    variant and returns exactly the eager sampler's tokens, chosen logprobs and top-N (ids and values); all-greedy
+    rows take the "greedy_lp" head (nothing staged) and their tokens are the greedy head's."""
     rng = np.random.default_rng(600 + n + num_logprobs)
     seqs, vocab = Seqs(rt), rt.model_config.vocab_size
     prompts = [random_tokens(rng, int(rng.integers(5, 150)), vocab) for _ in range(n)]
     tables = [seqs.new(len(p) + 4) for p in prompts]
     first = rt.execute(StepBatch.from_sequences(prompts, [0] * n, tables))
-    t, k, p = (v * n for v in SAMPLED_CASES[case])
+    t, k, p = (v * n for v in SAMPLED_CASES.get(case, ([0.0], [0], [1.0])))
     t = [0.0 if i % 3 == 2 else x for i, x in enumerate(t)]  # greedy rows with logprobs among the sampled
     dec = StepBatch.from_sequences([[int(x)] for x in first], [len(q) for q in prompts], tables, temperature=t,
                                    top_k=k, top_p=p, seeds=[2000 + i for i in range(n)])
     dec = dataclasses.replace(dec, extras=_logprob_extras(n, num_logprobs))
     graph, eager, staged = _graph_and_eager(rt, dec)
     assert staged == [case + "_lp"]
+    if case == "greedy":
+        np.testing.assert_array_equal(graph.tokens, rt.execute(dataclasses.replace(dec, extras=None)))
     np.testing.assert_array_equal(graph.tokens, eager.tokens)
     assert graph.logprobs.top_ids.shape == (n, num_logprobs)
     np.testing.assert_array_equal(graph.logprobs.top_ids, eager.logprobs.top_ids)

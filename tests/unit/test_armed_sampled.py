@@ -61,15 +61,33 @@ def _lp5(n: int = 3) -> StepBatch:  # greedy rows asking for the top-5 logprobs
 # ---- which head a step needs (StepSampler.graph_head) and when an arm serves it (arm_serves)
 def test_graph_head_names_the_head_the_unarmed_path_stages():
     s = _sampler()
-    cases = [(_top_p(), GraphHead("sample_p", -1)), (_lp5(), GraphHead("sample_lp", 5)),
+    cases = [(_top_p(), GraphHead("sample_p", -1)),
              (_batch(temperature=[0.7] * 3, top_k=[20] * 3, seeds=[1, 2, 3]), GraphHead("sample_k", -1)),
-             (_batch(extras=_extras(3, 3)), GraphHead("sample_lp", 3)),
+             (_batch(temperature=[0.0, 1.0, 0.0], seeds=[1, 2, 3], extras=_extras(3, 5)), GraphHead("sample_lp", 5)),
              (_batch(temperature=[1.0] * 3, top_k=[9] * 3, top_p=[0.8] * 3, seeds=[1, 2, 3], extras=_extras(3, 0)),
               GraphHead("sample_kp_lp", 0))]
     for batch, want in cases:
         head, rows, _ = s.graph_head(batch, BUCKET, _captured)
         assert head == want and rows.n == batch.batch_size
         assert s.stage_graph_rows(batch, BUCKET, _captured) == want.name
+        assert s.head_params(head) is s.graph_params
+
+
+def test_greedy_rows_asking_for_logprobs_take_the_head_that_stages_nothing():
+    s = _sampler()
+    before = [(m.rows_key, m.dirty, m.scalars_np.copy()) for m in s.graph_params._mirrors]
+    for batch, want in [(_lp5(), GraphHead("greedy_lp", 5)), (_batch(extras=_extras(3, 3)), GraphHead("greedy_lp", 3)),
+                        (_batch(top_k=[9] * 3, top_p=[0.5] * 3, extras=_extras(3, 0)), GraphHead("greedy_lp", 0)),
+                        (_batch(temperature=[1e-6] * 3, extras=_extras(3, 1)), GraphHead("greedy_lp", 1))]:
+        assert s.graph_head(batch, BUCKET, _captured) == (want, None, None)
+        assert s.stage_graph_rows(batch, BUCKET, _captured) == want.name
+        assert s.head_params(want) is None
+    after = [(m.rows_key, m.dirty, m.scalars_np) for m in s.graph_params._mirrors]
+    assert all(a[:2] == b[:2] and np.array_equal(a[2], b[2]) for a, b in zip(before, after))  # nothing staged
+    assert s.head_params(None) is None
+    # no head of that name captured for the bucket: the eager sampler's step; a processed batch: eager too
+    assert s.graph_head(_lp5(), BUCKET, lambda b, name: None if name == "greedy_lp" else ()) is None
+    assert s.graph_head(_batch(extras=_extras(3, 5, bias=True)), BUCKET, _captured) is None
     # the eager sampler's steps: no head
     assert s.graph_head(_batch(extras=_extras(3, GRAPH_LOGPROBS + 1)), BUCKET, _captured) is None
     assert s.graph_head(_batch(extras=_extras(3, -1, bias=True)), BUCKET, _captured) is None
@@ -116,7 +134,9 @@ class _Rank(RankStepIO):
 @pytest.mark.parametrize("batch,greedy,want", [
     (_batch(), True, ("take", None, None)),
     (_top_p(), False, ("take", GraphHead("sample_p", -1), 3)),
-    (_lp5(), False, ("take", GraphHead("sample_lp", 5), 3)),
+    (_lp5(), False, ("take", GraphHead("greedy_lp", 5), None)),
+    (_batch(temperature=[1.0, 0.0, 0.0], seeds=[1, 2, 3], extras=_extras(3, 5)), False,
+     ("take", GraphHead("sample_lp", 5), 3)),
     (_batch(extras=_extras(3, -1, bias=True)), False, "cancel"),  # the eager sampler's step
     (_batch(extras=_extras(3, 8)), False, "cancel"),  # more logprobs than the heads yield
     (_batch(ids=[[prev_token(0)], [7], [8]], temperature=[1.0] * 3, top_p=[0.9] * 3, seeds=[1, 2, 3]), False,
@@ -181,7 +201,8 @@ class _Runner:
         tokens = torch.arange(200, 200 + b)
         self.lp = (-torch.arange(b, dtype=torch.float32), ar.view(b, k), -ar.view(b, k).float() / 8)
         self.outs = {"sample_p": (torch.arange(100, 100 + b),),
-                     "sample_lp": (tokens, pack_logprobs(tokens, *self.lp))}  # as the captured logprob head
+                     "sample_lp": (tokens, pack_logprobs(tokens, *self.lp)),  # as the captured logprob head
+                     "greedy_lp": (tokens + 1, pack_logprobs(tokens + 1, *self.lp))}
 
     def arm_decode(self, key, gate):
         self.calls.append("pad staging")
@@ -298,13 +319,24 @@ def test_sampled_go_writes_both_mirrors_before_it_opens_the_gate(parts):
     assert len(whole) == 1 and whole[0].shape == (BUCKET,)
 
 
-def test_logprob_go_reads_back_the_steps_top_n_like_the_unarmed_path(parts):
-    a, head = parts.armer, GraphHead("sample_lp", 5)
-    a.arm(parts.runner, parts.lane, head, parts.params)
-    batch = _lp5(3)
+@pytest.mark.parametrize("name", ["sample_lp", "greedy_lp"])
+def test_logprob_go_reads_back_the_steps_top_n_like_the_unarmed_path(parts, name):
+    """A sampled logprob head's go stages its rows into the heads' block; the greedy logprob head's arm uploads no
+    block and its go stages nothing (`StepSampler.head_params`)."""
+    a, head = parts.armer, GraphHead(name, 5)
+    params = parts.sampler.head_params(head)
+    assert (params is None) == (name == "greedy_lp")
+    mirrors = [(m.rows_key, m.dirty, m.scalars_np.copy()) for m in parts.params._mirrors]
+    a.arm(parts.runner, parts.lane, head, params)
+    batch = _lp5(3) if name == "greedy_lp" else _batch(3, temperature=[1.0] * 3, seeds=[1, 2, 3],
+                                                       extras=_extras(3, 5))
     need, rows, _ = parts.sampler.graph_head(batch, BUCKET, _captured)
+    assert need == head
     out = a.take(parts.runner, parts.lane, batch, PendingTokens, need, rows).result()
-    outs, (chosen, top_ids, top_lp) = parts.runner.outs["sample_lp"], parts.runner.lp
+    if name == "greedy_lp":
+        assert all(a_[:2] == b_[:2] and np.array_equal(a_[2], b_[2])
+                   for a_, b_ in zip(mirrors, [(m.rows_key, m.dirty, m.scalars_np) for m in parts.params._mirrors]))
+    outs, (chosen, top_ids, top_lp) = parts.runner.outs[name], parts.runner.lp
     np.testing.assert_array_equal(out.tokens, outs[0][:3].numpy())
     np.testing.assert_array_equal(out.logprobs.chosen, chosen[:3].numpy())
     np.testing.assert_array_equal(out.logprobs.top_ids, top_ids[:3, :5].numpy())

@@ -14,6 +14,7 @@ from actors.step_sampler import GRAPH_LOGPROBS, StepSampler, pack_logprobs
 from actors.wire import (LENGTH, REPLY_OK, WireError, decode_reply, decode_request, encode_request,
                          encode_tokens)
 from bench.dist_bench import decode_batch, with_sampling
+from modeling.sampler import SamplerParams
 
 V = 3001
 
@@ -60,20 +61,26 @@ def test_eager_sampler_read_back_equals_its_outputs(n, mode, num_logprobs):
 
 
 @pytest.mark.parametrize("keep", [0, 3, GRAPH_LOGPROBS])
-def test_captured_head_output_unpacks_to_the_first_n_entries(keep):
+@pytest.mark.parametrize("mode,name", [("greedy_lp5", "greedy_lp"), ("t1_p0.9_lp5", "sample_p_lp")])
+def test_captured_head_output_unpacks_to_the_first_n_entries(keep, mode, name):
     """A logprob head (run eagerly here, as its capture does first) packs GRAPH_LOGPROBS entries; a batch asking
-    for `keep` of them reads back rows [0, n) and gets the first `keep`, exactly the separate outputs' values."""
+    for `keep` of them reads back rows [0, n) and gets the first `keep`, exactly the separate outputs' values of
+    the sampler over the batch's own rows (the greedy logprob head's block is never staged: greedy defaults)."""
     from modeling.sampler import sample
 
     bucket, n = 16, 11
     s = StepSampler(torch.device("cpu"), V, 512)
     heads = dict(s.graph_heads(lambda hidden, b: hidden, bucket))
-    batch = _batch(n, "greedy_lp5", keep)
-    assert s.stage_graph_rows(batch, bucket, lambda b, name: name) == "sample_lp"
+    batch = _batch(n, mode, keep)
+    assert s.stage_graph_rows(batch, bucket, lambda b, name: name) == name
     logits = _logits(bucket, 5)
-    tokens, packed = heads["sample_lp"](logits, bucket)
+    tokens, packed = heads[name](logits, bucket)
     assert packed.shape == (bucket, 2 + 2 * GRAPH_LOGPROBS)
-    want = sample(logits, s._graph_params, num_logprobs=GRAPH_LOGPROBS, variant=s._host_batch(batch).variant())
+    own = SamplerParams(bucket, "cpu")
+    own.load(s._host_batch(batch), rows=n)  # rows [n, bucket): greedy defaults
+    want = sample(logits, own, num_logprobs=GRAPH_LOGPROBS, variant=s._host_batch(batch).variant())
+    if name == "greedy_lp":
+        assert want.tokens[:n].tolist() == logits[:n].argmax(-1).tolist()
     got = PendingTokens(packed[:n], None, logprobs=keep).result()
     _assert_same(got, want.tokens[:n], want.chosen_logprob[:n], want.top_ids[:n, :keep], want.top_logprobs[:n, :keep],
                  keep)
