@@ -1,6 +1,7 @@
 """`RankDecodeSteps`: the step-building half of `actors.rank.RankRuntime`, a mixin over its state (model, KV
 cache, graph runner, sampler, decode lanes): one step's tokens on the general path (eager or piecewise forward,
-eager LM head, the eager sampler), the decode fast path (host metadata, one staging copy, decode graph replay,
+eager LM head, the eager sampler), a chunked-prefill step split into its decode and prefill halves
+(`actors.mixed_split`), the decode fast path (host metadata, one staging copy, decode graph replay,
 an LM-head epilogue: greedy, logits or a captured sampler head), and multi-step decode (greedy on the device;
 sampled one step at a time, each draw keyed by its own position). Every call enqueues on the rank's forward
 stream and returns device tensors, not waited for. In: the batch, its token ids (host, and on the device when they
@@ -15,6 +16,7 @@ import torch
 
 from actors.batch import StepBatch
 from actors.decode_state import GREEDY_HEAD, LOGITS_HEAD, _DecodeLane, forward_step
+from actors.mixed_split import split_rows, splittable
 from actors.protocol import StepHints
 from actors.step_sampler import GraphHead, StepSampler, VocabShard
 from graphrunner.dispatch import Path as RunnerPath
@@ -29,10 +31,38 @@ class RankDecodeSteps:
         """Enqueue one step; its next tokens, int64 `[B]` on the rank's device (not waited for)."""
         if self.device.type == "cuda":
             decoding = batch.num_tokens == batch.batch_size
+            if not decoding:
+                out = self._mixed_split(batch, ids, ids_dev, hints)
+                if out is not None:
+                    return out
             if decoding or ids_dev is None:
                 out = (self._decode_fast if decoding else self._prefill_fast)(batch, ids, ids_dev, hints)
                 if out is not None:
                     return out
+        return self._general_step(batch, ids, ids_dev, hints)
+
+    def _mixed_split(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
+                     hints: StepHints) -> Optional[torch.Tensor]:
+        """A chunked-prefill step as its decode rows' decode step then its prefill rows' step (`actors.mixed_split`),
+        when the decode rows get a full decode graph and the prefill rows' token ids are on the host; their
+        tokens in row order, int64 `[B]`. None (nothing launched) when the step runs whole."""
+        n = splittable(batch, self.logits_observer is not None, hints.global_decode is None,
+                       self.cfg.split_mixed_steps)
+        if n is None or (ids_dev is not None and int(batch.token_ids[n:].min()) < 0):
+            return None
+        head, tail = split_rows(batch, n)
+        first = self._decode_fast(head, ids[:n], None if ids_dev is None else ids_dev[:n], hints)
+        if first is None:  # no decode graph for the rows: nothing launched
+            return None
+        self._last_lane, self._last_host_ids, self._last_head = None, False, None  # no arm after a mixed step
+        rest = self._prefill_fast(tail, ids[n:], None, hints)
+        if rest is None:
+            rest = self._general_step(tail, ids[n:], None, hints)
+        return torch.cat([first, rest])
+
+    def _general_step(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
+                      hints: StepHints) -> torch.Tensor:
+        """Any step on the runner's dispatch (piecewise plans, eager), the eager LM head and sampler."""
         ids_t, pos, meta = build_step_from_arrays(ids, batch.q_seqlens, batch.num_history, batch.block_tables,
                                                   self.cfg.block_size, self.device)
         step = forward_step(ids_t if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta, hints)

@@ -37,6 +37,10 @@ class RuntimeConfig:
         expert-parallel size 1 arm.
     sampler_warm_up: launch the eager sampler once per variant class at start-up (CUDA ranks;
         `modeling.sampler.warm_up`), so that no request compiles a sampler kernel mid-serving.
+    split_mixed_steps: a chunked-prefill step (decode rows first, then prompt chunks) runs as its decode rows'
+        decode step (full decode graph) then its prefill rows' step (`actors.mixed_split`; CUDA ranks whose
+        DP groups decide their phase alone, steps without sampler extras); False: one step on the token
+        bucket's piecewise plan.
     """
 
     model: str = "qwen3-tiny"
@@ -53,6 +57,7 @@ class RuntimeConfig:
     armed_decode_wait_ms: float = 20.0
     kernels: KernelOptions = KernelOptions()
     sampler_warm_up: bool = True
+    split_mixed_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:

@@ -1,4 +1,4 @@
-"""What a chunked-prefill step costs against its two halves, in one rank, side by side in one run.
+"""What a chunked-prefill step costs against its two halves, split and whole, in one rank, side by side in one run.
 
     python -m bench.mixed_step --model qwen3-0.6b                        # one GPU, the serving defaults
     python -m bench.mixed_step --model qwen3-0.6b --chunks 512,1024,1984 --decode-rows 64 --context 2000
@@ -8,13 +8,16 @@ For each chunk size T: the mixed step a chunked scheduler sends (`--decode-rows`
 tokens of history, then one prompt chunk of T new tokens with no history, as `engine.chunking` orders them)
 against the decode step of the B rows alone and the prefill step of the chunk alone, each through
 `RankRuntime.execute` (the rank's own dispatch: decode graphs, prefill graphs, piecewise plans, eager) with the
-serving defaults (`launch.options`). Reported: the median wall time per step (host + device, waited for) and the
-path the runner took, and `mixed / (decode + prefill)`: above 1, a mixed step costs the decode rows more than the
-chunk's own cost. Prints a table and writes JSON (`--out`).
+serving defaults (`launch.options`). The mixed step runs twice: split into its decode and prefill halves (the
+default, `RuntimeConfig.split_mixed_steps`) and whole (one step on the token bucket's plan). Reported: the
+median wall time per step (host + device, waited for), the paths the runner took, and `mixed / (decode +
+prefill)`: above 1, a mixed step costs the decode rows more than the chunk's own cost. Prints a table and writes
+JSON (`--out`).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -112,19 +115,28 @@ def main(argv: Optional[list[str]] = None) -> dict:
         for t in chunks:
             b = step_batches(rt, args.decode_rows, args.context, t, vocab, seed=t)
             got = {name: time_batch(rt, x, args.iters) for name, x in b.items() if x is not None}
+            split_cfg = rt.cfg
+            rt.cfg = dataclasses.replace(split_cfg, split_mixed_steps=False)  # the same rank, the step whole
+            try:
+                got["whole"] = time_batch(rt, b["mixed"], args.iters)
+            finally:
+                rt.cfg = split_cfg
             dec = got["decode"]["ms"] if "decode" in got else 0.0
             row = {"chunk": t, **{f"{k}_ms": v["ms"] for k, v in got.items()},
                    **{f"{k}_paths": v["paths"] for k, v in got.items()},
-                   "mixed_over_sum": round(got["mixed"]["ms"] / (dec + got["prefill"]["ms"]), 3)}
+                   "mixed_over_sum": round(got["mixed"]["ms"] / (dec + got["prefill"]["ms"]), 3),
+                   "whole_over_sum": round(got["whole"]["ms"] / (dec + got["prefill"]["ms"]), 3)}
             rows.append(row)
             print(f"mixed_step: chunk {t}: {row}", file=sys.stderr, flush=True)
     finally:
         executor.shutdown()
     print(f"\nmixed_step  {args.model}  {args.decode_rows} decode rows at {args.context} tokens + one chunk")
-    print(f"{'chunk':>6}  {'decode ms':>10}  {'prefill ms':>10}  {'mixed ms':>10}  {'mixed / sum':>11}  paths (mixed)")
+    print(f"{'chunk':>6}  {'decode ms':>10}  {'prefill ms':>10}  {'split ms':>10}  {'whole ms':>10}  "
+          f"{'split / sum':>11}  {'whole / sum':>11}  paths (split | whole)")
     for r in rows:
         print(f"{r['chunk']:>6}  {r.get('decode_ms', 0.0):>10}  {r['prefill_ms']:>10}  {r['mixed_ms']:>10}  "
-              f"{r['mixed_over_sum']:>11}  {','.join(r['mixed_paths'])}")
+              f"{r['whole_ms']:>10}  {r['mixed_over_sum']:>11}  {r['whole_over_sum']:>11}  "
+              f"{','.join(r['mixed_paths'])} | {','.join(r['whole_paths'])}")
     result = {"model": args.model, "machine": machine(), "decode_rows": args.decode_rows, "context": args.context,
               "rows": rows}
     write_json(args.out, result)
