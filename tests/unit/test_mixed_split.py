@@ -1,5 +1,5 @@
 """`actors.mixed_split`: which rows of a chunked-prefill step run as its decode half, and the two halves' batches.
-(The rank running them as two graph replays is the GPU tests', tests/gpu/test_mixed_split.py.)"""
+(The rank running them as two graph replays is the GPU tests', tests/gpu/test_mixed_split_gpu.py.)"""
 import dataclasses
 
 import numpy as np
