@@ -54,3 +54,38 @@ def test_splittable_leaves_whole_what_must_run_as_one_step():
         split_rows(lp, 2)
     assert splittable(_batch([1, 1, 1]), False, True, True) is None  # a decode step
     assert splittable(_batch([30, 1]), False, True, True) is None  # no decode rows first
+
+
+def test_mixed_step_bench_runs_the_split_and_the_whole_step_side_by_side(tmp_path):
+    """`bench.mixed_step --smoke` (CPU, qwen3-tiny): every chunk row times the three steps and the whole step, and
+    its mixed batch is what the chunked scheduler sends (decode rows at the context first, then the chunk)."""
+    import json
+
+    from bench import mixed_step
+
+    out = tmp_path / "m.json"
+    got = mixed_step.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == got
+    assert [r["chunk"] for r in got["rows"]] == [16, 48]
+    for r in got["rows"]:
+        assert all(r[f"{k}_ms"] > 0 for k in ("decode", "prefill", "mixed", "whole"))
+        assert r["mixed_over_sum"] == round(r["mixed_ms"] / (r["decode_ms"] + r["prefill_ms"]), 3)
+        assert r["mixed_paths"] == r["whole_paths"] == ["eager"]  # no graphs on CPU: the split is CUDA's
+
+
+def test_mixed_step_bench_batches_are_the_chunked_schedulers_layout():
+    from types import SimpleNamespace
+
+    from bench.mixed_step import step_batches
+
+    rt = SimpleNamespace(cfg=SimpleNamespace(block_size=16), kv_cache=SimpleNamespace(spec=SimpleNamespace(num_blocks=400)))
+    b = step_batches(rt, 5, 100, 40, vocab=1000)
+    m = b["mixed"]
+    assert m.q_seqlens.tolist() == [1] * 5 + [40] and m.num_history.tolist() == [100] * 5 + [0]
+    assert decode_prefix(m) == 5
+    head, tail = split_rows(m, 5)
+    np.testing.assert_array_equal(head.token_ids, b["decode"].token_ids)
+    np.testing.assert_array_equal(tail.token_ids, b["prefill"].token_ids)
+    tables = m.block_tables[m.block_tables > 0]
+    assert len(set(tables.tolist())) == tables.size  # distinct blocks for every row
+    m.validate(1000, 16)
