@@ -187,8 +187,7 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
         (`graphrunner.epilogue`): greedy tokens alone (`greedy_tokens`: no fp32 logits, under TP no logits
         gather); fp32 logits + their argmax (the eager sampler, logits observers; under TP this rank's vocabulary
         shard and the greedy tokens); and the sampler's captured variants (`StepSampler.graph_heads`) over the
-        logits in the model's dtype (`head_logits`; under TP the shard: the sampler combines per-shard
-        statistics, never the logits)."""
+        fp32 logits (under TP the shard: the sampler combines per-shard statistics, never the logits)."""
         limit = self.cfg.head_graph_max_batch
         buckets = [b for b in self.runner.decode_capture_sizes() if b <= limit]
         if not buckets or self.device.type != "cuda" or self.cfg.graph.eager_mode:
@@ -208,14 +207,9 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
         tp = self.ctx.tp_size > 1
         self.runner.register_epilogue(GREEDY_HEAD, greedy, limit)
         self.runner.register_epilogue(LOGITS_HEAD, shard_logits if tp else logits, limit)
-        for name, fn in self.sampler().graph_heads(lambda h, b: self.head_logits(h, rows(b)), max(buckets)):
+        logits_fn = model.compute_logits_shard if tp else model.compute_logits
+        for name, fn in self.sampler().graph_heads(lambda h, b: logits_fn(h, rows(b)), max(buckets)):
             self.runner.register_epilogue(name, fn, limit)
-
-    def head_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """What the captured sampler heads sample: this rank's vocabulary shard of the logits of `hidden`'s rows
-        `rows` (the whole row without TP) in the model's dtype, `[n, w]`. The eager path's fp32 logits are these
-        values cast (exact), so both draw the same tokens; the heads skip the fp32 copy and read half the bytes."""
-        return self.model.compute_logits_shard(hidden, rows, upcast=False)
 
     def _decode_rows(self, n: int) -> torch.Tensor:
         if self._rows is None or self._rows.shape[0] < n:

@@ -239,14 +239,12 @@ class RankDecodeSteps:
         return self._sampler
 
     def warm_up_sampler(self) -> int:
-        """The sampler's compiles at start-up (`StepSampler.warm_up`), over logits of the shape and layout
-        `_eager_head` gives a sampled step and those the captured heads sample (`head_logits`); launches made.
-        CUDA ranks, on the current stream, in lock-step under TP."""
+        """The eager sampler's compiles at start-up (`StepSampler.warm_up`), over logits of the shape and layout
+        `_eager_head` gives a sampled step; launches made. CUDA ranks, on the current stream, in lock-step under TP."""
         hidden = torch.zeros((1, self.model_config.hidden_size), dtype=self.model_config.dtype, device=self.device)
         rows = torch.zeros((1,), dtype=torch.int64, device=self.device)
         head = self.model.compute_logits_shard if self.ctx.tp_size > 1 else self.model.compute_logits
-        return self.sampler().warm_up(head(hidden, rows), threads=self.cfg.kernels.compile_threads,
-                                      head_logits=self.head_logits(hidden, rows))
+        return self.sampler().warm_up(head(hidden, rows), threads=self.cfg.kernels.compile_threads)
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The eager batched sampler over fp32 logits `[n, V]`; the step's logprobs, when its batch asks for them,

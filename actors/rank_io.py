@@ -126,11 +126,11 @@ class RankStepIO:
         if int(src.max()) >= rows:
             raise BatchError(f"a token id refers to row {int(src.max())} of the previous step, which had {rows} rows")
         prev = self._last_tokens
-        host = np.where(refs, ids, 0)
+        host = np.where(refs, 0, ids)
         n = int(ids.shape[0])
         if refs.all() and np.array_equal(src, np.arange(n)):
             return host, prev[:n]  # the steady state of a decode loop: row i continues row i
-        dev = torch.from_numpy(host).to(self.device, non_blocking=True)
+        dev = torch.from_numpy(host).to(self.device, non_blocking=True, copy=True)  # a CPU rank keeps `host`
         idx = torch.from_numpy(np.stack([np.flatnonzero(refs), src])).to(self.device, non_blocking=True)
         dev.index_copy_(0, idx[0], prev.index_select(0, idx[1]))
         return host, dev

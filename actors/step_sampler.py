@@ -223,20 +223,14 @@ class StepSampler:
         params.upload(bucket, lists=False)
         return found[0].name
 
-    def warm_up(self, logits: torch.Tensor, threads: Optional[int] = None,
-                head_logits: Optional[torch.Tensor] = None) -> int:
+    def warm_up(self, logits: torch.Tensor, threads: Optional[int] = None) -> int:
         """Launch the eager sampler once per variant class over `logits` (fp32 `[1, V]` or this rank's shard, as
-        `sample` gets them; `modeling.sampler.warm_up`), so that no request compiles a kernel, and once per
-        captured head's class over `head_logits` (`[1, w]` in the dtype the heads sample, when it differs), so
-        that their capture compiles nothing either; launches made. `threads`: compile threads without TP (None:
-        `compile_threads()`). Under TP every rank calls it together."""
+        `sample` gets them; `modeling.sampler.warm_up`), so that no request compiles a kernel; launches made.
+        `threads`: compile threads without TP (None: `compile_threads()`). Under TP every rank calls it together."""
         from modeling.sampler.warm_up import warm_up_sampler
 
-        heads = [(variant, max(0, n)) for variant, n in GRAPH_HEADS.values()]
-        heads.append((SamplerVariant(), GRAPH_LOGPROBS))  # GREEDY_LOGPROBS_HEAD
         return warm_up_sampler(self.own_columns(logits), self._params_for(1), self.vocab_size, threads=threads,
-                               head_logits=None if head_logits is None else self.own_columns(head_logits),
-                               head_classes=heads, **self._shard_args())
+                               **self._shard_args())
 
     def sample(self, logits: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, int]]]:
         """logits fp32 `[n, V]` (the whole vocabulary, or under TP this rank's shard; row i = batch row i) ->

@@ -141,12 +141,10 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, PrefillGraphBuffersMixin, nn.Mod
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""
         return self.lm_head.logits(hidden.index_select(0, last_token_index))
 
-    def compute_logits_shard(self, hidden: torch.Tensor, last_token_index: torch.Tensor, upcast: bool = True
-                             ) -> torch.Tensor:
+    def compute_logits_shard(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 `[B, w]`: this TP rank's vocabulary shard of
-        `compute_logits` (global ids from `logits_shard()[0]`; the whole row without TP), gathered from nobody.
-        `upcast=False`: in the model's dtype (no fp32 copy; the values `compute_logits` upcasts)."""
-        return self.lm_head.shard_logits(hidden.index_select(0, last_token_index), upcast)
+        `compute_logits` (global ids from `logits_shard()[0]`), gathered from nobody."""
+        return self.lm_head.shard_logits(hidden.index_select(0, last_token_index))
 
     def logits_shard(self) -> tuple[int, int, int]:
         """(first global token id of this rank's logits shard, its width, the widest shard's width)."""

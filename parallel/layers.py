@@ -184,13 +184,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Columns of this rank's logits shard that are real tokens (the last shard may be narrower)."""
         return max(0, min(self.vocab_per_rank, self.vocab - self.start))
 
-    def shard_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 `[B, shard_width]`: this rank's vocabulary shard of `logits(hidden)` (global ids
-        [start, start + shard_width)), with no collective; the whole row without TP. `upcast=False`: in the
-        GEMM's dtype instead (a column view of its output, row stride `vocab_per_rank`; exactly the fp32 values
-        once cast)."""
-        local = self.gemm(hidden, self.weight)[..., : self.shard_width]
-        return local.float() if upcast else local
+        [start, start + shard_width)), with no collective; the whole row without TP."""
+        local = self.gemm(hidden, self.weight)
+        return local[..., : self.shard_width].float()
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """int64 `[B]`: the argmax of `logits(hidden)` (first index on ties) without forming them: each rank takes

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -47,15 +47,12 @@ def warm_up_row(variant: SamplerVariant, vocab_size: int) -> RowSpec:
 
 def warm_up_sampler(logits: torch.Tensor, params: SamplerParams, vocab_size: int, *, vocab_offset: int = 0,
                     tp_group: Optional[Any] = None, shard_width: Optional[int] = None,
-                    threads: Optional[int] = None, head_logits: Optional[torch.Tensor] = None,
-                    head_classes: Sequence[tuple[SamplerVariant, int]] = ()) -> int:
+                    threads: Optional[int] = None) -> int:
     """Sample `logits` (`[1, V_shard]`, the dtype and layout the eager path passes) once per class of
     `warm_up_classes`, with `params` (capacity >= 1 row, lists as wide as serving loads; without TP each class
-    thread takes a fresh block of the same layout instead); returns the launches. `head_logits` (`[1, V_shard]`
-    of another dtype, what captured heads pass): also once per class of `head_classes` over them, so the
-    heads' own compiles run here, side by side, instead of one after another at capture. `threads`: compile
-    threads (None: `compile_threads()`; 1: one after another). The outputs are dropped (the caller's stream
-    orders their buffers' reuse)."""
+    thread takes a fresh block of the same layout instead); returns the launches. `threads`: compile threads
+    (None: `compile_threads()`; 1: one after another). The outputs are dropped (the caller's stream orders their
+    buffers' reuse)."""
     from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
 
     lay = params.layout
@@ -63,15 +60,13 @@ def warm_up_sampler(logits: torch.Tensor, params: SamplerParams, vocab_size: int
     classes = warm_up_classes()
     alone = ShardGroup(tp_group).size == 1
 
-    def launch(rows: torch.Tensor, variant: SamplerVariant, n: int) -> None:
+    def launch(variant: SamplerVariant, n: int) -> None:
         block = SamplerParams(1, params.device, **caps) if alone else params
         block.load(HostBatch.from_rows([warm_up_row(variant, vocab_size)], vocab_size=vocab_size, **caps), rows=1)
-        sample(rows[:1], block, num_logprobs=min(n, rows.shape[1]), variant=variant, vocab_offset=vocab_offset,
+        sample(logits[:1], block, num_logprobs=min(n, logits.shape[1]), variant=variant, vocab_offset=vocab_offset,
                tp_group=tp_group, shard_width=shard_width)
 
-    calls = [functools.partial(launch, logits, variant, n) for variant, n in classes]
-    if head_logits is not None and head_logits.dtype != logits.dtype:
-        calls += [functools.partial(launch, head_logits, variant, n) for variant, n in dict.fromkeys(head_classes)]
+    calls = [functools.partial(launch, variant, n) for variant, n in classes]
     if alone and logits.is_cuda:
         from . import triton_kernels, triton_select
 

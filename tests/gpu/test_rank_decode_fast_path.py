@@ -65,7 +65,7 @@ def test_head_graphs_cover_small_buckets_only(rt):
     st = rt.stats()
     assert st["head_graphs"]["buckets"] == [1, 2, 4, 8, 16]
     assert set(st["head_graphs"]["names"]) == {"greedy", "logits", "sample", "sample_k", "sample_p", "sample_kp",
-                                               "sample_lp", "sample_k_lp", "sample_p_lp", "sample_kp_lp"}
+                                               "sample_lp", "sample_k_lp", "sample_p_lp", "sample_kp_lp", "greedy_lp"}
     assert 0 < st["head_graphs"]["pool_bytes"] < 256 << 20
     rt.reset()
     assert rt.stats()["head_graphs"]["buckets"] == []
