@@ -46,6 +46,7 @@ owed)
   done
   timeout 90 python3 -m bench.ttft_trace --model qwen3-0.6b --out "$out/ttft_trace.json" 2>&1 | quiet | tail -9
   timeout 120 python3 -m bench.prefill_bench --model qwen3-0.6b --out "$out/prefill_bench.json" 2>&1 | quiet | tee "$out/prefill_bench.log" | tail -16
+  timeout 90 python3 -m bench.mixed_step --model qwen3-0.6b --out "$out/mixed_step.json" 2>&1 | quiet | tee "$out/mixed_step.log" | tail -7
   # issue 24: every layer of every shape
   timeout 400 python3 -m bench.model_sweep --out "$out/model_sweep.json" 2>&1 | quiet | tee "$out/model_sweep.log" | tail -8
   ;;
