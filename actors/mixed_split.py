@@ -7,9 +7,7 @@ them. Split, the leading rows of one new token each run as a decode step (a full
 sampled or greedy) and the rest as a prefill step (a full prefill graph when one serves it, else its piecewise
 plan), back to back on the rank's forward stream; the step's tokens are the two halves' in row order. The rows
 are independent sequences, so their KV writes and draws (keyed by seed and position) do not depend on the
-split; their sampler extras split by rows, and a step asking for logprobs gets both halves' rows cut to its
-count (`keep_logprobs`). `actors.rank_decode.RankDecodeSteps` decides when the split applies
-(`RuntimeConfig.split_mixed_steps`).
+split. `actors.rank_decode.RankDecodeSteps` decides when the split applies (`RuntimeConfig.split_mixed_steps`).
 """
 from __future__ import annotations
 
@@ -17,9 +15,8 @@ import dataclasses
 from typing import Optional
 
 import numpy as np
-import torch
 
-from actors.batch import SamplerExtras, StepBatch
+from actors.batch import StepBatch
 
 
 def decode_prefix(batch: StepBatch) -> int:
@@ -31,21 +28,12 @@ def decode_prefix(batch: StepBatch) -> int:
     return 0 if longer.size == 0 else int(longer[0])
 
 
-def split_extras(ex: Optional[SamplerExtras], lo: int, hi: int) -> Optional[SamplerExtras]:
-    """Rows [lo, hi) of a step's sampler extras (views), with the same logprob count; logprobs-only extras stay
-    `SamplerExtras.off` (their arrays shared, so the rank still tells them apart without a reduction)."""
-    if ex is None:
-        return None
-    if ex.logprobs_only:
-        return SamplerExtras.off(hi - lo, ex.num_logprobs)
-    return SamplerExtras(ex.min_p[lo:hi], ex.penalties[lo:hi], ex.bias_ids[lo:hi], ex.bias_vals[lo:hi],
-                         ex.ban_ids[lo:hi], ex.pen_ids[lo:hi], ex.pen_counts[lo:hi], ex.num_logprobs)
-
-
 def split_rows(batch: StepBatch, n: int) -> tuple[StepBatch, StepBatch]:
     """(rows [0, n), rows [n, B)) of `batch` as two `StepBatch`es of views, for `n = decode_prefix(batch) > 0`:
-    the first holds one token per row, so its token ids are the first n; sampler extras split by rows
-    (`split_extras`)."""
+    the first holds one token per row, so its token ids are the first n. Sampler extras are not split (the
+    caller does not split a batch that carries them)."""
+    if batch.extras is not None:
+        raise ValueError("split_rows: a batch with sampler extras is not split")
     if not 0 < n < batch.batch_size:
         raise ValueError(f"split_rows: n must be in (0, {batch.batch_size}), got {n}")
 
@@ -53,28 +41,18 @@ def split_rows(batch: StepBatch, n: int) -> tuple[StepBatch, StepBatch]:
         return dataclasses.replace(batch, token_ids=batch.token_ids[t_lo:t_hi], q_seqlens=batch.q_seqlens[lo:hi],
                                    num_history=batch.num_history[lo:hi], block_tables=batch.block_tables[lo:hi],
                                    temperature=batch.temperature[lo:hi], top_k=batch.top_k[lo:hi],
-                                   top_p=batch.top_p[lo:hi], seeds=batch.seeds[lo:hi],
-                                   extras=split_extras(batch.extras, lo, hi))
+                                   top_p=batch.top_p[lo:hi], seeds=batch.seeds[lo:hi])
 
     b = batch.batch_size
     return part(0, n, 0, n), part(n, b, n, batch.num_tokens)
 
 
-def keep_logprobs(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """A half's tokens and logprobs packed as `actors.step_sampler.pack_logprobs` packs them (int32 `[rows, 2 +
-    2M]`, M >= n top entries: a captured logprob head yields M = `GRAPH_LOGPROBS`) cut to n top entries,
-    `[rows, 2 + 2n]`, so that both halves' rows concatenate. Device op, not waited for."""
-    m = (packed.shape[1] - 2) // 2
-    if m == n:
-        return packed
-    return torch.cat([packed[:, :2 + n], packed[:, 2 + m:2 + m + n]], dim=1)
-
-
 def splittable(batch: StepBatch, has_observer: bool, local_phase: bool, enabled: bool) -> Optional[int]:
     """The decode rows to split off (`decode_prefix`), or None when the step runs whole: the split is off, a
-    logits observer wants the whole batch's logits, or the coordinator fixed the step's phase for collectives
-    across DP groups (`local_phase` False: every DP rank must run the same graphs)."""
-    if not enabled or has_observer or not local_phase:
+    logits observer wants the whole batch's logits, the step carries sampler extras (logprobs, penalties: one
+    sampler pass per step), or the coordinator fixed the step's phase for collectives across DP groups
+    (`local_phase` False: every DP rank must run the same graphs)."""
+    if not enabled or has_observer or not local_phase or batch.extras is not None:
         return None
     n = decode_prefix(batch)
     return n or None

@@ -16,7 +16,7 @@ import torch
 
 from actors.batch import StepBatch
 from actors.decode_state import GREEDY_HEAD, LOGITS_HEAD, _DecodeLane, forward_step
-from actors.mixed_split import keep_logprobs, split_rows, splittable
+from actors.mixed_split import split_rows, splittable
 from actors.protocol import StepHints
 from actors.step_sampler import GraphHead, StepSampler, VocabShard
 from graphrunner.dispatch import Path as RunnerPath
@@ -45,8 +45,7 @@ class RankDecodeSteps:
                      hints: StepHints) -> Optional[torch.Tensor]:
         """A chunked-prefill step as its decode rows' decode step then its prefill rows' step (`actors.mixed_split`),
         when the decode rows get a full decode graph and the prefill rows' token ids are on the host; their
-        tokens in row order, int64 `[B]` (and, when the step asks for logprobs, both halves' packed rows in
-        `_step_logprobs`). None (nothing launched) when the step runs whole."""
+        tokens in row order, int64 `[B]`. None (nothing launched) when the step runs whole."""
         n = splittable(batch, self.logits_observer is not None, hints.global_decode is None,
                        self.cfg.split_mixed_steps)
         if n is None or (ids_dev is not None and int(batch.token_ids[n:].min()) < 0):
@@ -56,14 +55,9 @@ class RankDecodeSteps:
         if first is None:  # no decode graph for the rows: nothing launched
             return None
         self._last_lane, self._last_host_ids, self._last_head = None, False, None  # no arm after a mixed step
-        first_lp, self._step_logprobs = self._step_logprobs, None
         rest = self._prefill_fast(tail, ids[n:], None, hints)
         if rest is None:
             rest = self._general_step(tail, ids[n:], None, hints)
-        if first_lp is not None:  # the step asks for logprobs: both halves packed them, each with its own count
-            k = batch.extras.num_logprobs
-            self._step_logprobs = (torch.cat([keep_logprobs(first_lp[0], k), keep_logprobs(self._step_logprobs[0], k)]),
-                                   k)
         return torch.cat([first, rest])
 
     def _general_step(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor],

@@ -39,7 +39,8 @@ class RuntimeConfig:
         `modeling.sampler.warm_up`), so that no request compiles a sampler kernel mid-serving.
     split_mixed_steps: a chunked-prefill step (decode rows first, then prompt chunks) runs as its decode rows'
         decode step (full decode graph) then its prefill rows' step (`actors.mixed_split`; CUDA ranks whose
-        DP groups decide their phase alone); False: one step on the token bucket's piecewise plan.
+        DP groups decide their phase alone, steps without sampler extras); False: one step on the token
+        bucket's piecewise plan.
     """
 
     model: str = "qwen3-tiny"

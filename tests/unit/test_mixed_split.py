@@ -4,11 +4,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from actors.batch import SamplerExtras, StepBatch
-from actors.mixed_split import decode_prefix, keep_logprobs, split_extras, split_rows, splittable
-from actors.step_sampler import pack_logprobs
+from actors.mixed_split import decode_prefix, split_rows, splittable
 
 
 def _batch(q: list[int], seed: int = 0) -> StepBatch:
@@ -51,7 +49,9 @@ def test_splittable_leaves_whole_what_must_run_as_one_step():
     assert splittable(b, has_observer=True, local_phase=True, enabled=True) is None
     assert splittable(b, has_observer=False, local_phase=False, enabled=True) is None  # phase fixed across DP
     lp = dataclasses.replace(b, extras=SamplerExtras.off(3, 5))
-    assert splittable(lp, has_observer=False, local_phase=True, enabled=True) == 2
+    assert splittable(lp, has_observer=False, local_phase=True, enabled=True) is None
+    with pytest.raises(ValueError):
+        split_rows(lp, 2)
     assert splittable(_batch([1, 1, 1]), False, True, True) is None  # a decode step
     assert splittable(_batch([30, 1]), False, True, True) is None  # no decode rows first
 
@@ -89,37 +89,3 @@ def test_mixed_step_bench_batches_are_the_chunked_schedulers_layout():
     tables = m.block_tables[m.block_tables > 0]
     assert len(set(tables.tolist())) == tables.size  # distinct blocks for every row
     m.validate(1000, 16)
-
-
-def test_extras_split_by_rows_and_logprobs_only_extras_stay_off():
-    b = _batch([1, 1, 1, 25], seed=5)
-    off = dataclasses.replace(b, extras=SamplerExtras.off(4, 3))
-    head, tail = split_rows(off, 3)
-    assert head.extras.logprobs_only and tail.extras.logprobs_only  # `off`'s shared arrays, no reduction needed
-    assert (head.extras.num_logprobs, tail.extras.num_logprobs) == (3, 3)
-    assert head.extras.min_p.shape == (3,) and tail.extras.min_p.shape == (1,)
-    rng = np.random.default_rng(1)
-    full = SamplerExtras(rng.random(4, dtype=np.float32), rng.random((4, 3), dtype=np.float32),
-                         rng.integers(-1, 9, (4, 2)).astype(np.int32), rng.random((4, 2), dtype=np.float32),
-                         rng.integers(-1, 9, (4, 1)).astype(np.int32), rng.integers(-1, 9, (4, 5)).astype(np.int32),
-                         rng.integers(0, 3, (4, 5)).astype(np.int32), 2)
-    head, tail = split_rows(dataclasses.replace(b, extras=full), 3)
-    for name in ("min_p", "penalties", "bias_ids", "bias_vals", "ban_ids", "pen_ids", "pen_counts"):
-        np.testing.assert_array_equal(np.concatenate([getattr(head.extras, name), getattr(tail.extras, name)]),
-                                      getattr(full, name))
-    assert head.extras.num_logprobs == tail.extras.num_logprobs == 2
-    head.extras.validate(3, 1000)
-    tail.extras.validate(1, 1000)
-    assert split_extras(None, 0, 2) is None
-
-
-def test_keep_logprobs_cuts_a_head_s_entries_to_the_step_s_count():
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.arange(4) + 10
-    chosen = -torch.rand(4, generator=g)
-    ids = torch.randint(0, 1000, (4, 5), generator=g)
-    lps = -torch.rand(4, 5, generator=g)
-    packed = pack_logprobs(tokens, chosen, ids, lps)  # a captured head's 5 entries
-    for n in (0, 2, 5):
-        want = pack_logprobs(tokens, chosen, ids[:, :n], lps[:, :n])
-        assert torch.equal(keep_logprobs(packed, n), want)
