@@ -216,9 +216,9 @@ class StepSampler:
         found = self.graph_head(batch, bucket, captured)
         if found is None:
             return None
-        if found[1] is None:  # the greedy logprob head: nothing staged
+        params = self.head_params(found[0])
+        if params is None:  # the greedy logprob head: nothing staged
             return found[0].name
-        params = self._graph_params
         params.stage(found[1], rows_key=found[2])
         params.upload(bucket, lists=False)
         return found[0].name

@@ -28,16 +28,14 @@ import numpy as np
 from bench.common import machine, write_json
 
 
-def _tables(rt: Any, rows: list[int], first_block: int) -> np.ndarray:
-    """Block tables of distinct blocks (wrapping when the cache is small: timing only) covering `rows` tokens each."""
-    bs = rt.cfg.block_size
-    per = max(-(-n // bs) for n in rows)
-    usable = rt.kv_cache.spec.num_blocks - 1
-    out = np.zeros((len(rows), per), np.int32)
-    nxt = first_block
-    for i, n in enumerate(rows):
+def _tables(rt: Any, rows: list[int]) -> list[list[int]]:
+    """One block table per row, covering `rows[i]` tokens, of distinct blocks (wrapping when the cache is small:
+    timing only)."""
+    bs, usable = rt.cfg.block_size, rt.kv_cache.spec.num_blocks - 1
+    out, nxt = [], 0
+    for n in rows:
         need = -(-n // bs)
-        out[i, :need] = 1 + (np.arange(nxt, nxt + need) % usable)
+        out.append([1 + (b % usable) for b in range(nxt, nxt + need)])
         nxt += need
     return out
 
@@ -48,21 +46,15 @@ def step_batches(rt: Any, decode_rows: int, context: int, chunk: int, vocab: int
     from actors.batch import StepBatch
 
     rng = np.random.default_rng(seed)
-    dec_ids = [[int(x)] for x in rng.integers(0, vocab, decode_rows)]
-    chunk_ids = [[int(x) for x in rng.integers(0, vocab, chunk)]]
-    hist = [context] * decode_rows
-    dec_tables = _tables(rt, [context + 1] * decode_rows, 0)
-    pre_tables = _tables(rt, [chunk], decode_rows * dec_tables.shape[1])
+    ids = [[int(x)] for x in rng.integers(0, vocab, decode_rows)] + [[int(x) for x in rng.integers(0, vocab, chunk)]]
+    hist = [context] * decode_rows + [0]
+    tables = _tables(rt, [context + 1] * decode_rows + [chunk])
 
-    def batch(ids: list, history: list, tables: np.ndarray) -> StepBatch:
-        return StepBatch.from_sequences(ids, history, [list(map(int, row[row > 0])) for row in tables])
+    def batch(lo: int, hi: int) -> StepBatch:
+        return StepBatch.from_sequences(ids[lo:hi], hist[lo:hi], tables[lo:hi])
 
-    both = np.zeros((decode_rows + 1, max(dec_tables.shape[1], pre_tables.shape[1])), np.int32)
-    both[:decode_rows, :dec_tables.shape[1]] = dec_tables
-    both[decode_rows, :pre_tables.shape[1]] = pre_tables[0]
-    return {"decode": batch(dec_ids, hist, dec_tables) if decode_rows else None,
-            "prefill": batch(chunk_ids, [0], pre_tables),
-            "mixed": batch(dec_ids + chunk_ids, hist + [0], both)}
+    b = decode_rows
+    return {"decode": batch(0, b) if b else None, "prefill": batch(b, b + 1), "mixed": batch(0, b + 1)}
 
 
 def time_batch(rt: Any, batch: Any, iters: int, warmup: int = 3) -> dict:
