@@ -22,6 +22,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from actors.placement import ActorPlace, remove_group
 from actors.protocol import StepPlan, Stepper
 
+PEER_DEATH_GRACE_S = 3.0  # how long a step that failed with a rank's error waits to see whether a peer died
+
 
 @dataclass(frozen=True)
 class RankFault:
@@ -115,11 +117,36 @@ class RankSet:
                     faults.append(RankFault(r, "error", _error_text(e)))
             if faults and fail_fast:
                 break
+        if pending and faults and fail_fast and all(f.kind == "error" for f in faults):
+            faults.extend(self._dead_peers(refs, pending, deadline))
         if pending and not (faults and fail_fast):
             faults.extend(self.diagnose_hung([refs[p] for p in pending], timeout_s))
-        if faults:
-            raise RankCallError(what, sorted(faults, key=lambda f: f.rank), results)
+        if faults:  # a death first: a peer's collective error is its consequence
+            raise RankCallError(what, sorted(faults, key=lambda f: (f.kind != "died", f.rank)), results)
         return [results[refs_r] for refs_r in sorted(results)]
+
+    def _dead_peers(self, refs: dict[Any, int], pending: list[Any], deadline: float) -> list[RankFault]:
+        """After a rank raised (often a collective error: a peer's connection reset): which pending ranks died,
+        within `PEER_DEATH_GRACE_S` (Ray or the heartbeat watcher needs a moment to see a killed process). Ranks
+        still pending after it are left alone (stuck in a collective with the failed rank)."""
+        grace_end = min(deadline, time.monotonic() + PEER_DEATH_GRACE_S)
+        dead: list[RankFault] = []
+        while pending and not dead:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(0.1, max(0.0, grace_end - time.monotonic())))
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except RayActorError as e:
+                    dead.append(RankFault(refs[ref], "died", _death_text(e)))
+                except RayTaskError:
+                    pass  # its own collective error: the consequence, not the cause
+            if self.watcher is not None and not dead:
+                pend = {refs[p] for p in pending}
+                dead = [RankFault(b["rank"], "died", "its process is gone (seen by the heartbeat watcher)")
+                        for b in self.watcher.snapshot()["ranks"] if b["state"] == "dead" and b["rank"] in pend]
+            if time.monotonic() >= grace_end:
+                break
+        return dead
 
     def diagnose_hung(self, ranks: Sequence[int], waited_s: float) -> list[RankFault]:
         """Why ranks did not answer: alive-but-stuck, or dead. From the watcher's latest heartbeats when one runs
