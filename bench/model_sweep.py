@@ -263,7 +263,7 @@ def main() -> None:
     ap.add_argument("--batches", default=BATCHES)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--long-contexts", default="8192,32768")
-    ap.add_argument("--long-batches", default="1,8,32")
+    ap.add_argument("--long-batches", default="1,16,64")
     ap.add_argument("--prefill", default="512,2048")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-batches", default="1,8,64", help="decode batches through the engine (\"\": none)")
