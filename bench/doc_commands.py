@@ -139,6 +139,10 @@ def rows(ckpt: Path, token_file: Path) -> list[tuple[str, callable]]:
         ("serve --model <checkpoint dir>: chat completions", lambda: serve_once(
             ["--model", str(ckpt), "--device", "cpu", "--no-progress", "--executor", "local"],
             body={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, path="/v1/chat/completions")),
+        ("serve --model <checkpoint dir> --reasoning-parser qwen3: chat completions", lambda: serve_once(
+            ["--model", str(ckpt), "--device", "cpu", "--no-progress", "--executor", "local", "--reasoning-parser",
+             "qwen3"], body={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            path="/v1/chat/completions")),
         ("serve --dp 2 --overlap --decode-steps 4", s("--dp", "2", "--overlap", "--decode-steps", "4")),
         ("graphline bench --model qwen3-tiny --executor local --max-tokens 16 --concurrency 1,4",
          lambda: run([py, "-m", "launch", "bench", "--model", "qwen3-tiny", "--executor", "local", "--max-tokens", "16",

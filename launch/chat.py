@@ -168,22 +168,36 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
 
 
 # ---- shapes
-def chat_response(rid: str, model: str, created: int, choices: list, logprobs: Optional[list] = None) -> dict:
+def chat_response(rid: str, model: str, created: int, choices: list, logprobs: Optional[list] = None,
+                  reasoning: bool = False) -> dict:
     """choices: the finished `launch.outputs.ChoiceState`s (the n samples of the conversation); logprobs: their
-    `{"content": [...]}` objects (None: not asked)."""
+    `{"content": [...]}` objects (None: not asked); reasoning: a reasoning parser serves (every message carries
+    `reasoning_content`, null when the choice did not reason, and usage the think block's token count)."""
     lps = logprobs or [None] * len(choices)
+    usage = choices_usage(choices, len(choices))
+    if reasoning:
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+        "choices": [{"index": c.index, "message": _message(c, reasoning), "logprobs": lp,
                      "finish_reason": c.finish_reason} for c, lp in zip(choices, lps)],
-        "usage": choices_usage(choices, len(choices)),
+        "usage": usage,
     }
 
 
+def _message(c, reasoning: bool) -> dict:
+    msg = {"role": "assistant", "content": c.text}
+    if reasoning:
+        msg["reasoning_content"] = c.reasoning_text
+    return msg
+
+
 def chat_delta(index: int, content: Optional[str], finish_reason: Optional[str], first: bool = False,
-               logprobs: Optional[dict] = None) -> dict:
+               logprobs: Optional[dict] = None, reasoning: Optional[str] = None) -> dict:
     """One streamed chat choice: the first carries the role; the last the finish reason (and an empty delta
-    when it brings no text)."""
+    when it brings no text); `reasoning`: text of the think block (`delta.reasoning_content`)."""
     delta: dict[str, Any] = {"role": "assistant", "content": content or ""} if first else \
         ({} if not content else {"content": content})
+    if reasoning:
+        delta["reasoning_content"] = reasoning
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -19,6 +19,7 @@ from launch.logprobs import chat_logprobs, completion_logprobs
 from launch.outputs import ChoiceState
 from launch.protocol import (ApiError, GenerationRequest, choice, choices_usage, completion_response, now_s,
                              stream_chunk)
+from launch.reasoning import ThinkTags, splitter_for
 
 ENGINE_FAILED = "the engine failed while serving this request; retry it"
 
@@ -35,9 +36,11 @@ def log_failure(what: str, exc: BaseException) -> str:
 class Shape:
     """How choices look on the wire for one endpoint."""
 
-    def __init__(self, chat: bool, tokenizer: Any = None):
+    def __init__(self, chat: bool, tokenizer: Any = None, think_tags: Optional[ThinkTags] = None):
+        """`think_tags`: chat with a reasoning parser (`launch.reasoning`): the think block is returned apart."""
         self.chat = chat
         self.tokenizer = tokenizer
+        self.think_tags = think_tags if chat else None
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
     def opening(self, c: ChoiceState) -> Optional[dict]:
@@ -54,12 +57,13 @@ class Shape:
         reason = c.finish_reason if c.done else None
         lp = self._logprobs(c, tokens, c.last_logprobs, c.last_text_start) if tokens else None
         if self.chat:
-            return chat_delta(c.index, text, reason, logprobs=lp) if text or reason or lp else None
+            r = c.last_reasoning
+            return chat_delta(c.index, text, reason, logprobs=lp, reasoning=r) if text or r or reason or lp else None
         return choice(c.index, text, tokens, reason, lp) if text or tokens or reason else None
 
     def response(self, rid: str, model: str, created: int, choices: list[ChoiceState], n: int) -> dict:
         lps = [self._logprobs(c, c.token_ids, c.logprobs or [], 0) for c in choices]
-        return chat_response(rid, model, created, choices, lps) if self.chat else \
+        return chat_response(rid, model, created, choices, lps, self.think_tags is not None) if self.chat else \
             completion_response(rid, model, created, choices, n, lps)
 
 
@@ -79,7 +83,8 @@ async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, gr
     reqs = [r for p, mt in zip(greq.prompts, greq.max_tokens)
             for r in eng.make_samples(eng.make_request(p, greq.sampling, mt, greq.stop_token_ids), greq.n,
                                       fit_max_tokens=not greq.max_tokens_given)]
-    choices = [ChoiceState(i, len(greq.prompts[i // greq.n]), tokenizer, greq.stop, keep_logprobs=not greq.stream)
+    choices = [ChoiceState(i, len(greq.prompts[i // greq.n]), tokenizer, greq.stop, keep_logprobs=not greq.stream,
+                           think=splitter_for(shape.think_tags, greq.prompts[i // greq.n]))
                for i in range(len(reqs))]
     created = now_s()
     if greq.stream:

@@ -7,26 +7,36 @@ are dropped, `token_ids` and `usage.completion_tokens` count up to that token, `
 "stop", and `stopped_early` tells the caller to abort the request in the engine. A request the engine
 finished on a stop token (EOS, `stop_token_ids`) keeps that token in `token_ids` and the count, as OpenAI
 and vLLM do, but its text is not returned.
+
+With a `launch.reasoning.ThinkSplitter` (chat with `--reasoning-parser`) the tokens inside the think block go to a
+second detokenizer: `reasoning_text` (and each feed's `last_reasoning`) holds their text, `text` the content's.
 """
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
 from launch.detokenizer import IncrementalDetokenizer
+from launch.reasoning import ThinkSplitter
 from launch.stop_strings import StopStringMatcher
 
 
 class ChoiceState:
     __slots__ = ("index", "num_prompt_tokens", "detok", "stop", "token_ids", "texts", "finish_reason", "done",
                  "stopped_early", "logprobs", "last_logprobs", "_lp_queue", "text_len", "last_text_start",
-                 "_keep_logprobs")
+                 "_keep_logprobs", "think", "rdetok", "reasoning_texts", "last_reasoning", "reasoning_tokens")
 
     def __init__(self, index: int, num_prompt_tokens: int, tokenizer: Any = None, stop: Sequence[str] = (),
-                 keep_logprobs: bool = True):
+                 keep_logprobs: bool = True, think: Optional[ThinkSplitter] = None):
         """`keep_logprobs`: hold every returned token's logprob entry in `logprobs` (a response answered whole
-        needs them; a streamed one sends each feed's `last_logprobs` and keeps `logprobs` empty)."""
-        if stop and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
+        needs them; a streamed one sends each feed's `last_logprobs` and keeps `logprobs` empty). `think`: split
+        the reasoning out (needs a tokenizer)."""
+        if (stop or think is not None) and tokenizer is None:
+            raise ValueError("stop strings and reasoning need a tokenizer")
+        self.think = think
+        self.rdetok = IncrementalDetokenizer(tokenizer) if think is not None else None
+        self.reasoning_texts: list[str] = []
+        self.last_reasoning = ""  # reasoning text of the latest feed
+        self.reasoning_tokens = 0  # completion tokens of the think block, its tags included
         self.index = index
         self.num_prompt_tokens = num_prompt_tokens
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
@@ -51,11 +61,17 @@ class ChoiceState:
     def text(self) -> str:
         return "".join(self.texts)
 
+    @property
+    def reasoning_text(self) -> Optional[str]:
+        """The think block's text (None: no reasoning parser, or the choice did not reason)."""
+        return "".join(self.reasoning_texts) if self.reasoning_tokens else None
+
     def feed(self, new_ids: list[int], finished: bool, finish_reason: Optional[str],
              stop_token: bool = False, new_logprobs: Optional[list] = None) -> tuple[str, list[int]]:
         """Text and token ids to send for this update (either may be empty). `stop_token`: the last of `new_ids`
         is the stop token that finished the request (counted, no text). `new_logprobs`: the engine's entries of
         `new_ids` (then `last_logprobs` holds those of the returned tokens)."""
+        self.last_reasoning = ""
         if self.done:
             self.last_logprobs = []
             return "", []
@@ -64,7 +80,8 @@ class ChoiceState:
                 self.logprobs = []
             self._lp_queue.extend(new_logprobs)
         start = self.text_len
-        text, tokens = self._feed_tokens(new_ids, finished, finish_reason, stop_token)
+        text, tokens = (self._feed_tokens(new_ids, finished, finish_reason, stop_token) if self.think is None
+                        else self._feed_split(new_ids, finished, finish_reason, stop_token))
         self.last_text_start, self.text_len = start, start + len(text)
         if self.logprobs is not None:
             q, k = self._lp_queue, len(tokens)
@@ -72,6 +89,38 @@ class ChoiceState:
             if self._keep_logprobs:
                 self.logprobs.extend([(c, tuple(ids), tuple(lps)) for c, ids, lps in self.last_logprobs])
         return text, tokens
+
+    def _feed_split(self, new_ids: list[int], finished: bool, finish_reason: Optional[str],
+                    stop_token: bool) -> tuple[str, list[int]]:
+        """`_feed_tokens` with the think block's tokens (and tags) taken out of the content first."""
+        eos = new_ids[-1:] if stop_token and finished and new_ids else []
+        texts, tokens = [], []
+        for kind, ids in self.think.split(new_ids[:-1] if eos else new_ids):
+            if kind == "content":
+                text, taken = self._feed_tokens(ids, False, None, False)
+                texts.append(text)
+                tokens.extend(taken)
+                if self.done:  # a stop string matched
+                    return "".join(texts), tokens
+                continue
+            self.token_ids.extend(ids)
+            tokens.extend(ids)
+            self.reasoning_tokens += len(ids)
+            if kind == "reasoning":
+                self._reason(self.rdetok.push(ids))
+            elif ids[0] == self.think.tags.end:  # the closing tag: the think block's text is complete
+                self._reason(self.rdetok.flush())
+        if finished:
+            self._reason(self.rdetok.flush())
+            text, taken = self._feed_tokens(eos, True, finish_reason, bool(eos))
+            texts.append(text)
+            tokens.extend(taken)
+        return "".join(texts), tokens
+
+    def _reason(self, text: str) -> None:
+        if text:
+            self.reasoning_texts.append(text)
+            self.last_reasoning += text
 
     def _feed_tokens(self, new_ids: list[int], finished: bool, finish_reason: Optional[str],
                      stop_token: bool) -> tuple[str, list[int]]:

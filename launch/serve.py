@@ -13,6 +13,7 @@ import time
 
 from launch.options import (add_model_args, build_executor, checkpoint_generation_defaults, deployment_summary,
                             engine_config, load_tokenizer, served_model_name, start_executor)
+from launch.reasoning import REASONING_PARSERS, ReasoningParserError, think_tags
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +29,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--admin-token", default=None,
                    help="the admin token itself (visible to every user of the machine in `ps`: prefer "
                         "--admin-token-file)")
+    s.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="chat completions return the model's think block (<think> ... </think>) as "
+                        "message.reasoning_content (streamed: delta.reasoning_content) and the rest as content")
     s.add_argument("--metrics-interval-s", type=float, default=5.0,
                    help="refresh of status-derived Ray metrics (ray.util.metrics) when Ray is up")
     p.set_defaults(func=run_serve)
@@ -47,6 +51,12 @@ def run_serve(args: argparse.Namespace) -> int:
         require_token_off_loopback(args.host, admin_token)
     except AdminTokenError as exc:
         raise LaunchError(str(exc)) from None
+    tokenizer = load_tokenizer(args.model)
+    if args.reasoning_parser is not None:
+        try:  # before any rank starts: a checkpoint without think tags fails in a second
+            think_tags(tokenizer, args.reasoning_parser)
+        except ReasoningParserError as exc:
+            raise LaunchError(str(exc)) from None
     t0 = time.perf_counter()
     _log_events_to_stderr()
     # The engine thread and the HTTP event loop share the GIL: a 0.5 ms switch interval (CPython's default is
@@ -61,9 +71,9 @@ def run_serve(args: argparse.Namespace) -> int:
         state = ServerState(
             engine=AsyncLLMEngine(engine, metrics), metrics=metrics, model_name=served_model_name(args),
             model_aliases=(args.model,) if args.model != served_model_name(args) else (),
-            tokenizer=load_tokenizer(args.model), deployment=deployment_summary(args, kind),
+            tokenizer=tokenizer, deployment=deployment_summary(args, kind),
             startup={"executor": timings, "engine_ready_s": time.perf_counter() - t0}, admin_token=admin_token,
-            generation_defaults=defaults,
+            generation_defaults=defaults, reasoning_parser=args.reasoning_parser,
         )
         asyncio.run(_serve(state, args, t0))
     finally:

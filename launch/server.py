@@ -24,6 +24,7 @@ from launch.generation import ENGINE_FAILED, Shape, generate, log_failure
 from launch.metrics import CONTENT_TYPE, ServerMetrics
 from launch.protocol import (ApiError, GenerationRequest, ParseContext, ProtocolLimits, parse_completion_request,
                              parse_json_body)
+from launch.reasoning import ThinkTags, think_tags
 from launch.status import build_status
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -46,11 +47,15 @@ class ServerState:
     ready_at: Optional[float] = None
     generation_defaults: Optional[dict] = None
     limits: ProtocolLimits = field(default_factory=ProtocolLimits)
+    reasoning_parser: Optional[str] = None  # `launch.reasoning.REASONING_PARSERS`: chat returns reasoning_content
     defaults: GenerationDefaults = field(init=False)
+    think_tags: Optional[ThinkTags] = field(init=False, default=None)
     tokenize_pool: Optional[concurrent.futures.ThreadPoolExecutor] = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.defaults = GenerationDefaults(self.generation_defaults)
+        if self.reasoning_parser is not None:
+            self.think_tags = think_tags(self.tokenizer, self.reasoning_parser)
         if self.tokenizer is not None:  # large texts are tokenised off the event loop (tokenizers drop the GIL)
             self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphline-tokenize")
 
@@ -143,7 +148,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     greq = await _parse(request, state, parse_chat_request)
     return await generate(request, state.engine, state.tokenizer, greq, "chat" + new_request_id(),
-                          Shape(True, state.tokenizer))
+                          Shape(True, state.tokenizer, state.think_tags))
 
 
 # ---- models, health, status, metrics
