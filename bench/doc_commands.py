@@ -143,6 +143,11 @@ def rows(ckpt: Path, token_file: Path) -> list[tuple[str, callable]]:
             ["--model", str(ckpt), "--device", "cpu", "--no-progress", "--executor", "local", "--reasoning-parser",
              "qwen3"], body={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
             path="/v1/chat/completions")),
+        ("serve --model <checkpoint dir> --tool-call-parser hermes: chat completions with tools", lambda: serve_once(
+            ["--model", str(ckpt), "--device", "cpu", "--no-progress", "--executor", "local", "--tool-call-parser",
+             "hermes", "--max-model-len", "256"], body={"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 4, "tools": [{"type": "function", "function": {
+                                                            "name": "get_weather"}}]}, path="/v1/chat/completions")),
         ("serve --dp 2 --overlap --decode-steps 4", s("--dp", "2", "--overlap", "--decode-steps", "4")),
         ("graphline bench --model qwen3-tiny --executor local --max-tokens 16 --concurrency 1,4",
          lambda: run([py, "-m", "launch", "bench", "--model", "qwen3-tiny", "--executor", "local", "--max-tokens", "16",

@@ -1,9 +1,10 @@
 """`/v1/chat/completions`: messages through the checkpoint's chat template, and the chat shapes.
 
-`messages`: a list of `{"role": "system" | "user" | "assistant", "content": str | [{"type": "text",
-"text": str}, ...]}` (text parts are joined with newlines; an assistant message may have null
-content). The prompt is `tokenizer.apply_chat_template(messages, add_generation_prompt=...,
-continue_final_message=..., tokenize=True, **chat_template_kwargs)` (transformers; e.g. Qwen3's
+`messages`: a list of `{"role": "system" | "developer" (= system) | "user" | "assistant" | "tool", "content": str |
+[{"type": "text", "text": str}, ...]}` (text parts are joined with newlines; an assistant message may have null
+content, and `tool_calls`; a tool message needs `tool_call_id`: `launch.tools`). The prompt is
+`tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=..., continue_final_message=...,
+tokenize=True, **chat_template_kwargs)` (transformers; e.g. Qwen3's
 `{"enable_thinking": false}`). `max_completion_tokens` (or `max_tokens`) defaults to what the
 context leaves. `logprobs` (bool) / `top_logprobs` (0-20) return the chosen tokens' log-probabilities
 and the most probable alternatives (`launch.logprobs`).
@@ -18,8 +19,9 @@ from engine.errors import RequestError
 from engine.sampling_params import LOGPROBS_MAX, check_bool, check_int
 from launch.protocol import (ApiError, GenerationRequest, ParseContext, _unsupported, check_text, choices_usage,
                              parse_common, parse_max_tokens, parse_model, parse_n, require_object)
+from launch.tools import parse_tool_choice, parse_tools, tool_message_fields
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # Arguments of apply_chat_template (and names a template reads from its own context): never from a request.
 _RESERVED_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -70,6 +72,8 @@ def parse_messages(v: Any, ctx: ParseContext) -> list[dict]:
         if not isinstance(msg, dict):
             raise RequestError(f"'messages[{i}]' must be an object", "messages", "invalid_type")
         role = msg.get("role")
+        if role == "developer":  # OpenAI's newer name for the system turn
+            role = "system"
         if role not in ROLES:
             raise RequestError(f"'messages[{i}].role' must be one of {', '.join(ROLES)}", "messages",
                                "invalid_value")
@@ -78,7 +82,7 @@ def parse_messages(v: Any, ctx: ParseContext) -> list[dict]:
         if chars > lim.max_prompt_chars:
             raise RequestError(f"the messages may have at most {lim.max_prompt_chars} characters in all",
                                "messages", "invalid_value")
-        out.append({"role": role, "content": text})
+        out.append({"role": role, "content": text, **tool_message_fields(msg, i)})
     return out
 
 
@@ -104,10 +108,12 @@ def _template_kwargs(v: Any) -> dict:
 
 
 def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, continue_final: bool,
-                kwargs: dict) -> list[int]:
-    """Token ids of the conversation through the tokenizer's chat template."""
+                kwargs: dict, tools: Optional[list[dict]] = None) -> list[int]:
+    """Token ids of the conversation through the tokenizer's chat template (`tools` as the template's `tools`)."""
     import jinja2
 
+    if tools is not None:
+        kwargs = {**kwargs, "tools": tools}
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final, tokenize=True,
@@ -127,9 +133,13 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     body = require_object(body)
     parse_model(body, ctx)
     n = parse_n(body)
-    for key in ("tools", "functions"):
-        _unsupported(body, key, ([],), "(tool calling)")
-    _unsupported(body, "tool_choice", ("none",), "(tool calling)")
+    _unsupported(body, "functions", ([],), "(the deprecated form of 'tools')")
+    tools = parse_tools(body.get("tools"))
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+    if tool_choice == "auto" and ctx.tool_call_parser is None:
+        raise ApiError(400, "'tool_choice' \"auto\" (the default with 'tools') needs the server started with "
+                            "--tool-call-parser hermes; send \"tool_choice\": \"none\" to pass the tools to the "
+                            "template only", "tool_choice", "unsupported")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported", "response_format",
@@ -156,48 +166,54 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     if not getattr(tok, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages",
                        "no_chat_template")
-    prompt = render_chat(tok, messages, add_gen, cont, kwargs)
+    prompt = render_chat(tok, messages, add_gen, cont, kwargs, tools)
     if len(prompt) >= ctx.max_model_len:
         raise RequestError(f"the messages have {len(prompt)} tokens; this model's maximum context length is "
                            f"{ctx.max_model_len} tokens (prompt + at least one new token)", "messages",
                            "context_length_exceeded")
     max_tokens = parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), ctx.defaults.max_tokens, [prompt],
                                   ctx)
-    return parse_common(body, ctx, [prompt], (top_n or 0) if want else None, max_tokens, n,
+    greq = parse_common(body, ctx, [prompt], (top_n or 0) if want else None, max_tokens, n,
                         ("max_completion_tokens", "max_tokens"))
+    greq.parse_tool_calls = tool_choice == "auto"
+    return greq
 
 
 # ---- shapes
 def chat_response(rid: str, model: str, created: int, choices: list, logprobs: Optional[list] = None,
-                  reasoning: bool = False) -> dict:
+                  reasoning: bool = False, tools: Optional[list] = None) -> dict:
     """choices: the finished `launch.outputs.ChoiceState`s (the n samples of the conversation); logprobs: their
     `{"content": [...]}` objects (None: not asked); reasoning: a reasoning parser serves (every message carries
-    `reasoning_content`, null when the choice did not reason, and usage the think block's token count)."""
+    `reasoning_content`, null when the choice did not reason, and usage the think block's token count); tools:
+    per choice `launch.tools.extract_tool_calls` of its text (None: tool calls are not parsed)."""
     lps = logprobs or [None] * len(choices)
     usage = choices_usage(choices, len(choices))
     if reasoning:
         usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}
-    return {
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c.index, "message": _message(c, reasoning), "logprobs": lp,
-                     "finish_reason": c.finish_reason} for c, lp in zip(choices, lps)],
-        "usage": usage,
-    }
-
-
-def _message(c, reasoning: bool) -> dict:
-    msg = {"role": "assistant", "content": c.text}
-    if reasoning:
-        msg["reasoning_content"] = c.reasoning_text
-    return msg
+    out = []
+    for c, lp, tool in zip(choices, lps, tools or [None] * len(choices)):
+        msg: dict[str, Any] = {"role": "assistant", "content": c.text if tool is None else tool[0]}
+        if reasoning:
+            msg["reasoning_content"] = c.reasoning_text
+        calls = tool[1] if tool is not None else []
+        if calls:
+            msg["tool_calls"] = calls
+        reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        out.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": reason})
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
+            "usage": usage}
 
 
 def chat_delta(index: int, content: Optional[str], finish_reason: Optional[str], first: bool = False,
-               logprobs: Optional[dict] = None, reasoning: Optional[str] = None) -> dict:
+               logprobs: Optional[dict] = None, reasoning: Optional[str] = None,
+               tool_calls: Optional[list] = None) -> dict:
     """One streamed chat choice: the first carries the role; the last the finish reason (and an empty delta
-    when it brings no text); `reasoning`: text of the think block (`delta.reasoning_content`)."""
+    when it brings no text); `reasoning`: text of the think block (`delta.reasoning_content`); `tool_calls`: the
+    calls completed since the last delta, each with its `index` among the choice's calls."""
     delta: dict[str, Any] = {"role": "assistant", "content": content or ""} if first else \
         ({} if not content else {"content": content})
     if reasoning:
         delta["reasoning_content"] = reasoning
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

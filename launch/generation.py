@@ -20,6 +20,7 @@ from launch.outputs import ChoiceState
 from launch.protocol import (ApiError, GenerationRequest, choice, choices_usage, completion_response, now_s,
                              stream_chunk)
 from launch.reasoning import ThinkTags, splitter_for
+from launch.tools import ToolCallStream, extract_tool_calls
 
 ENGINE_FAILED = "the engine failed while serving this request; retry it"
 
@@ -36,11 +37,15 @@ def log_failure(what: str, exc: BaseException) -> str:
 class Shape:
     """How choices look on the wire for one endpoint."""
 
-    def __init__(self, chat: bool, tokenizer: Any = None, think_tags: Optional[ThinkTags] = None):
-        """`think_tags`: chat with a reasoning parser (`launch.reasoning`): the think block is returned apart."""
+    def __init__(self, chat: bool, tokenizer: Any = None, think_tags: Optional[ThinkTags] = None,
+                 tool_calls: bool = False):
+        """`think_tags`: chat with a reasoning parser (`launch.reasoning`): the think block is returned apart.
+        `tool_calls`: the content's tool calls are parsed (`launch.tools`); one Shape serves one request."""
         self.chat = chat
         self.tokenizer = tokenizer
         self.think_tags = think_tags if chat else None
+        self.tool_calls = tool_calls and chat
+        self._tool_streams: dict[int, ToolCallStream] = {}
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
     def opening(self, c: ChoiceState) -> Optional[dict]:
@@ -57,13 +62,28 @@ class Shape:
         reason = c.finish_reason if c.done else None
         lp = self._logprobs(c, tokens, c.last_logprobs, c.last_text_start) if tokens else None
         if self.chat:
-            r = c.last_reasoning
-            return chat_delta(c.index, text, reason, logprobs=lp, reasoning=r) if text or r or reason or lp else None
+            r, calls = c.last_reasoning, None
+            if self.tool_calls:
+                text, calls, reason = self._tools_delta(c, text, reason)
+            return chat_delta(c.index, text, reason, logprobs=lp, reasoning=r, tool_calls=calls) \
+                if text or r or reason or lp or calls else None
         return choice(c.index, text, tokens, reason, lp) if text or tokens or reason else None
+
+    def _tools_delta(self, c: ChoiceState, text: str,
+                     reason: Optional[str]) -> tuple[str, Optional[list], Optional[str]]:
+        """The content a streamed chat choice sends now, the tool calls completed, its finish reason."""
+        st = self._tool_streams.setdefault(c.index, ToolCallStream())
+        text, new = st.push(text)
+        if c.done:
+            text += st.finish()
+        first = len(st.calls) - len(new)
+        calls = [{"index": first + k, **call} for k, call in enumerate(new)] or None
+        return text, calls, "tool_calls" if reason == "stop" and st.calls else reason
 
     def response(self, rid: str, model: str, created: int, choices: list[ChoiceState], n: int) -> dict:
         lps = [self._logprobs(c, c.token_ids, c.logprobs or [], 0) for c in choices]
-        return chat_response(rid, model, created, choices, lps, self.think_tags is not None) if self.chat else \
+        tools = [extract_tool_calls(c.text) for c in choices] if self.tool_calls else None
+        return chat_response(rid, model, created, choices, lps, self.think_tags is not None, tools) if self.chat else \
             completion_response(rid, model, created, choices, n, lps)
 
 

@@ -59,6 +59,7 @@ class ParseContext:
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     eos_token_ids: tuple[int, ...] = ()
     limits: ProtocolLimits = field(default_factory=ProtocolLimits)
+    tool_call_parser: Optional[str] = None  # `launch.tools.TOOL_CALL_PARSERS`: chat may ask for tool calls
 
 
 @dataclass
@@ -76,6 +77,7 @@ class GenerationRequest:
     include_usage: bool
     n: int = 1
     max_tokens_given: bool = True  # False: max_tokens is the server's default (lowered to fit n samples)
+    parse_tool_calls: bool = False  # chat with tools and tool_choice "auto": the content's tool calls are parsed
 
 
 # ---- the body

@@ -14,6 +14,7 @@ import time
 from launch.options import (add_model_args, build_executor, checkpoint_generation_defaults, deployment_summary,
                             engine_config, load_tokenizer, served_model_name, start_executor)
 from launch.reasoning import REASONING_PARSERS, ReasoningParserError, think_tags
+from launch.tools import TOOL_CALL_PARSERS
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,6 +33,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="chat completions return the model's think block (<think> ... </think>) as "
                         "message.reasoning_content (streamed: delta.reasoning_content) and the rest as content")
+    s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="chat completions with 'tools' return the model's <tool_call> JSON blocks (Hermes format: "
+                        "Qwen3 and others) as message.tool_calls, finish_reason tool_calls")
     s.add_argument("--metrics-interval-s", type=float, default=5.0,
                    help="refresh of status-derived Ray metrics (ray.util.metrics) when Ray is up")
     p.set_defaults(func=run_serve)
@@ -74,6 +78,7 @@ def run_serve(args: argparse.Namespace) -> int:
             tokenizer=tokenizer, deployment=deployment_summary(args, kind),
             startup={"executor": timings, "engine_ready_s": time.perf_counter() - t0}, admin_token=admin_token,
             generation_defaults=defaults, reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
         )
         asyncio.run(_serve(state, args, t0))
     finally:

@@ -48,6 +48,7 @@ class ServerState:
     generation_defaults: Optional[dict] = None
     limits: ProtocolLimits = field(default_factory=ProtocolLimits)
     reasoning_parser: Optional[str] = None  # `launch.reasoning.REASONING_PARSERS`: chat returns reasoning_content
+    tool_call_parser: Optional[str] = None  # `launch.tools.TOOL_CALL_PARSERS`: chat may return tool_calls
     defaults: GenerationDefaults = field(init=False)
     think_tags: Optional[ThinkTags] = field(init=False, default=None)
     tokenize_pool: Optional[concurrent.futures.ThreadPoolExecutor] = field(init=False, default=None)
@@ -76,7 +77,8 @@ class ServerState:
         lim = self.engine.engine.limits  # current: a reset may resize the KV cache
         return ParseContext(self.served_names, self.tokenizer, lim.vocab_size, lim.max_model_len,
                             lim.max_blocks_per_request * lim.block_size, self.defaults,
-                            tuple(t for t in self.eos_token_ids if 0 <= t < lim.vocab_size), self.limits)
+                            tuple(t for t in self.eos_token_ids if 0 <= t < lim.vocab_size), self.limits,
+                            self.tool_call_parser)
 
 
 STATE = web.AppKey("graphline_state", ServerState)
@@ -148,7 +150,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     greq = await _parse(request, state, parse_chat_request)
     return await generate(request, state.engine, state.tokenizer, greq, "chat" + new_request_id(),
-                          Shape(True, state.tokenizer, state.think_tags))
+                          Shape(True, state.tokenizer, state.think_tags, greq.parse_tool_calls))
 
 
 # ---- models, health, status, metrics
