@@ -146,6 +146,8 @@ class ToolCallStream:
         self.calls: list[dict] = []
 
     def push(self, text: str) -> tuple[str, list[dict]]:
+        if not self._inside and not self._buf and "<" not in text:  # the common token: plain text
+            return self._text(text), []
         out, new = [], []
         buf = self._buf + text
         while True:
