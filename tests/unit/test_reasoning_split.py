@@ -112,3 +112,36 @@ def test_the_start_up_check_names_what_is_missing(tok):
 
     with pytest.raises(ReasoningParserError, match="no <think> token"):
         think_tags(NoTags(), "qwen3")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reasoning_and_tool_calls_stream_as_they_answer_whole(tok, tags, seed):
+    """Both parsers on one chat choice (`launch.generation.Shape`): the streamed deltas join to the whole answer's
+    reasoning, content and calls; a stop with calls is finish_reason tool_calls."""
+    from launch.generation import Shape
+
+    text = ("Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"
+            "</tool_call>")
+    ids = [tags.start, *_ids(tok, "\nthe user wants weather\n"), tags.end, *_ids(tok, "\n\n" + text),
+           tok.convert_tokens_to_ids("<|im_end|>")]
+    rng = np.random.default_rng(seed)
+    whole = ChoiceState(0, 2, tok, think=ThinkSplitter(tags, [1, 2]))
+    whole.feed(ids, True, "stop", stop_token=True)
+    answer = Shape(True, tok, tags, tool_calls=True).response("r", "m", 0, [whole], 1)["choices"][0]
+    shape = Shape(True, tok, tags, tool_calls=True)
+    c = ChoiceState(0, 2, tok, think=ThinkSplitter(tags, [1, 2]), keep_logprobs=False)
+    deltas, chunks = [], _chunks(ids, rng)
+    for j, part in enumerate(chunks):
+        last = j == len(chunks) - 1
+        d = shape.delta(c, *c.feed(part, last, "stop" if last else None, stop_token=last))
+        if d is not None:
+            deltas.append(d)
+    msg = answer["message"]
+    assert msg["reasoning_content"] == "\nthe user wants weather\n" and msg["content"] == "Let me look."
+    assert [t["function"]["name"] for t in msg["tool_calls"]] == ["get_weather"] and answer["finish_reason"] == \
+        "tool_calls"
+    assert "".join(d["delta"].get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
+    assert "".join(d["delta"].get("content", "") for d in deltas) == msg["content"]
+    streamed_calls = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
+    assert [(t["index"], t["function"]) for t in streamed_calls] == [(0, msg["tool_calls"][0]["function"])]
+    assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == ["tool_calls"]
