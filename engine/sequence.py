@@ -16,6 +16,8 @@ import enum
 import secrets
 from typing import Optional
 
+import numpy as np
+
 from engine.logprob_rows import entries
 from engine.request import FinishReason, Request, RequestOutput
 from engine.sampling_rows import extras_flags
@@ -31,13 +33,15 @@ class Sequence:
     __slots__ = ("request", "token_ids", "prompt_len", "block_table", "num_computed", "status", "finish_reason",
                  "num_preemptions", "first_token_time", "last_token_time", "_emitted", "dp_rank", "error",
                  "sampling_row", "num_failures", "stop_ids", "stopped_on_token", "logprobs", "new_logprobs",
-                 "block_hashes", "num_registered", "prefilled", "num_cached_tokens", "extras_flags")
+                 "block_hashes", "num_registered", "prefilled", "num_cached_tokens", "extras_flags",
+                 "_table_array")
 
     def __init__(self, request: Request, dp_rank: int = 0):
         self.request = request
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.prompt_len = len(request.prompt_token_ids)
         self.block_table: list[int] = []
+        self._table_array: Optional[tuple[list[int], np.ndarray]] = None  # (the list it was made from, its array)
         self.num_computed = 0
         self.status = SeqStatus.WAITING
         self.finish_reason: Optional[FinishReason] = None
@@ -67,6 +71,14 @@ class Sequence:
         seed = sp.seed if sp.seed is not None else (secrets.randbits(63) if sp.temperature > 0 else -1)
         self.sampling_row = (sp.temperature, sp.top_k, sp.top_p, seed)
         self.extras_flags = extras_flags(sp)  # which sampler extras the request uses (`engine.sampling_rows`)
+
+    def block_table_array(self) -> np.ndarray:
+        """`block_table` as int32 `[len]`, made again only when the table changed: tables only grow (`extend`) or are
+        replaced whole, so the list object and its length identify the contents. Read-only to callers."""
+        t, c = self.block_table, self._table_array
+        if c is None or c[0] is not t or len(c[1]) != len(t):
+            c = self._table_array = (t, np.array(t, dtype=np.int32))
+        return c[1]
 
     @property
     def request_id(self) -> str:

@@ -12,6 +12,17 @@ from engine.sequence import Sequence as Seq
 _GREEDY_ROW = (0.0, 0, 1.0, -1)
 
 
+def block_tables(seqs: Sequence[Seq]) -> np.ndarray:
+    """int32 `[B, W]`: row i is `seqs[i].block_table`, zero-padded to the longest. From each sequence's cached array
+    (`Seq.block_table_array`, made again only when its table changed), so a step costs one row copy per sequence,
+    not a list conversion of its whole table (`python -m bench.block_tables`)."""
+    rows = [s.block_table_array() for s in seqs]
+    tables = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.int32)
+    for i, r in enumerate(rows):
+        tables[i, : len(r)] = r
+    return tables
+
+
 def build_batch(seqs: Sequence[Seq], hist: Sequence[int], q: Sequence[int],
                 tokens: Optional[Sequence[int]] = None) -> StepBatch:
     """Row i feeds `seqs[i].token_ids[hist[i]:hist[i] + q[i]]` after `hist[i]` cached tokens (or, with `tokens`,
@@ -22,11 +33,7 @@ def build_batch(seqs: Sequence[Seq], hist: Sequence[int], q: Sequence[int],
     sampling rows (temperature float32, top_k int32, top_p float32, seeds int64, each `[B]`; the rarer inputs in
     `extras` when a row needs them, `engine.sampling_rows`)."""
     n = len(seqs)
-    tables_lists = [s.block_table for s in seqs]
-    width = max(map(len, tables_lists))
-    tables = np.zeros((n, width), dtype=np.int32)
-    for i, bt in enumerate(tables_lists):
-        tables[i, : len(bt)] = bt
+    tables = block_tables(seqs)
     if tokens is None:
         if all(x == 1 for x in q):  # decode rows (and one-token chunks): one token each
             tokens = [s.token_ids[h] for s, h in zip(seqs, hist)]
