@@ -1,7 +1,9 @@
 """Host cost per streamed token of a chat choice's output path with and without the reasoning and tool-call parsers
 (CPU only, no model, no server): `ChoiceState.feed` (detokenisation, the think-block split) and `Shape.delta` (the
 tool-call scan, the chunk's JSON), one token a feed, on the fixture checkpoint's tokenizer
-(`tests.fixtures.hf_checkpoints`) or `--tokenizer DIR`.
+(`tests.fixtures.hf_checkpoints`) or `--tokenizer DIR`. "plain, tokenizer.decode" is the plain path of the
+detokenizer: every decode through `tokenizer.decode` rather than its `tokenizers` backend
+(`launch.detokenizer.backend_decoder`).
 
     python -m bench.chat_parsers --tokens 2000 --rounds 5
 
@@ -19,7 +21,7 @@ from launch.generation import Shape
 from launch.outputs import ChoiceState
 from launch.reasoning import splitter_for, think_tags
 
-MODES = ("plain", "reasoning", "tools", "reasoning+tools")
+MODES = ("plain", "plain, tokenizer.decode", "reasoning", "tools", "reasoning+tools")
 
 
 def _answer(tok, n: int) -> list[int]:
@@ -36,6 +38,8 @@ def per_token_us(tok, ids: list[int], mode: str) -> float:
     tags = think_tags(tok, "qwen3") if "reasoning" in mode else None
     shape = Shape(True, tok, tags, tool_calls="tools" in mode)
     c = ChoiceState(0, 10, tok, (), keep_logprobs=False, think=splitter_for(tags, [1]))
+    if mode.endswith("tokenizer.decode"):  # the plain path of the detokenizer: every decode through transformers
+        c.detok._backend = None
     t0 = time.perf_counter()
     for i, t in enumerate(ids):
         last = i == len(ids) - 1
@@ -65,9 +69,9 @@ def main(argv=None) -> dict:
         for m in MODES:  # interleaved: a busy host disturbs every mode alike
             runs[m].append(statistics.median(per_token_us(tok, ids, m) for _ in range(3)))
     best = {m: min(v) for m, v in runs.items()}
-    print(f"{'mode':<18} {'us/token':>9} {'x plain':>8}   ({len(ids)} tokens a choice)")
+    print(f"{'mode':<24} {'us/token':>9} {'x plain':>8}   ({len(ids)} tokens a choice)")
     for m in MODES:
-        print(f"{m:<18} {best[m]:9.2f} {best[m] / best['plain']:8.2f}")
+        print(f"{m:<24} {best[m]:9.2f} {best[m] / best['plain']:8.2f}")
     return best
 
 

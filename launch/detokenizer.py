@@ -18,6 +18,16 @@ from typing import Any, Iterable
 REPLACEMENT = "\ufffd"
 
 
+def backend_decoder(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` a fast transformers tokenizer decodes with, when its `decode` adds nothing to it
+    (no `clean_up_tokenization_spaces`): called directly, a decode skips transformers' argument handling, most of
+    a streamed token's detokenisation time (`python -m bench.chat_parsers`). None: decode through the tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True) or not hasattr(backend, "decode"):
+        return None
+    return backend
+
+
 class IncrementalDetokenizer:
     """Text deltas of one sequence's generated tokens. `push(ids)` -> newly complete text; `flush()` -> the
     rest (at the end of the sequence, an incomplete tail included)."""
@@ -27,13 +37,18 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._backend = backend_decoder(tokenizer)
         self.ids: list[int] = []
         self.prefix = 0  # window start: the decoder's left context
         self.read = 0  # everything before this has been emitted
         self._prefix_text = ""  # decode(ids[prefix:read])
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+        if not ids:
+            return ""
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     @property
     def window(self) -> int:

@@ -180,3 +180,29 @@ def test_choice_without_tokenizer_has_no_text():
     assert c.feed([1, 2], True, "length") == ("", [1, 2]) and c.text == ""
     with pytest.raises(ValueError):
         ChoiceState(0, 1, None, ("x",))
+
+
+def test_the_backend_decode_equals_the_tokenizers_decode():
+    """`IncrementalDetokenizer` decodes with the fast tokenizer's `tokenizers` backend (`backend_decoder`); random
+    streams of ids (special tokens and split multi-byte characters included) give the text of the plain path, every
+    decode through `tokenizer.decode`."""
+    import numpy as np
+
+    from launch.detokenizer import IncrementalDetokenizer, backend_decoder
+    from tests.fixtures.hf_checkpoints import build_tokenizer
+
+    tok = build_tokenizer()
+    assert backend_decoder(tok) is not None
+    rng = np.random.default_rng(0)
+    texts = ["The café 日本語 ✓ → ★", "plain words, and <think> tags </think> too"]
+    for seed in range(20):
+        ids = tok.encode(texts[seed % 2], add_special_tokens=False) + rng.integers(0, len(tok), 30).tolist()
+        fast, plain = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+        plain._backend = None
+        got, want = [], []
+        for t in ids:
+            got.append(fast.push([t]))
+            want.append(plain.push([t]))
+        tail = fast.flush()
+        assert got == want and tail == plain.flush()
+        assert "".join(got) + tail == tok.decode(ids, skip_special_tokens=True)
