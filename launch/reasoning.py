@@ -96,10 +96,6 @@ class ThinkSplitter:
             i = j + 1
         return runs
 
-    @property
-    def reasoning(self) -> bool:
-        return self.state == "reasoning"
-
 
 def splitter_for(tags: Optional[ThinkTags], prompt: Sequence[int]) -> Optional[ThinkSplitter]:
     return None if tags is None else ThinkSplitter(tags, prompt)

@@ -188,11 +188,13 @@ class ToolCallStream:
             if self._started:
                 self._ws += text
             return ""
-        lead = self._ws if self._started else ""
-        if not self._started:
+        tail = text[len(body):]
+        if self._started:
+            body = self._ws + body
+        else:
             body, self._started = body.lstrip(), True
-        self._ws = text[len(text.rstrip()):]
-        return lead + body
+        self._ws = tail
+        return body
 
 
 def _partial_open(text: str) -> int:

@@ -84,3 +84,18 @@ def start_server(cmd: list[str], timeout: float = 240.0, env: Optional[dict] = N
 
 def graphline(*args: str) -> list[str]:
     return [sys.executable, "-m", "launch", *args]
+
+
+def serve_checkpoint(directory, *extra: str, max_model_len: int = 128, max_decode_batch: int = 4) -> Server:
+    """`graphline serve` of a checkpoint directory on one CPU rank in the server process (no Ray), decode buckets up
+    to `max_decode_batch`, no piecewise plans, any free port; `extra` options appended."""
+    return start_server(graphline("serve", "--model", str(directory), "--executor", "local", "--device", "cpu",
+                                  "--max-model-len", str(max_model_len), "--max-decode-batch", str(max_decode_batch),
+                                  "--pcg-max-tokens", "0", "--no-progress", "--port", "0", *extra))
+
+
+def openai_client(srv: Server):
+    """The official `openai` client of `srv` (no retries: a failure shows as it is)."""
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 
-from e2e_support import graphline, start_server
+from e2e_support import openai_client, serve_checkpoint
 from tests.fixtures.hf_checkpoints import build_checkpoint, hf_model
 
 openai = pytest.importorskip("openai", reason="the official openai client is a test dependency")
@@ -54,20 +54,14 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def srv(ckpt):
     d = ckpt[0]
-    s = start_server(graphline("serve", "--model", str(d), "--executor", "local", "--device", "cpu",
-                               "--max-model-len", "128", "--max-decode-batch", "4", "--pcg-max-tokens", "0",
-                               "--no-progress", "--port", "0"))
+    s = serve_checkpoint(d)
     yield s
     s.stop()
 
 
-def _client(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def test_greedy_tokens_equal_transformers_and_eos_from_generation_config_stops(srv, ckpt):
     d, tok, ids, greedy, gen = ckpt
-    c = _client(srv)
+    c = openai_client(srv)
     model = d.name
     full = c.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0,
                                 extra_body={"ignore_eos": True})
@@ -81,7 +75,7 @@ def test_greedy_tokens_equal_transformers_and_eos_from_generation_config_stops(s
 
 def test_generation_defaults_are_shown_and_applied(srv, ckpt):
     d, tok, ids, greedy, gen = ckpt
-    c = _client(srv)
+    c = openai_client(srv)
     card = c.models.retrieve(d.name)
     defaults = card.model_extra["generation_defaults"]
     assert defaults["temperature"] == gen["temperature"] and defaults["top_p"] == gen["top_p"]
@@ -95,7 +89,7 @@ def test_generation_defaults_are_shown_and_applied(srv, ckpt):
 
 def test_chat_equals_the_template_plus_a_completion(srv, ckpt):
     d, tok, ids, greedy, gen = ckpt
-    c = _client(srv)
+    c = openai_client(srv)
     messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "hello there"}]
     templated = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     templated = list(templated["input_ids"]) if hasattr(templated, "keys") else list(templated)
@@ -117,11 +111,9 @@ def test_a_moe_checkpoint_serves_transformers_tokens(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     ids = tok.encode(PROMPT)
     want = _hf_greedy(d, ids, 8)
-    s = start_server(graphline("serve", "--model", str(d), "--executor", "local", "--device", "cpu",
-                               "--max-model-len", "64", "--max-decode-batch", "2", "--pcg-max-tokens", "0",
-                               "--no-progress", "--port", "0"))
+    s = serve_checkpoint(d, max_model_len=64, max_decode_batch=2)
     try:
-        out = _client(s).completions.create(model=d.name, prompt=ids, max_tokens=8, temperature=0,
+        out = openai_client(s).completions.create(model=d.name, prompt=ids, max_tokens=8, temperature=0,
                                             extra_body={"ignore_eos": True})
     finally:
         s.stop()
@@ -130,7 +122,7 @@ def test_a_moe_checkpoint_serves_transformers_tokens(tmp_path):
 
 def test_logprobs_in_the_openai_shapes(srv, ckpt):
     d, tok, ids, greedy, gen = ckpt
-    c = _client(srv)
+    c = openai_client(srv)
     out = c.completions.create(model=d.name, prompt=ids, max_tokens=6, temperature=0, logprobs=3,
                                extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
@@ -155,7 +147,7 @@ def test_logprobs_in_the_openai_shapes(srv, ckpt):
 
 def test_penalties_bias_and_min_p_are_applied(srv, ckpt):
     d, tok, ids, greedy, gen = ckpt
-    c = _client(srv)
+    c = openai_client(srv)
     kw = dict(model=d.name, prompt=ids, max_tokens=8, temperature=0)
     forced = c.completions.create(**kw, logit_bias={str(greedy[0] + 1): 100},
                                   extra_body={"ignore_eos": True}).choices[0].model_extra["token_ids"]

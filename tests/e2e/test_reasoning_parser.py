@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from e2e_support import REPO, graphline, start_server
+from e2e_support import REPO, graphline, openai_client, serve_checkpoint
 from tests.fixtures.hf_checkpoints import build_checkpoint, script_checkpoint
 
 openai = pytest.importorskip("openai", reason="the official openai client is a test dependency")
@@ -39,21 +39,11 @@ def scripted(tmp_path_factory):
     return d, tok, reasoning, content, len(chain) - 1
 
 
-def _serve(d, *extra):
-    return start_server(graphline("serve", "--model", str(d), "--executor", "local", "--device", "cpu",
-                                  "--max-model-len", "128", "--max-decode-batch", "4", "--pcg-max-tokens", "0",
-                                  "--no-progress", "--port", "0", *extra))
-
-
 @pytest.fixture(scope="module")
 def srv(scripted):
-    s = _serve(scripted[0], "--reasoning-parser", "qwen3")
+    s = serve_checkpoint(scripted[0], "--reasoning-parser", "qwen3")
     yield s
     s.stop()
-
-
-def _client(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _stream(c, **kw):
@@ -67,7 +57,7 @@ def _stream(c, **kw):
 
 def test_the_think_block_is_reasoning_content_and_the_rest_content(srv, scripted):
     d, tok, reasoning, content, n_tokens = scripted
-    c = _client(srv)
+    c = openai_client(srv)
     kw = dict(model=d.name, messages=MESSAGES, max_tokens=32, temperature=0)
     r = c.chat.completions.create(**kw)
     msg = r.choices[0].message
@@ -83,7 +73,7 @@ def test_the_think_block_is_reasoning_content_and_the_rest_content(srv, scripted
 
 def test_a_choice_cut_inside_the_think_block_has_reasoning_only(srv, scripted):
     d, tok, reasoning, content, _ = scripted
-    c = _client(srv)
+    c = openai_client(srv)
     kw = dict(model=d.name, messages=MESSAGES, max_tokens=1 + len(reasoning), temperature=0)
     r = c.chat.completions.create(**kw)
     assert r.choices[0].message.model_extra["reasoning_content"] == " quick"
@@ -93,9 +83,9 @@ def test_a_choice_cut_inside_the_think_block_has_reasoning_only(srv, scripted):
 
 def test_without_the_parser_the_think_block_stays_in_content(scripted):
     d, tok, reasoning, content, _ = scripted
-    s = _serve(d)
+    s = serve_checkpoint(d)
     try:
-        r = _client(s).chat.completions.create(model=d.name, messages=MESSAGES, max_tokens=32, temperature=0)
+        r = openai_client(s).chat.completions.create(model=d.name, messages=MESSAGES, max_tokens=32, temperature=0)
     finally:
         s.stop()
     msg = r.choices[0].message

@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from e2e_support import graphline, start_server
+from e2e_support import openai_client, serve_checkpoint
 from tests.fixtures.hf_checkpoints import build_checkpoint, script_checkpoint
 
 openai = pytest.importorskip("openai", reason="the official openai client is a test dependency")
@@ -52,9 +52,7 @@ def scripted(tmp_path_factory):
 
 
 def _serve(d, *extra):
-    return start_server(graphline("serve", "--model", str(d), "--executor", "local", "--device", "cpu",
-                                  "--max-model-len", "1024", "--max-decode-batch", "4", "--pcg-max-tokens", "0",
-                                  "--no-progress", "--port", "0", *extra))
+    return serve_checkpoint(d, *extra, max_model_len=1024)  # the tools' signatures make long prompts
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +62,6 @@ def srv(scripted):
     s.stop()
 
 
-def _client(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _template(tok, messages, tools):
     return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                    return_dict=False)
@@ -75,7 +69,7 @@ def _template(tok, messages, tools):
 
 def test_the_tools_and_an_earlier_call_reach_the_template(srv, scripted):
     d, tok, _ = scripted
-    c = _client(srv)
+    c = openai_client(srv)
     for messages in (MESSAGES, HISTORY):
         r = c.chat.completions.create(model=d.name, messages=messages, tools=TOOLS, max_tokens=1, temperature=0)
         assert r.usage.prompt_tokens == len(_template(tok, messages, TOOLS))
@@ -85,7 +79,7 @@ def test_the_tools_and_an_earlier_call_reach_the_template(srv, scripted):
 
 def test_a_tool_call_block_is_returned_as_tool_calls(srv, scripted):
     d, tok, sentence = scripted
-    c = _client(srv)
+    c = openai_client(srv)
     kw = dict(model=d.name, messages=MESSAGES, tools=TOOLS, max_tokens=32, temperature=0)
     r = c.chat.completions.create(**kw)
     ch = r.choices[0]
@@ -105,7 +99,7 @@ def test_a_tool_call_block_is_returned_as_tool_calls(srv, scripted):
 
 def test_tool_choice_none_leaves_the_block_in_the_content(srv, scripted):
     d, tok, sentence = scripted
-    r = _client(srv).chat.completions.create(model=d.name, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+    r = openai_client(srv).chat.completions.create(model=d.name, messages=MESSAGES, tools=TOOLS, tool_choice="none",
                                              max_tokens=32, temperature=0)
     ch = r.choices[0]
     assert ch.finish_reason == "stop" and not ch.message.tool_calls
@@ -122,19 +116,20 @@ def test_tool_choice_none_leaves_the_block_in_the_content(srv, scripted):
 ])
 def test_bad_tool_fields_are_400_naming_the_field(srv, scripted, extra, param):
     d = scripted[0]
-    c = _client(srv)
+    c = openai_client(srv)
     body = {"messages": MESSAGES, "max_tokens": 2, **extra}
     with pytest.raises(openai.BadRequestError) as info:
         c.chat.completions.create(model=d.name, **body)
     assert info.value.body["param"] == param, info.value.body
-    assert c.chat.completions.create(model=d.name, messages=MESSAGES, max_tokens=2).choices[0].message.content is not None
+    after = c.chat.completions.create(model=d.name, messages=MESSAGES, max_tokens=2)
+    assert after.choices[0].message.content is not None
 
 
 def test_without_the_parser_tools_need_tool_choice_none(scripted):
     d, tok, sentence = scripted
     s = _serve(d)
     try:
-        c = _client(s)
+        c = openai_client(s)
         with pytest.raises(openai.BadRequestError) as info:
             c.chat.completions.create(model=d.name, messages=MESSAGES, tools=TOOLS, max_tokens=2)
         assert info.value.body["param"] == "tool_choice" and "--tool-call-parser hermes" in info.value.body["message"]

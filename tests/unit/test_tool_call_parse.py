@@ -54,8 +54,8 @@ def test_what_is_parsed_and_what_stays_content():
     assert calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
     assert extract_tool_calls(TEXTS["two calls, no text"])[0] is None
-    assert [json.loads(c["function"]["arguments"])["city"] for c in extract_tool_calls(TEXTS["two calls, no text"])[1]] \
-        == ["Paris", "Rome"]
+    two = extract_tool_calls(TEXTS["two calls, no text"])[1]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in two] == ["Paris", "Rome"]
     assert extract_tool_calls(TEXTS["text around a call"])[0] == "Hi\n\nBye"
     for name in ("a partial and an unclosed tag", "malformed JSON", "arguments not an object", "no name"):
         content, calls = extract_tool_calls(TEXTS[name])
