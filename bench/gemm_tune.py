@@ -1,13 +1,16 @@
-"""Config sweep for the skinny decode GEMM (`modeling/ops/triton_gemm.py`) on the Qwen3-0.6B shapes.
+"""Config sweep for the skinny decode GEMM (`modeling/ops/triton_gemm.py`) on the Qwen3-0.6B shapes, or on the
+dense projections of other presets (`--presets`).
 
     python -m bench.gemm_tune --out artifacts/gemm_tune.json
+    python -m bench.gemm_tune --presets qwen3-8b --shapes qkv,o_proj,gate_up,down --ms 4,16,32,64
 
 Every measurement runs the GEMM as a decode graph does: one CUDA graph calls it on distinct
-weight copies in turn (28 copies, so L2 never holds the weights; lm_head: 2 copies of 311 MB,
-8 calls), with a fixed x; the graph is replayed `--replays` times and the figure is microseconds
+weight copies in turn (up to 28 copies, at least 256 MiB of them, so L2 never holds the weights; lm_head: 2
+copies, 8 calls), with a fixed x; the graph is replayed `--replays` times and the figure is microseconds
 per call (CUDA events). Per (shape, M) it reports cuBLAS (`F.linear`), the pre-sweep kernel
 config ("current"), the config `linear` picks now ("table"), the best swept config and the
-weight-read roofline (N*K*2 / copy bandwidth). Every swept config is checked against `F.linear`
+weight-read roofline (N*K*2 / copy bandwidth). M classes 32 and 64 sweep the 32- and 64-row tiles
+(`triton_gemm.block_m`). Every swept config is checked against `F.linear`
 (atol = rtol = 2e-2) and for bitwise-equal outputs across replays; the winner is the fastest
 config that passes both. The JSON holds all measurements and a ready-to-paste `_CONFIGS`.
 
@@ -19,6 +22,7 @@ loads binaries. `--jobs 0` compiles in-process instead.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import os
 import time
@@ -36,22 +40,44 @@ SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), 
 GATED = {"down_gated"}
 MS = (1, 4, 16)
 COPIES, LM_HEAD_COPIES, LM_HEAD_CALLS = 28, 2, 8
+COPY_BYTES = 256 << 20  # weight bytes a graph cycles through (several times L2), capped at COPIES copies
 SMEM_LIMIT = 200 * 1024
 Cfg = tuple[int, int, int, int, int]  # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
 
 
-def sweep_configs(name: str, n: int, k: int) -> list[Cfg]:
-    """The swept configs of one shape: K % (SPLIT_K * BLOCK_K) == 0, brief-formula shared memory <= 200 KiB."""
+def preset_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """The (N, K) of a preset's dense decode projections at TP=1, named "<preset>/<kind>" (kinds as in SHAPES);
+    MoE presets have no dense MLP (their experts are not these GEMMs)."""
+    from modeling.config import PRESETS
+
+    c = PRESETS[preset]
+    q, kv, h = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
+    kinds = {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "lm_head": (c.vocab_size, h)}
+    if not c.num_experts:
+        kinds.update({"gate_up": (2 * c.intermediate_size, h), "down": (h, c.intermediate_size),
+                      "down_gated": (h, c.intermediate_size)})
+    return {f"{preset}/{kind}": nk for kind, nk in kinds.items()}
+
+
+def kind_of(name: str) -> str:
+    return name.rsplit("/", 1)[-1]
+
+
+def sweep_configs(name: str, n: int, k: int, block_m: int = 16) -> list[Cfg]:
+    """The swept configs of one shape at row tile `block_m`: K % (SPLIT_K * BLOCK_K) == 0, brief-formula shared
+    memory <= 200 KiB; the 32- and 64-row tiles sweep wider N tiles and shallower K chunks."""
     out = []
-    gated = name in GATED  # the prologue's loads are not pipelined: also one-iteration splits (K / (SK * BK) == 1)
-    for bn in (16, 32, 64):
-        for bk in ((64, 128, 256) if gated else (128, 256, 512)):
+    kind = kind_of(name)
+    gated = kind in GATED  # the prologue's loads are not pipelined: also one-iteration splits (K / (SK * BK) == 1)
+    tall = block_m > 16
+    for bn in ((32, 64, 128) if tall else (16, 32, 64)):
+        for bk in ((64, 128, 256) if gated or tall else (128, 256, 512)):
             for sk in ((1, 2, 3, 4, 6, 8, 12, 16, 24) if gated else (1, 2, 4, 8)):
-                if k % (sk * bk) or (name == "lm_head" and (sk > 1 or bn < 32)):
+                if k % (sk * bk) or (kind == "lm_head" and (sk > 1 or bn < 32)):
                     continue
                 for warps in ((4,) if gated else (4, 8)):
-                    for stages in (1, 2, 3):
-                        if stages * (16 + bn) * bk * 2 <= SMEM_LIMIT:
+                    for stages in ((2, 3, 4) if tall else (1, 2, 3)):
+                        if stages * (block_m + bn) * bk * 2 <= SMEM_LIMIT:
                             out.append((bn, bk, sk, warps, stages))
     return out
 
@@ -62,27 +88,28 @@ def current_config(n: int, k: int) -> Cfg:
     return (bn, 256 if k % bk else bk, 1, 4, stages)
 
 
-def _compile_worker(job: tuple[list[tuple[Cfg, bool]], int]) -> list[str]:
-    """Spawned process: launch each (config, gated) once on a tiny problem (same Triton specialisation as the sweep)."""
+def _compile_worker(job: tuple[list[tuple[Cfg, bool, int]], int]) -> list[str]:
+    """Spawned process: launch each (config, gated, row tile) once on a tiny problem (same Triton specialisation as
+    the sweep)."""
     cfgs, device_index = job
     from modeling.ops.triton_gemm import GemmConfig, linear_with_config
 
     torch.cuda.set_device(device_index)
     errors = []
-    for c, gated in cfgs:
+    for c, gated, bm in cfgs:
         cfg = GemmConfig(*c)
         k = cfg.split_k * cfg.block_k
-        x = torch.zeros(1, 2 * k if gated else k, dtype=torch.bfloat16, device="cuda")
+        x = torch.zeros(bm, 2 * k if gated else k, dtype=torch.bfloat16, device="cuda")
         w = torch.zeros(2 * cfg.block_n, k, dtype=torch.bfloat16, device="cuda")
         try:
             linear_with_config(x, w, cfg, gated=gated)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - reported, the sweep records the config as failed
-            errors.append(f"{c}: {type(e).__name__}: {e}")
+            errors.append(f"{c} block_m {bm}: {type(e).__name__}: {e}")
     return errors
 
 
-def precompile(cfgs: list[tuple[Cfg, bool]], jobs: int, device_index: int) -> list[str]:
+def precompile(cfgs: list[tuple[Cfg, bool, int]], jobs: int, device_index: int) -> list[str]:
     """Compile every config once (into Triton's on-disk cache); returns failure messages."""
     if jobs <= 0 or len(cfgs) < 2:
         return _compile_worker((cfgs, device_index))
@@ -141,15 +168,20 @@ def tune_shape(name: str, n: int, k: int, ms: tuple[int, ...], timer: GraphTimer
     from modeling.ops.triton_fused import silu_and_mul
     from modeling.ops.triton_gemm import GemmConfig, config_for, linear, linear_with_config
 
-    gated = name in GATED
-    copies = LM_HEAD_COPIES if name == "lm_head" else COPIES
-    calls = LM_HEAD_CALLS if name == "lm_head" else COPIES
+    from modeling.ops.triton_gemm import block_m
+
+    gated = kind_of(name) in GATED
+    if kind_of(name) == "lm_head":
+        copies, calls = LM_HEAD_COPIES, LM_HEAD_CALLS
+    else:
+        copies = max(2, min(COPIES, math.ceil(COPY_BYTES / (n * k * 2))))
+        calls = max(8, copies)
     g = torch.Generator(device="cuda").manual_seed(n + k)
     w0 = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
     weights = [w0] + [w0.clone() for _ in range(copies - 1)]
-    cfgs = sweep_configs(name, n, k)
     rows = []
     for m in ms:
+        cfgs = sweep_configs(name, n, k, block_m(m))
         x = torch.randn(m, 2 * k if gated else k, device="cuda", generator=g).bfloat16()
         ref = F.linear(silu_and_mul(x) if gated else x, weights[(calls - 1) % copies]).float()
 
@@ -166,18 +198,19 @@ def tune_shape(name: str, n: int, k: int, ms: tuple[int, ...], timer: GraphTimer
             cublas_us, _, _ = timer.run(lambda i, x=x: linear(silu_and_mul(x), weights[i % copies]), calls)
         else:
             cublas_us, _, _ = timer.run(lambda i, x=x: F.linear(x, weights[i % copies]), calls)
-        current = measure(current_config(n, k))
+        current = (measure(current_config(n, k)) if block_m(m) == 16  # it predates the taller row tiles
+                   else {"config": None, "skipped": "row tile above 16"})
         t = config_for(n, k, m, gated=gated)
         table = ({"config": None, "us": cublas_us, "correct": True, "deterministic": True} if t is None
                  else measure((t.block_n, t.block_k, t.split_k, t.num_warps, t.num_stages)))
         sweep = [measure(c) for c in cfgs]
         good = sorted((r for r in sweep if "us" in r and r["correct"] and r["deterministic"]), key=lambda r: r["us"])
         best = good[0] if good else None
-        row = {"shape": name, "n": n, "k": k, "m": m, "cublas_us": cublas_us, "current": current, "table": table,
+        row = {"shape": name, "gated": gated, "n": n, "k": k, "m": m, "cublas_us": cublas_us, "current": current, "table": table,
                "roofline_us": n * k * 2 / bw * 1e6, "best": best, "sweep": sweep,
                "failed": [r for r in sweep if "us" not in r or not (r["correct"] and r["deterministic"])]}
         rows.append(row)
-        print(f"{name:>8} {m:3d} {cublas_us:8.2f} {current.get('us', float('nan')):8.2f} "
+        print(f"{name:>24} {m:3d} {cublas_us:8.2f} {current.get('us', float('nan')):8.2f} "
               f"{table.get('us', float('nan')):8.2f} {best['us'] if best else float('nan'):8.2f} "
               f"{row['roofline_us']:8.2f}  {_fmt(tuple(best['config']) if best else None):22} "
               f"{len(good)}/{len(sweep)} ok", flush=True)
@@ -188,7 +221,7 @@ def configs_source(rows: list[dict]) -> str:
     lines = []
     for table, want_gated in (("_CONFIGS", False), ("_GATED_CONFIGS", True)):
         lines.append(f"{table}: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {{")
-        lines += _config_lines([r for r in rows if (r["shape"] in GATED) == want_gated])
+        lines += _config_lines([r for r in rows if r["gated"] == want_gated])
         lines.append("}")
     return "\n".join(lines)
 
@@ -198,7 +231,7 @@ def _config_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         if r["best"] is None:
             continue
-        base = "unfused" if r["shape"] in GATED else "cuBLAS"
+        base = "unfused" if r["gated"] else "cuBLAS"
         if r["cublas_us"] < r["best"]["us"]:
             lines.append(f"    ({r['n']}, {r['k']}, {r['m']}): None,  # {r['shape']} M{'=' if r['m'] == 1 else '<='}{r['m']}:"
                          f" {base} {r['cublas_us']:.2f} us, best Triton {r['best']['us']:.2f}")
@@ -213,7 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="JSON output path")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
-    ap.add_argument("--ms", default=",".join(map(str, MS)), help="row counts (config classes 1, 4, 16)")
+    ap.add_argument("--presets", default="", help="sweep these presets' projections (the --shapes kinds they have) "
+                    "instead of the Qwen3-0.6B ones")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="row counts (config classes 1, 4, 16, 32, 64)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=min(16, max(1, (os.cpu_count() or 2) - 1)),
                     help="parallel compile processes (0: compile in-process)")
@@ -222,18 +257,33 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     dev = torch.device("cuda", torch.cuda.current_device())
-    names = [s for s in args.shapes.split(",") if s]
+    from modeling.ops.triton_gemm import block_m
+
+    kinds = [s for s in args.shapes.split(",") if s]
+    unknown = sorted(set(kinds) - set(SHAPES))
+    if unknown:
+        ap.error(f"--shapes: unknown {unknown}; choose from {','.join(SHAPES)}")
+    if args.presets:
+        shapes = {name: nk for p in args.presets.split(",") if p for name, nk in preset_shapes(p).items()
+                  if kind_of(name) in kinds}
+    else:
+        shapes = {name: SHAPES[name] for name in kinds}
+    names = list(shapes)
     ms = tuple(int(m) for m in args.ms.split(","))
-    all_cfgs: set[tuple[Cfg, bool]] = set()
+    if any(not 1 <= m <= 64 for m in ms):
+        ap.error("--ms: row counts between 1 and 64")
+    all_cfgs: set[tuple[Cfg, bool, int]] = set()
     for name in names:
-        n, k = SHAPES[name]
-        gated = name in GATED
-        all_cfgs.update((c, gated) for c in sweep_configs(name, n, k))
-        all_cfgs.add((current_config(n, k), gated))
+        n, k = shapes[name]
+        gated = kind_of(name) in GATED
+        for bm in sorted({block_m(m) for m in ms}):
+            all_cfgs.update((c, gated, bm) for c in sweep_configs(name, n, k, bm))
+            if bm == 16:
+                all_cfgs.add((current_config(n, k), gated, bm))
         for m in ms:
             t = config_for(n, k, m, dev, gated=gated)
             if t is not None:
-                all_cfgs.add(((t.block_n, t.block_k, t.split_k, t.num_warps, t.num_stages), gated))
+                all_cfgs.add(((t.block_n, t.block_k, t.split_k, t.num_warps, t.num_stages), gated, block_m(m)))
     compile_errors = precompile(sorted(all_cfgs), args.jobs, dev.index)
     t_compile = time.perf_counter() - t0
     print(f"compiled {len(all_cfgs)} configs in {t_compile:.1f} s ({len(compile_errors)} failed)", flush=True)
@@ -247,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     timer = GraphTimer(args.replays)
     rows = []
     for name in names:
-        rows += tune_shape(name, *SHAPES[name], ms, timer, bw)
+        rows += tune_shape(name, *shapes[name], ms, timer, bw)
         torch.cuda.empty_cache()  # drop the weight copies and the graph pools of this shape
     from modeling.ops.triton_gemm import split_k_counters
 
@@ -262,7 +312,31 @@ def main(argv: list[str] | None = None) -> None:
                           "compile_errors": compile_errors, "counters_zero": counters_zero,
                           "results": rows, "configs": {f"{r['n']},{r['k']},{r['m']}": r["best"]["config"]
                                                        for r in rows if r["best"]},
-                          "configs_py": src})
+                          "configs_py": src, "table": table_entries(rows)})
+
+
+def table_entries(rows: list[dict]) -> list[dict]:
+    """The sweep as tuning-table entries (`bench.model_sweep --gemm-table` installs them): per (N, K, M class,
+    gated) the best config, or None where cuBLAS (gated: the unfused pair) was faster."""
+    from modeling.ops.triton_gemm import m_class
+
+    out = []
+    for r in rows:
+        if r["best"] is not None:
+            faster = r["best"]["us"] < r["cublas_us"]
+            out.append({"n": r["n"], "k": r["k"], "m_class": m_class(r["m"]), "gated": r["gated"],
+                        "config": r["best"]["config"] if faster else None})
+    return out
+
+
+def install_table(entries: list[dict]) -> int:
+    """Put `table_entries` into `triton_gemm._CONFIGS` / `_GATED_CONFIGS` (this process); returns how many."""
+    from modeling.ops import triton_gemm
+
+    for e in entries:
+        table = triton_gemm._GATED_CONFIGS if e["gated"] else triton_gemm._CONFIGS
+        table[(e["n"], e["k"], e["m_class"])] = None if e["config"] is None else tuple(e["config"])
+    return len(entries)
 
 
 if __name__ == "__main__":

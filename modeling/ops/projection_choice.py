@@ -1,12 +1,16 @@
-"""Which kernel serves each dense decode projection `[M, K] @ [N, K]^T` at M <= 16 rows (CPU-importable, no Triton).
+"""Which kernel serves each dense decode projection `[M, K] @ [N, K]^T` at M <= 64 rows (CPU-importable, no Triton).
 
-Per (N, K, row class), row classes 1 (M == 1), 4 (M <= 4), 16 (M <= 16) as `triton_gemm` keys its table:
+Per (N, K, row class), row classes 1 (M == 1), 4 (M <= 4), 16 (M <= 16), 32 (M <= 32), 64 (M <= 64) as `triton_gemm`
+keys its table:
 1. the tuning table (`triton_gemm._CONFIGS`, measured offline by `python -m bench.gemm_tune`): a skinny-GEMM config,
    or None where cuBLAS measured faster;
-2. else the fallback chosen on this device at warm-up (`triton_gemm_measure.measure_projection_fallbacks`, run by
+2. else, for row classes 32 and 64 (`TABLE_ONLY_CLASSES`), cuBLAS: there the safe config's isolated win did not
+   carry into the model (Qwen3-1.7B's down projection at class 32 won alone and took batches 24-32 to 1.28x,
+   docs/benchmarks.md, twentieth session), so those classes take the Triton path only where a table entry says so;
+3. else the fallback chosen on this device at warm-up (`triton_gemm_measure.measure_projection_fallbacks`, run by
    `Qwen3ForCausalLM.warm_up_kernels` outside capture for every (N, K) the loaded model has): the faster of cuBLAS
    and the safe generic config (`triton_gemm.default_config`), read from the disk cache or measured;
-3. else (nothing chosen yet, or `KernelOptions.measure_projections=False`) the safe generic config.
+4. else (nothing chosen yet, or `KernelOptions.measure_projections=False`) the safe generic config.
 At 1-2 rows the decode GEMV (`triton_gemv`) serves ahead of this choice wherever it applies.
 
 Disk cache (`default_cache_path()`, `~/.cache/graphline/projection_choice.json`): one entry per GPU name, torch /
@@ -34,9 +38,11 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-ROW_CLASSES = (1, 4, 16)
+ROW_CLASSES = (1, 4, 16, 32, 64)
+TABLE_ONLY_CLASSES = (32, 64)  # untabled shapes take cuBLAS here: neither measured nor the safe config
+MEASURED_CLASSES = tuple(c for c in ROW_CLASSES if c not in TABLE_ONLY_CLASSES)
 KERNELS = ("skinny", "cublas")
-SOURCES = ("table", "measured", "cached", "safe")
+SOURCES = ("table", "untabled", "measured", "cached", "safe")
 CACHE_VERSION = 1
 
 Config = tuple[int, int, int, int, int]  # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
@@ -47,7 +53,8 @@ Key = tuple[int, int, int]  # (N, K, row class)
 @dataclass(frozen=True)
 class Choice:
     """kernel: "skinny" (the Triton skinny GEMM with `config`) or "cublas" (`F.linear`, config None);
-    source: "table", "measured" (now), "cached" (measured by an earlier process) or "safe"."""
+    source: "table", "untabled" (cuBLAS of a table-only row class), "measured" (now), "cached" (measured by an
+    earlier process) or "safe"."""
 
     kernel: str
     config: Optional[Config]
@@ -58,8 +65,8 @@ _FALLBACKS: dict[tuple[int, int, int, int], Choice] = {}
 
 
 def m_class(m: int) -> int:
-    """Config row class of M rows: 1, 4 (M <= 4) or 16 (M <= 16)."""
-    return 1 if m == 1 else 4 if m <= 4 else 16
+    """Config row class of M rows (1 <= M <= 64): 1, 4 (M <= 4), 16 (M <= 16), 32 (M <= 32) or 64."""
+    return 1 if m == 1 else 4 if m <= 4 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 def choose(n: int, k: int, m: int, table: Table, safe: Callable[[], Config],
@@ -70,6 +77,8 @@ def choose(n: int, k: int, m: int, table: Table, safe: Callable[[], Config],
     if key in table:
         entry = table[key]
         return Choice("cublas", None, "table") if entry is None else Choice("skinny", tuple(entry), "table")
+    if key[2] in TABLE_ONLY_CLASSES:
+        return Choice("cublas", None, "untabled")
     chosen = _FALLBACKS.get((device_index(), *key))
     if chosen is not None:
         return chosen
@@ -84,11 +93,11 @@ def decide(cublas_s: float, safe_s: float, safe_config: Config, source: str = "m
 
 
 def needs_choice(device_index: int, n: int, k: int, mc: int, table: Table) -> bool:
-    return (n, k, mc) not in table and (device_index, n, k, mc) not in _FALLBACKS
+    return mc in MEASURED_CLASSES and (n, k, mc) not in table and (device_index, n, k, mc) not in _FALLBACKS
 
 
 def record(device_index: int, n: int, k: int, mc: int, choice: Choice) -> None:
-    if mc not in ROW_CLASSES or choice.kernel not in KERNELS or choice.source not in ("measured", "cached"):
+    if mc not in MEASURED_CLASSES or choice.kernel not in KERNELS or choice.source not in ("measured", "cached"):
         raise ValueError(f"not a measured fallback for row class {mc}: {choice}")
     _FALLBACKS[(device_index, n, k, mc)] = choice
 

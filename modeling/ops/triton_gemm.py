@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode: y `[M, N]` = x `[M, K]` @ w `[N, K]`^T for small M (<= 16).
+"""Skinny GEMM for decode: y `[M, N]` = x `[M, K]` @ w `[N, K]`^T for small M (<= 64).
 
 At batch 1..16 a decode step is a weight-streaming problem; cuBLAS picks small-tile
 kernels that reach a fraction of HBM bandwidth there. This kernel gives each program
@@ -20,8 +20,9 @@ launches on one device must be stream-ordered (one forward stream per rank, as t
 runner does); two split-K GEMMs running concurrently on different streams of one
 device are unsupported. Every launch leaves the counters at zero.
 
-Configs come from `_CONFIGS`, keyed by (N, K, M class) with M class 1 (M == 1),
-4 (M <= 4) or 16 (M <= 16), values (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages);
+Configs come from `_CONFIGS` (`triton_gemm_tables.CONFIGS`), keyed by (N, K, M class) with M class 1 (M == 1), 4 (M <= 4), 16 (M <= 16),
+32 (M <= 32) or 64 (M <= 64), values (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); the row tile BLOCK_M is
+the class's (`block_m`: 16 up to class 16, then 32 and 64);
 shapes not in the table take the faster of cuBLAS and `default_config` as chosen at
 warm-up (`projection_choice`, `triton_gemm_measure`), `default_config` before that.
 `python -m bench.gemm_tune` prints a ready-to-paste table.
@@ -39,9 +40,9 @@ import triton.language as tl
 from modeling.ops import projection_choice, triton_gemv
 from modeling.ops.pdl import PDL_LAUNCH, pdl_launch_dependents, pdl_wait
 from modeling.ops.triton_fused import add_rms_norm, add_rms_norm_row, rms_norm, silu_and_mul
+from modeling.ops.triton_gemm_tables import CONFIGS as _CONFIGS, GATED_CONFIGS as _GATED_CONFIGS
 
-SKINNY_MAX_M = 16
-_BLOCK_M = 16  # tl.dot needs >= 16 rows; rows >= M are masked
+SKINNY_MAX_M = 64
 _COUNTER_SLOTS = 1 << 16
 _NORM_SLOT = _COUNTER_SLOTS - 1  # the fused add + RMSNorm's whole-row arrival counter; N-tiles use slots below
 FUSED_NORM_MAX_M = 4  # the last program normalises the rows one by one: kept to small M (larger M not measured)
@@ -63,41 +64,15 @@ class GemmConfig:
     num_warps: int
     num_stages: int
 
-    def smem_bytes(self) -> int:
-        """Upper bound of the shared memory per CTA (triton 3.9 on sm_90 allocates max(1, num_stages - 1) stages)."""
-        return self.num_stages * (_BLOCK_M + self.block_n) * self.block_k * 2
+    def smem_bytes(self, block_m: int = 16) -> int:
+        """Upper bound of the shared memory per CTA at row tile `block_m` (triton 3.9 on sm_90 allocates
+        max(1, num_stages - 1) stages)."""
+        return self.num_stages * (block_m + self.block_n) * self.block_k * 2
 
 
-# (N, K, M class) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), or None: cuBLAS (`F.linear`) was
-# faster. Qwen3-0.6B projections at TP=1, from `python -m bench.gemm_tune` on one H200 (2026-11-30, per call
-# inside a CUDA graph over 28 weight copies); the per-shape figures are in docs/benchmarks.md ("Skinny decode
-# GEMM", "Figures moved out of docstrings") and docs/results/gemm_tune.log.
-_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {
-    (4096, 1024, 1): None,  # qkv M=1: cuBLAS won
-    (4096, 1024, 4): None,  # qkv M<=4: cuBLAS won
-    (4096, 1024, 16): None,  # qkv M<=16: cuBLAS won
-    (1024, 2048, 1): (32, 128, 8, 4, 3),  # o_proj M=1: split-K beat cuBLAS
-    (1024, 2048, 4): (32, 128, 8, 4, 3),  # o_proj M<=4: split-K beat cuBLAS
-    (1024, 2048, 16): (32, 128, 8, 4, 3),  # o_proj M<=16: split-K beat cuBLAS
-    (6144, 1024, 1): None,  # gate_up M=1: cuBLAS won
-    (6144, 1024, 4): None,  # gate_up M<=4: cuBLAS won
-    (6144, 1024, 16): None,  # gate_up M<=16: cuBLAS won
-    (1024, 3072, 1): (32, 128, 8, 4, 3),  # down M=1: split-K beat cuBLAS
-    (1024, 3072, 4): (32, 128, 8, 4, 3),  # down M<=4: split-K beat cuBLAS
-    (1024, 3072, 16): (32, 128, 8, 4, 3),  # down M<=16: split-K beat cuBLAS
-    (151936, 1024, 1): (64, 256, 1, 4, 3),  # lm_head M=1: beat cuBLAS, at about its weight-read roofline
-    (151936, 1024, 4): (64, 256, 1, 4, 3),  # lm_head M<=4: beat cuBLAS
-    (151936, 1024, 16): (64, 128, 1, 4, 3),  # lm_head M<=16: beat cuBLAS
-}
-
-
-# The same keys for the SiLU-gated GEMM (x `[M, 2K]`, silu(gate) * up in the prologue); None: the unfused pair
-# (`silu_and_mul` kernel + `linear`) was faster. Shapes not in the table use `_CONFIGS` / `default_config`.
-_GATED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int] | None] = {
-    (1024, 3072, 1): None,  # down M=1: the unfused pair beat every gated config (docs/results/gemm_tune_gated.log)
-    (1024, 3072, 4): None,  # down M<=4: the unfused pair beat every gated config
-    (1024, 3072, 16): None,  # not swept; the prologue lost at every swept M
-}
+def block_m(m: int) -> int:
+    """The row tile of M rows: tl.dot needs >= 16; 16 up to 16 rows, else 32 or 64 (rows >= M are masked)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 @triton.jit
@@ -222,7 +197,7 @@ def split_k_counters(device: torch.device) -> torch.Tensor:
     return cnt
 
 
-m_class = projection_choice.m_class  # config row class of M rows: 1, 4 (M <= 4) or 16 (M <= 16)
+m_class = projection_choice.m_class  # config row class of M rows: 1, 4, 16, 32 or 64 (M <= the class)
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,14 +207,15 @@ def _sm_count(index: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def default_config(n: int, k: int, mc: int, sms: int = 132) -> GemmConfig:
-    """Heuristic for shapes not in `_CONFIGS`: >= 2 CTAs per SM by split-K, <= ~100 KiB shared memory per CTA."""
-    block_n = 16 if n <= 16384 else 32
-    block_k = min(256, max(16, triton.next_power_of_2(k)))
+    """Heuristic for shapes not in `_CONFIGS`: >= 2 CTAs per SM by split-K, <= ~100 KiB shared memory per CTA;
+    row classes 32 and 64 take twice as wide N tiles and at most 128-deep K chunks (their row tile is 2-4x taller)."""
+    block_n = (16 if n <= 16384 else 32) * (2 if mc >= 32 else 1)
+    block_k = min(256 if mc < 32 else 128, max(16, triton.next_power_of_2(k)))
     tiles = triton.cdiv(n, block_n)
     split_k = 1
     while split_k < 8 and tiles * split_k < 2 * sms and k % (2 * split_k * block_k) == 0:
         split_k *= 2
-    stage_bytes = (_BLOCK_M + block_n) * block_k * 2
+    stage_bytes = (block_m(mc) + block_n) * block_k * 2
     stages = max(1, min(3, _SMEM_BUDGET // stage_bytes))
     return GemmConfig(block_n, block_k, split_k, 4, stages)
 
@@ -281,7 +257,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig, y: torch.Ten
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), split_k)](
         x, weight, y, ws, cnt, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         residual, summed, norm_weight, normed, eps,
-        BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+        BLOCK_M=block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
         EVEN_K=(k % (split_k * cfg.block_k) == 0), GATED=gated, NORM=norm is not None, NORM_SLOT=_NORM_SLOT,
         BLOCK_H=triton.next_power_of_2(n) if norm is not None else 16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **PDL_LAUNCH[pdl])
@@ -289,7 +265,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig, y: torch.Ten
 
 def linear_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemmConfig,
                        out_dtype: torch.dtype | None = None, gated: bool = False, *, pdl: int = 0) -> torch.Tensor:
-    """The Triton path with an explicit config (benchmarks, tests). x `[M<=16, K]` (unit last stride),
+    """The Triton path with an explicit config (benchmarks, tests). x `[M<=64, K]` (unit last stride),
     weight `[N, K]` (unit last stride), both bf16/fp16 CUDA on one device; returns `[M, N]` in
     `out_dtype` (default x.dtype), launched on the current stream. The split-K workspace is a
     per-call `torch.empty` (graph-pool memory under capture), stream-ordered and freed on return.

@@ -88,7 +88,7 @@ def measure_projection_fallbacks(shapes: Iterable[tuple[int, int]], device: torc
         raise ProjectionMeasureError("choose the projection fallbacks before any CUDA graph capture")
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = triton_gemm._sm_count(index)
-    wanted = [(n, k, mc) for n, k in shapes for mc in pc.ROW_CLASSES
+    wanted = [(n, k, mc) for n, k in shapes for mc in pc.MEASURED_CLASSES
               if not (mc == 1 and gemv and n <= triton_gemv.GEMV_MAX_N)]
     context = pc.MeasureContext(gpu=torch.cuda.get_device_name(index), torch=torch.__version__,
                                 cuda=str(torch.version.cuda), triton=triton.__version__,

@@ -22,7 +22,9 @@ def _own_fallbacks(monkeypatch):
 
 
 def _wanted(shapes, gemv=True):
-    return {(n, k, mc) for n, k in shapes for mc in (1, 4, 16) if mc > 1 or not gemv or n > 32768}
+    from modeling.ops.projection_choice import MEASURED_CLASSES
+
+    return {(n, k, mc) for n, k in shapes for mc in MEASURED_CLASSES if mc > 1 or not gemv or n > 32768}
 
 
 def test_measurement_records_every_untabled_shape_caches_it_and_linear_follows_it(tmp_path, monkeypatch):

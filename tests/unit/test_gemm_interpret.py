@@ -9,6 +9,8 @@ the split-K arithmetic, masking, the last-arrival branch and the counter reset; 
 ordering between concurrent programs needs a GPU (tests/gpu/test_triton_gemm.py).
 """
 
+import itertools
+
 import pytest
 
 from tests.unit._interpret import run_interpreted
@@ -16,7 +18,8 @@ from tests.unit._interpret import run_interpreted
 pytest.importorskip("triton", reason="needs triton (the Triton CPU interpreter runs its kernels)")
 
 SPLITS = (1, 2, 4, 8)
-CASES = [(3, 64, 256, 32), (1, 50, 200, 32), (16, 64, 256, 64)]  # (M, N, K, BLOCK_K); K=200 is uneven
+# (M, N, K, BLOCK_K); K=200 is uneven; M 24 and 48 run the 32- and 64-row tiles
+CASES = [(3, 64, 256, 32), (1, 50, 200, 32), (16, 64, 256, 64), (24, 48, 200, 32), (48, 64, 256, 64)]
 
 _CHILD = r"""
 import json, sys
@@ -112,13 +115,15 @@ def test_config_table_and_heuristic():
             assert gemm.config_for(n, k, mc) is None
             continue
         cfg = gemm.GemmConfig(*entry)
-        assert mc in (1, 4, 16) and cfg.split_k in (1, 2, 4, 8), (n, k, mc)
-        assert cfg.smem_bytes() <= 227 * 1024, (n, k, mc)
-    assert [gemm.m_class(m) for m in (1, 2, 4, 5, 16)] == [1, 4, 4, 16, 16]
-    for n, k in [(1024, 3072), (2048, 1024), (512, 4096), (100, 300), (151936, 4096)]:
-        cfg = gemm.default_config(n, k, 1, 132)
+        assert mc in (1, 4, 16, 32, 64) and cfg.split_k in (1, 2, 4, 8, 16), (n, k, mc)
+        assert cfg.smem_bytes(gemm.block_m(mc)) <= 227 * 1024, (n, k, mc)
+    assert [gemm.m_class(m) for m in (1, 2, 4, 5, 16, 17, 32, 33, 64)] == [1, 4, 4, 16, 16, 32, 32, 64, 64]
+    assert [gemm.block_m(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    for (n, k), mc in itertools.product([(1024, 3072), (2048, 1024), (512, 4096), (100, 300), (151936, 4096)],
+                                        (1, 4, 16, 32, 64)):
+        cfg = gemm.default_config(n, k, mc, 132)
         tiles = -(-n // cfg.block_n)
-        assert cfg.smem_bytes() <= 100 * 1024
+        assert cfg.smem_bytes(gemm.block_m(mc)) <= 100 * 1024
         assert cfg.split_k == 1 or k % (cfg.split_k * cfg.block_k) == 0
         # split-K grows until >= 2 CTAs per SM, 8 splits, or K no longer divides evenly
         assert tiles * cfg.split_k >= 2 * 132 or cfg.split_k == 8 or k % (2 * cfg.split_k * cfg.block_k)

@@ -67,6 +67,18 @@ def test_untabled_shapes_take_the_chosen_fallback_else_the_safe_config():
     assert pc.fallbacks() == {}
 
 
+def test_row_classes_32_and_64_take_the_table_else_cublas_never_the_safe_config_or_a_measurement():
+    table = {**TABLE, (3072, 1024, 64): (32, 128, 4, 4, 4)}
+    for m in (17, 24, 32, 33, 48):  # classes 32 and 64, untabled for class 32
+        want = pc.Choice("skinny", (32, 128, 4, 4, 4), "table") if m > 32 else pc.Choice("cublas", None, "untabled")
+        assert pc.choose(3072, 1024, m, table, _never, _never) == want
+    assert not pc.needs_choice(0, 3072, 1024, 32, table) and pc.needs_choice(0, 3072, 1024, 16, table)
+    with pytest.raises(ValueError, match="row class 32"):
+        pc.record(0, 3072, 1024, 32, pc.decide(1.0, 2.0, SAFE))
+    timer = Timer()
+    assert pc.resolve([(3072, 1024, 32), (3072, 1024, 64)], 0, CTX, table, _safe, timer, None) == {}
+
+
 def test_decide_prefers_cublas_unless_the_safe_config_is_strictly_faster():
     assert pc.decide(5e-6, 5e-6, SAFE).kernel == "cublas"
     assert pc.decide(5e-6, 4.9e-6, SAFE) == pc.Choice("skinny", SAFE, "measured")
@@ -78,7 +90,7 @@ def test_only_chosen_fallbacks_of_known_row_classes_are_recorded():
     with pytest.raises(ValueError, match="not a measured"):
         pc.record(0, 1, 1, 4, pc.Choice("cublas", None, "table"))
     assert pc.needs_choice(0, 3072, 1024, 4, TABLE) and not pc.needs_choice(0, 4096, 1024, 1, TABLE)
-    assert [pc.m_class(m) for m in (1, 2, 4, 5, 16)] == [1, 4, 4, 16, 16]
+    assert [pc.m_class(m) for m in (1, 2, 4, 5, 16, 17, 32, 33, 64)] == [1, 4, 4, 16, 16, 32, 32, 64, 64]
 
 
 def test_missing_shapes_are_measured_once_recorded_and_cached(tmp_path):
@@ -188,9 +200,9 @@ def test_the_gpu_glue_with_the_device_stubbed(tmp_path, monkeypatch):
     monkeypatch.setattr(tgm, "time_candidates", fake_time)
     dev = torch.device("cuda", 0)
     path = tmp_path / "choice.json"
-    shapes = [(3072, 1024), (4096, 1024), (200000, 1024)]  # untabled, tabled (classes 4, 16), wider than the GEMV
+    shapes = [(3072, 1024), (4096, 1024), (200000, 1024)]  # untabled, tabled, wider than the GEMV
     done = tgm.measure_projection_fallbacks(shapes, dev, torch.bfloat16, gemv=True, pdl=2, cache_path=path)
-    want = {(3072, 1024, 4), (3072, 1024, 16), (200000, 1024, 1), (200000, 1024, 4), (200000, 1024, 16)}
+    want = {(3072, 1024, mc) for mc in (4, 16)} | {(200000, 1024, mc) for mc in (1, 4, 16)}
     assert set(done) == want and {c.kernel for c in done.values()} == {"cublas"}
     for n, k, mc, cfg, device, dtype, pdl in timed:
         c = triton_gemm.default_config(n, k, mc, 132)
