@@ -8,13 +8,19 @@ each batch. Prints median ms per step, each variant's ratio to the baseline and 
 baseline's (switches that change the arithmetic may flip near-tied greedy choices of random weights).
 
     python -m bench.decode_ab --variants "off:GRAPHLINE_GEMV=0" "gemv:GRAPHLINE_GEMV=1" --batches 1,2,64
+
+Two assignments are not variables but tuning tables, installed while that variant's graphs are captured and taken
+out after: `gemm_table=PATH` (a `bench.gemm_tune` JSON's entries for the skinny GEMM) and `gemv_table=PATH` (a
+`bench.gemv_tune` JSON's winners for the decode GEMV). `--layers N` keeps the first N layers of the model.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -35,7 +41,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
         name, eq, value = item.partition("=")
         if not eq or not name:
             raise SystemExit(f"variant {text!r}: {item!r} is not NAME=VALUE")
-        if name.strip() not in OPTION_VARIABLES:
+        if name.strip() not in OPTION_VARIABLES + TABLES:
             raise SystemExit(f"variant {text!r}: {name.strip()} is not an option variable ({', '.join(OPTION_VARIABLES)})")
         env[name.strip()] = value.strip()
     if not label:
@@ -43,15 +49,42 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return label, env
 
 
+TABLES = ("gemm_table", "gemv_table")
+
+
+@contextlib.contextmanager
+def installed_tables(env: dict[str, str]) -> Iterator[None]:
+    """The variant's tuning tables (`TABLES`) in `triton_gemm` / `triton_gemv` for the duration; restored after."""
+    from modeling.ops import triton_gemm, triton_gemv
+
+    saved = (dict(triton_gemm._CONFIGS), dict(triton_gemm._GATED_CONFIGS), dict(triton_gemv._CONFIGS))
+    try:
+        if "gemm_table" in env:
+            from bench.gemm_tune import install_table
+
+            install_table(json.loads(open(env["gemm_table"]).read())["table"])
+        if "gemv_table" in env:
+            for r in json.loads(open(env["gemv_table"]).read())["results"]:
+                if r.get("best"):
+                    key = (r["n"], r["k"], triton_gemv.m_pad(r["m"]), r["norm"], r["gated"])
+                    triton_gemv._CONFIGS[key] = tuple(r["best"]["config"])
+        yield
+    finally:
+        for table, old in zip((triton_gemm._CONFIGS, triton_gemm._GATED_CONFIGS, triton_gemv._CONFIGS), saved):
+            table.clear()
+            table.update(old)
+
+
 def _runtime(model: str, blocks: int, env: dict[str, str], max_batch: int) -> RankRuntime:
-    kernels = options_from_environ(child_environ(**env)).kernels
+    kernels = options_from_environ(child_environ(**{k: v for k, v in env.items() if k not in TABLES})).kernels
     graph = GraphRunnerConfig(max_decode_batch=max_batch, pcg_max_tokens=512)
     cfg = RuntimeConfig(model=model, device="cuda", num_kv_blocks=blocks, graph=graph, kernels=kernels)
     rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
-    rt.load_model()
-    rt.allocate_kv_cache()
-    rt.build_runner()
-    rt.capture_all()
+    with installed_tables(env):
+        rt.load_model()
+        rt.allocate_kv_cache()
+        rt.build_runner()
+        rt.capture_all()
     return rt
 
 
@@ -102,6 +135,7 @@ def compare(variants: list[tuple[str, dict[str, str]]], model: str = "qwen3-0.6b
 def add_step_args(ap: argparse.ArgumentParser, batches: str) -> None:
     """The options of a side-by-side decode-step comparison (`compare`'s keyword arguments and `--out`)."""
     ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers of the model")
     ap.add_argument("--batches", default=batches)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--blocks", type=int, default=2048)
@@ -113,7 +147,9 @@ def add_step_args(ap: argparse.ArgumentParser, batches: str) -> None:
 def run(args: argparse.Namespace, variants: list[tuple[str, dict[str, str]]],
         on_tokens_differ: Callable[[str, int], None] | None = None) -> dict:
     """`compare` with the options of `add_step_args`; writes `--out`."""
-    res = compare(variants, args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.blocks,
+    from bench.model_sweep import _preset
+
+    res = compare(variants, _preset(args.model, args.layers), tuple(int(b) for b in args.batches.split(",")), args.context, args.blocks,
                   args.rounds, args.steps, on_tokens_differ)
     if args.out:
         write_json(args.out, res)

@@ -33,9 +33,11 @@ import torch
 from actors.rank import RankRuntime, RuntimeConfig
 from bench.common import copy_bandwidth, machine, time_step, write_json
 from bench.graph_bench import _decode_batch, _decode_step, _prefill_step
+from bench.profile_step import decode_timeline, kernel_table
 from graphrunner.config import GraphRunnerConfig
 from modeling.config import PRESETS, ModelConfig
 from modeling.moe import SparseMoeBlock, route
+from modeling.ops.options import PDL_CHOICES, KernelOptions
 from parallel.context import ParallelContext
 
 SHAPES = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-30b-a3b")
@@ -130,16 +132,26 @@ def _kv_blocks(cfg: ModelConfig, need: int, block_size: int, reserve: int) -> in
     return max(64, min(need + 1, int((free - reserve) * 0.8) // per_block))
 
 
-def _decode_row(rt, nbytes: _Bytes, bw: float, batch: int, context: int, rng, iters: int, rank_exec: bool) -> dict:
+def _decode_row(rt, nbytes: _Bytes, bw: float, batch: int, context: int, rng, iters: int, rank_exec: bool,
+                timeline: bool = False, kernels: bool = False) -> dict:
     tokens = rng.integers(1, rt.model_config.vocab_size, batch)
     step = _decode_step(rt, batch, context, tokens)
     used = _experts_used(rt, step) if _moe_blocks(rt) else []
     li = step.attn_metadata.last_token_index
-    g = time_step(lambda: rt.model.greedy_tokens(rt.runner(step), li), rt.device, iters=iters)
+
+    def graph_step():
+        return rt.model.greedy_tokens(rt.runner(step), li)
+
+    g = time_step(graph_step, rt.device, iters=iters)
     need = nbytes.needed(used, batch, context)
     row = {"batch": batch, "context": context, "graph": g, "bytes_needed": need, "roofline_s": need / bw,
            "x_roofline": g["gpu_s"] / (need / bw),
            "experts_per_layer": (sum(used) / len(used)) if used else None}
+    if timeline:  # kernels against the gaps between them, under the profiler
+        row["timeline_us"] = decode_timeline(graph_step, iters=10)
+    if kernels:
+        print(f"  kernels of the decode step, batch {batch}, context {context} (10 steps)")
+        print(kernel_table(graph_step, iters=10, rows=30))
     if rank_exec:
         sb = _decode_batch(rt, batch, context, tokens)
         row["rank_execute"] = time_step(lambda: rt.execute(sb), rt.device, iters=iters)
@@ -156,6 +168,10 @@ def _print_decode(rows: list[dict], title: str) -> None:
         print(f"  {r['batch']:5d} {r['context']:6d} {r['graph']['gpu_s'] * 1e3:12.3f} "
               f"{r['graph']['wall_s'] * 1e3:13.3f} {ex} {r['bytes_needed'] / 2**20:9.1f} {el} "
               f"{r['roofline_s'] * 1e3:8.3f} {r['x_roofline']:6.2f}")
+        if "timeline_us" in r:
+            t = r["timeline_us"]
+            print(f"        timeline: {t['num_kernels']:.0f} kernels, {t['kernels']:.1f} us of kernels, "
+                  f"{t['gaps']:.1f} us of gaps, span {t['gpu_span']:.1f} us")
 
 
 @torch.inference_mode()
@@ -171,7 +187,8 @@ def sweep_shape(name: str, args, bw: float, rate: float) -> dict:
     graph = GraphRunnerConfig(max_decode_batch=max(sizes), decode_capture_sizes=tuple(sizes),
                               pcg_max_tokens=max(prefills) if prefills else 0, pcg_token_stride=512)
     max_len = max([args.context] + long_ctx + prefills) + 64
-    rt_cfg = RuntimeConfig(model=preset, device=("cuda" if torch.cuda.is_available() else "cpu"), num_kv_blocks=64, max_model_len=max_len, graph=graph)
+    rt_cfg = RuntimeConfig(model=preset, device=("cuda" if torch.cuda.is_available() else "cpu"), num_kv_blocks=64,
+                           max_model_len=max_len, graph=graph, kernels=KernelOptions(pdl=args.pdl))
     rt = RankRuntime(rt_cfg, ParallelContext(), dev)
     rt.load_model()
     bs = rt_cfg.block_size
@@ -188,7 +205,9 @@ def sweep_shape(name: str, args, bw: float, rate: float) -> dict:
     rng = np.random.default_rng(0)
     print(f"\n## {preset}: {cfg.num_layers} layers, weights {rt.weight_bytes() / 2**30:.2f} GiB, "
           f"{blocks} KV blocks (need {need}), capture {sum(capture_s.values()):.1f} s")
-    decode = [_decode_row(rt, nbytes, bw, b, args.context, rng, args.iters, True) for b in batches]
+    kernel_batches = {int(b) for b in args.kernels.split(",") if b}
+    decode = [_decode_row(rt, nbytes, bw, b, args.context, rng, args.iters, True, args.timeline, b in kernel_batches)
+              for b in batches]
     _print_decode(decode, f"decode, context {args.context}")
     long_rows = [_decode_row(rt, nbytes, bw, b, c, rng, args.iters, False) for c in long_ctx for b in long_b]
     if long_rows:
@@ -268,8 +287,21 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-batches", default="1,8,64", help="decode batches through the engine (\"\": none)")
     ap.add_argument("--engine-steps", type=int, default=64, help="tokens each engine request decodes")
+    ap.add_argument("--timeline", action="store_true", help="per decode batch: kernels against the gaps between "
+                    "them (profiled)")
+    ap.add_argument("--kernels", default="", help="decode batches whose per-kernel table to print")
+    ap.add_argument("--pdl", default="early", choices=PDL_CHOICES, help="KernelOptions.pdl of the in-rank runs")
+    ap.add_argument("--gemm-table", default=None, help="a `bench.gemm_tune` JSON whose table entries to install "
+                    "in the skinny GEMM's tuning table first (an A/B of a sweep's winners in the model)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.gemm_table:
+        import json
+
+        from bench.gemm_tune import install_table
+
+        print(f"# installed {install_table(json.loads(open(args.gemm_table).read())['table'])} tuning-table entries "
+              f"from {args.gemm_table}")
     dev = torch.device("cuda", 0)
     bw = copy_bandwidth(dev)
     rate = matmul_rate(dev)

@@ -74,7 +74,8 @@ def decode_timeline(fn, iters: int = 20) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in rows.items() if v}
 
 
-def _kernel_table(fn, iters: int = 10, rows: int = 25) -> str:
+def kernel_table(fn, iters: int = 10, rows: int = 25) -> str:
+    """The profiler's kernel table of `iters` calls of `fn`, by device time."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -124,10 +125,10 @@ def main() -> None:
     print("  " + "  ".join(f"{k} {v:.1f}" for k, v in tl.items()))
     d = _decode_step(rt, args.batch, args.context)
     print(f"## decode graph replay, batch {args.batch}, context {args.context} (10 steps)")
-    print(_kernel_table(lambda: rt.runner(d)))
+    print(kernel_table(lambda: rt.runner(d)))
     p = _prefill_step(rt, args.tokens)
     print(f"## piecewise prefill replay, {args.tokens} tokens (10 steps)")
-    print(_kernel_table(lambda: rt.runner(p)))
+    print(kernel_table(lambda: rt.runner(p)))
     prof = cProfile.Profile()
     torch.cuda.synchronize()
     prof.enable()
