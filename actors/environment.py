@@ -79,8 +79,8 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Environment
         compile_threads=threads,
         measure_projections=_flag(environ, PROJECTION_MEASURE_ENV, True, "measure untuned projection shapes at "
                                   "start-up, the default", "the safe config for them"),
-        moe_route_kernel=_flag(environ, MOE_ROUTE_KERNEL_ENV, False, "route MoE tokens in one Triton launch",
-                               "torch's routing, the default"))
+        moe_route_kernel=_flag(environ, MOE_ROUTE_KERNEL_ENV, True, "route MoE tokens in one Triton launch, the "
+                               "default", "torch's routing"))
     cap = _int(environ, DEEPEP_MAX_TOKENS_ENV)
     comm = CommOptions(
         tp_allreduce=environ.get(TP_ALLREDUCE_ENV, "").strip().lower() or CommOptions.tp_allreduce,

@@ -31,15 +31,15 @@ class KernelOptions:
     shape the tuning table lacks and keep the faster, cached on disk (`modeling.ops.projection_choice`); False:
     neither measure nor read the cache, untuned shapes take the safe config.
     moe_route_kernel: MoE routing (softmax, top-k, renormalisation) in one Triton launch (`triton_router`) instead of
-    torch's five kernels; off by default until its routing agrees with torch's as closely as the expert paths do
-    (docs/benchmarks.md, seventeenth session)."""
+    torch's five kernels (the default; its teacher-forced agreement equals torch routing's over six prompt seeds,
+    `bench.moe_router_agreement`, docs/benchmarks.md, twentieth session)."""
 
     pdl: str = "early"
     gemv: bool = True
     decode_single_launch: bool = True
     compile_threads: Optional[int] = None
     measure_projections: bool = True
-    moe_route_kernel: bool = False
+    moe_route_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_CHOICES:

@@ -251,8 +251,8 @@ def _reference_runtime(dtype: str):
     return rt
 
 
-def _prompts(vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(3)
+def _prompts(vocab: int, seed: int = 3) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
     return [random_tokens(rng, n, vocab) for n in (17, 64, 130)]
 
 
@@ -279,22 +279,28 @@ def test_moe_decode_graphs_bf16_teacher_forced_agree_with_the_references():
     """bf16: greedy runs of a random-weight MoE part at routing near-ties (the 8th and 9th expert's scores within
     bf16 noise), so free-running tokens of two correct backends diverge within a few steps (measured: the torch
     reference at steps 1-6, even torch static experts inside the same graphs at 14-37). Teacher forced on the
-    reference's tokens, every step is compared on its own: the routed graphs agree with the torch reference path
-    on >= 85% of the 3 x 64 tokens (measured 92%) and with the same graphs computing the experts with the torch
-    static path on >= 97% (measured 99.5%); a wrong expert kernel agrees on almost none."""
+    reference's tokens, every step is compared on its own, over three prompt seeds (3 x 3 x 64 tokens): the routed
+    graphs (the default router kernel) agree with the torch reference path on >= 85% (measured 93-95% per seed)
+    and with the same graphs computing the experts with the torch static path on >= 95% (measured 96.4-97.9% per
+    seed with the router kernel, 97.9-98.4% with torch's routing; over six seeds, `python -m
+    bench.moe_router_agreement`, 96.4-98.4% and 95.8-99.0%); a wrong expert kernel agrees on almost none."""
     rt = make_runtime("qwen3-moe-small", max_decode_batch=8, pcg_max_tokens=0)
-    prompts = _prompts(rt.model_config.vocab_size)
-    want, _ = _decode_run(_reference_runtime("bfloat16"), prompts, 64)
-    got, graph_steps = _decode_run(rt, prompts, 64, forced=want)
-    assert graph_steps == 63
+    assert rt.model.layers[0].mlp.route_kernel is not None  # the default routing
     static = make_runtime("qwen3-moe-small", max_decode_batch=8, pcg_max_tokens=0, capture=False)
     for layer in static.model.layers:
         layer.mlp.routed_kernel = None  # the torch static experts, captured in the same decode graphs
     static.capture_all()
-    same_graphs, static_steps = _decode_run(static, prompts, 64, forced=want)
-    assert static_steps == 63
+    reference = _reference_runtime("bfloat16")
+    want, got, same_graphs = [], [], []
+    for seed in (3, 0, 1):
+        prompts = _prompts(rt.model_config.vocab_size, seed)
+        w, _ = _decode_run(reference, prompts, 64)
+        g, graph_steps = _decode_run(rt, prompts, 64, forced=w)
+        s, static_steps = _decode_run(static, prompts, 64, forced=w)
+        assert graph_steps == static_steps == 63
+        want, got, same_graphs = want + w, got + g, same_graphs + s
     assert _agreement(got, want) >= 0.85, _agreement(got, want)
-    assert _agreement(got, same_graphs) >= 0.97, _agreement(got, same_graphs)
+    assert _agreement(got, same_graphs) >= 0.95, _agreement(got, same_graphs)
 
 
 @torch.inference_mode()

@@ -24,7 +24,7 @@ def test_defaults_without_any_variable():
 
 def test_every_variable_reaches_its_field():
     env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0",
-           "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_MOE_ROUTE_KERNEL": "1",
+           "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_MOE_ROUTE_KERNEL": "0",
            "GRAPHLINE_TP_ALLREDUCE": "symm",
            "GRAPHLINE_TP_FUSED_KIND": "pull", "GRAPHLINE_TP_FUSED_NORM": "0",
            "GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK": "128",
@@ -33,7 +33,7 @@ def test_every_variable_reaches_its_field():
     assert set(env) == set(OPTION_VARIABLES)
     k, c, d = options_from_environ(env)
     assert k == KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=2,
-                              measure_projections=False, moe_route_kernel=True)
+                              measure_projections=False, moe_route_kernel=False)
     assert c == CommOptions(tp_allreduce="symm", tp_fused_kind="pull", tp_fused_norm=False,
                             deepep_max_tokens_per_rank=128)
     assert d == DriverOptions(step_path="plain", poll_s=0.001, step_trace=True, step_profile="/tmp/prof")
@@ -87,9 +87,9 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.warm_up_attention.keywords == {"threads": None, "pdl": 2, "single_launch": True}
     assert ops.measure_projections.func is triton_gemm_measure.measure_projection_fallbacks
     assert ops.measure_projections.keywords == {"gemv": True, "pdl": 2}
-    assert ops.moe_route is None  # torch's routing unless asked for
-    on = get_kernel_ops(dev, "triton", KernelOptions(moe_route_kernel=True))
-    assert on.moe_route.func is triton_router.route_topk and on.moe_route.keywords == {"pdl": 2}
+    assert ops.moe_route.func is triton_router.route_topk and ops.moe_route.keywords == {"pdl": 2}  # the default
+    off = get_kernel_ops(dev, "triton", KernelOptions(moe_route_kernel=False))
+    assert off.moe_route is None  # torch's routing
     opts = KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=3, moe_route_kernel=True)
     ops = get_kernel_ops(dev, "triton", opts)
     assert ops.options == opts and ops.prologue_norm_max_tokens == 0
