@@ -18,6 +18,8 @@ N layers of each so every shape fits the time budget):
   the serving defaults (`engine_decode`): B greedy requests of `--context` random prompt tokens admitted at once,
   `--engine-steps` tokens each; the median time of the steps in which every row decoded, from the second quarter
   on, against the same batch's in-rank graph step and roofline where the decode rows have that batch.
+Diagnosis: `--kernels B1,B2` prints the profiler's kernel table of those decode batches, `--pdl` sets the in-rank
+runs' PDL mode, `--gemm-table` installs a `bench.gemm_tune` JSON's entries before anything is captured.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch
 from actors.rank import RankRuntime, RuntimeConfig
 from bench.common import copy_bandwidth, machine, time_step, write_json
 from bench.graph_bench import _decode_batch, _decode_step, _prefill_step
-from bench.profile_step import decode_timeline, kernel_table
+from bench.profile_step import kernel_table
 from graphrunner.config import GraphRunnerConfig
 from modeling.config import PRESETS, ModelConfig
 from modeling.moe import SparseMoeBlock, route
@@ -133,7 +135,7 @@ def _kv_blocks(cfg: ModelConfig, need: int, block_size: int, reserve: int) -> in
 
 
 def _decode_row(rt, nbytes: _Bytes, bw: float, batch: int, context: int, rng, iters: int, rank_exec: bool,
-                timeline: bool = False, kernels: bool = False) -> dict:
+                kernels: bool = False) -> dict:
     tokens = rng.integers(1, rt.model_config.vocab_size, batch)
     step = _decode_step(rt, batch, context, tokens)
     used = _experts_used(rt, step) if _moe_blocks(rt) else []
@@ -147,8 +149,6 @@ def _decode_row(rt, nbytes: _Bytes, bw: float, batch: int, context: int, rng, it
     row = {"batch": batch, "context": context, "graph": g, "bytes_needed": need, "roofline_s": need / bw,
            "x_roofline": g["gpu_s"] / (need / bw),
            "experts_per_layer": (sum(used) / len(used)) if used else None}
-    if timeline:  # kernels against the gaps between them, under the profiler
-        row["timeline_us"] = decode_timeline(graph_step, iters=10)
     if kernels:
         print(f"  kernels of the decode step, batch {batch}, context {context} (10 steps)")
         print(kernel_table(graph_step, iters=10, rows=30))
@@ -168,10 +168,6 @@ def _print_decode(rows: list[dict], title: str) -> None:
         print(f"  {r['batch']:5d} {r['context']:6d} {r['graph']['gpu_s'] * 1e3:12.3f} "
               f"{r['graph']['wall_s'] * 1e3:13.3f} {ex} {r['bytes_needed'] / 2**20:9.1f} {el} "
               f"{r['roofline_s'] * 1e3:8.3f} {r['x_roofline']:6.2f}")
-        if "timeline_us" in r:
-            t = r["timeline_us"]
-            print(f"        timeline: {t['num_kernels']:.0f} kernels, {t['kernels']:.1f} us of kernels, "
-                  f"{t['gaps']:.1f} us of gaps, span {t['gpu_span']:.1f} us")
 
 
 @torch.inference_mode()
@@ -206,7 +202,7 @@ def sweep_shape(name: str, args, bw: float, rate: float) -> dict:
     print(f"\n## {preset}: {cfg.num_layers} layers, weights {rt.weight_bytes() / 2**30:.2f} GiB, "
           f"{blocks} KV blocks (need {need}), capture {sum(capture_s.values()):.1f} s")
     kernel_batches = {int(b) for b in args.kernels.split(",") if b}
-    decode = [_decode_row(rt, nbytes, bw, b, args.context, rng, args.iters, True, args.timeline, b in kernel_batches)
+    decode = [_decode_row(rt, nbytes, bw, b, args.context, rng, args.iters, True, b in kernel_batches)
               for b in batches]
     _print_decode(decode, f"decode, context {args.context}")
     long_rows = [_decode_row(rt, nbytes, bw, b, c, rng, args.iters, False) for c in long_ctx for b in long_b]
@@ -287,8 +283,6 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-batches", default="1,8,64", help="decode batches through the engine (\"\": none)")
     ap.add_argument("--engine-steps", type=int, default=64, help="tokens each engine request decodes")
-    ap.add_argument("--timeline", action="store_true", help="per decode batch: kernels against the gaps between "
-                    "them (profiled)")
     ap.add_argument("--kernels", default="", help="decode batches whose per-kernel table to print")
     ap.add_argument("--pdl", default="early", choices=PDL_CHOICES, help="KernelOptions.pdl of the in-rank runs")
     ap.add_argument("--gemm-table", default=None, help="a `bench.gemm_tune` JSON whose table entries to install "
