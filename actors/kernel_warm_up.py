@@ -62,7 +62,7 @@ class KernelWarmUp:
             self._compile_fused(mc, tp_size, tp_rank, device, self._comm)
         self.fused_seconds = time.perf_counter() - t0
         self._fused_done.set()
-        ops = get_kernel_ops(device, cfg.kernel_backend, cfg.kernels)
+        ops = get_kernel_ops(device, cfg.kernel_backend, cfg.kernels.for_model(mc.hidden_size))
         with torch.cuda.device(device), torch.inference_mode():
             stream = torch.cuda.Stream(device)
             with torch.cuda.stream(stream):

@@ -92,7 +92,8 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
     def load_model(self) -> float:
         self.disarm()
         t0 = time.perf_counter()
-        ops = get_kernel_ops(self.device, self.cfg.kernel_backend, self.cfg.kernels)
+        ops = get_kernel_ops(self.device, self.cfg.kernel_backend,
+                             self.cfg.kernels.for_model(self.model_config.hidden_size))
         with torch.device(self.device), self.on_stream():
             model = Qwen3ForCausalLM(self.model_config, self.ctx, self.device, ops)
             if self.cfg.model in PRESETS:

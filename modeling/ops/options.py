@@ -5,6 +5,7 @@ threads, the start-up measurement of untuned decode projections). Built once on 
 so no launch reads an option. Torch- and Triton-free."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,6 +16,9 @@ COMPILE_THREADS_ENV = "GRAPHLINE_COMPILE_THREADS"
 PROJECTION_MEASURE_ENV = "GRAPHLINE_PROJECTION_MEASURE"
 MOE_ROUTE_KERNEL_ENV = "GRAPHLINE_MOE_ROUTE_KERNEL"
 PDL_CHOICES = ("0", "1", "early")
+# The decode GEMV serves models up to this hidden size. Above it (Qwen3-8B, 14B) its 1- and 2-row steps measured
+# slower than the same model's 3-row step through cuBLAS (docs/benchmarks.md, twentieth session).
+GEMV_MAX_HIDDEN = 2048
 
 
 class KernelOptionsError(ValueError):
@@ -24,7 +28,8 @@ class KernelOptionsError(ValueError):
 @dataclass(frozen=True)
 class KernelOptions:
     """pdl: programmatic dependent launch on sm_90+ (`modeling.ops.pdl`): "0" off, "1", or "early" (the default).
-    gemv: the decode GEMV at 1-2 rows and the model's norm-first layout with it (`modeling.ops.triton_gemv`).
+    gemv: the decode GEMV at 1-2 rows and the model's norm-first layout with it (`modeling.ops.triton_gemv`), for
+    models up to GEMV_MAX_HIDDEN wide (`for_model`; wider ones take cuBLAS or the skinny GEMM there).
     decode_single_launch: split-KV decode attention combines its splits in the split kernel (False: two launches).
     compile_threads: threads compiling Triton variants at start-up; None: up to 8 of the rank's host cores.
     measure_projections: at warm-up, time cuBLAS against the safe skinny-GEMM config for every decode projection
@@ -40,6 +45,12 @@ class KernelOptions:
     compile_threads: Optional[int] = None
     measure_projections: bool = True
     moe_route_kernel: bool = True
+
+    def for_model(self, hidden_size: int) -> "KernelOptions":
+        """The options a model of `hidden_size` runs with: the decode GEMV only up to GEMV_MAX_HIDDEN."""
+        if self.gemv and hidden_size > GEMV_MAX_HIDDEN:
+            return dataclasses.replace(self, gemv=False)
+        return self
 
     def __post_init__(self) -> None:
         if self.pdl not in PDL_CHOICES:

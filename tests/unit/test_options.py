@@ -110,3 +110,39 @@ def test_the_torch_backend_keeps_the_options_it_was_given():
 
     opts = KernelOptions(gemv=False)
     assert get_kernel_ops("cpu", "auto", opts).options == opts
+
+
+def test_models_wider_than_the_gemv_limit_run_without_it():
+    """The decode GEMV serves models up to GEMV_MAX_HIDDEN wide; a wider one's rank binds its kernels with it off
+    (the option itself stays as configured, for narrower models on the same deployment)."""
+    from modeling.config import PRESETS
+    from modeling.ops.options import GEMV_MAX_HIDDEN
+
+    on = KernelOptions()
+    assert on.for_model(GEMV_MAX_HIDDEN) is on and on.for_model(1024) is on
+    assert on.for_model(GEMV_MAX_HIDDEN + 1) == dataclasses.replace(on, gemv=False)
+    off = KernelOptions(gemv=False, pdl="1")
+    assert off.for_model(1024) is off and off.for_model(4096) is off
+    wide = {name for name, c in PRESETS.items() if c.hidden_size > GEMV_MAX_HIDDEN}
+    assert {"qwen3-8b", "qwen3-14b"} <= wide and not {"qwen3-0.6b", "qwen3-1.7b", "qwen3-30b-a3b"} & wide
+
+
+def test_a_rank_binds_its_kernels_with_the_options_for_its_model(monkeypatch):
+    """`RankRuntime.load_model` asks for the kernel ops with `KernelOptions.for_model(hidden_size)`: a real rank on
+    CPU of a 4096-wide model (the tiny preset widened; 1 layer) binds them with the GEMV off."""
+    from actors import rank as rank_mod
+    from modeling.config import PRESETS
+    from parallel.context import ParallelContext
+
+    monkeypatch.setitem(PRESETS, "qwen3-tiny-wide", dataclasses.replace(PRESETS["qwen3-tiny"], hidden_size=4096,
+                                                                        num_layers=1))
+    seen = []
+    real = rank_mod.get_kernel_ops
+    monkeypatch.setattr(rank_mod, "get_kernel_ops", lambda dev, backend, opts: seen.append(opts) or real(dev, backend,
+                                                                                                        opts))
+    for model in ("qwen3-tiny", "qwen3-tiny-wide"):
+        rt = rank_mod.RankRuntime(RuntimeConfig(model=model, device="cpu", num_kv_blocks=16, max_model_len=128),
+                                  ParallelContext(), torch.device("cpu"))
+        rt.load_model()
+        assert rt.model.kernels.options == seen[-1]
+    assert [o.gemv for o in seen] == [True, False]
