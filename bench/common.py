@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmarks: device copy bandwidth and step timing."""
+"""Helpers shared by the benchmarks: device copy bandwidth, step timing, a preset's projection shapes, weight copies."""
 from __future__ import annotations
 
 import json
@@ -56,3 +56,22 @@ def machine() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}"
     return f"CPU, torch {torch.__version__}"
+
+
+def preset_projections(name: str) -> dict[str, tuple[int, int]]:
+    """The weight shapes (N rows, K) of preset `name`'s dense decode projections at TP=1: qkv, o_proj, lm_head, and
+    for a dense MLP gate_up (gate and up rows stacked: 2 x intermediate) and down. MoE experts are not among them."""
+    from modeling.config import PRESETS
+
+    c = PRESETS[name]
+    q, kv, h = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
+    shapes = {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "lm_head": (c.vocab_size, h)}
+    if not c.num_experts:
+        shapes.update(gate_up=(2 * c.intermediate_size, h), down=(h, c.intermediate_size))
+    return shapes
+
+
+def weight_copies(weight_bytes: int, min_bytes: int, max_copies: int) -> int:
+    """How many copies of a weight a timing graph cycles through so L2 never holds it: enough for `min_bytes` in
+    all, at least 2, at most `max_copies`."""
+    return max(2, min(max_copies, -(-min_bytes // weight_bytes)))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from typing import Callable, Iterator
@@ -42,7 +41,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
         if not eq or not name:
             raise SystemExit(f"variant {text!r}: {item!r} is not NAME=VALUE")
         if name.strip() not in OPTION_VARIABLES + TABLES:
-            raise SystemExit(f"variant {text!r}: {name.strip()} is not an option variable ({', '.join(OPTION_VARIABLES)})")
+            raise SystemExit(f"variant {text!r}: {name.strip()} is neither an option variable "
+                             f"({', '.join(OPTION_VARIABLES)}) nor a table ({', '.join(TABLES)})")
         env[name.strip()] = value.strip()
     if not label:
         raise SystemExit(f"variant {text!r} has no label")
@@ -62,12 +62,11 @@ def installed_tables(env: dict[str, str]) -> Iterator[None]:
         if "gemm_table" in env:
             from bench.gemm_tune import install_table
 
-            install_table(json.loads(open(env["gemm_table"]).read())["table"])
+            install_table(env["gemm_table"])
         if "gemv_table" in env:
-            for r in json.loads(open(env["gemv_table"]).read())["results"]:
-                if r.get("best"):
-                    key = (r["n"], r["k"], triton_gemv.m_pad(r["m"]), r["norm"], r["gated"])
-                    triton_gemv._CONFIGS[key] = tuple(r["best"]["config"])
+            from bench.gemv_tune import install_winners
+
+            install_winners(env["gemv_table"])
         yield
     finally:
         for table, old in zip((triton_gemm._CONFIGS, triton_gemm._GATED_CONFIGS, triton_gemv._CONFIGS), saved):
@@ -147,10 +146,10 @@ def add_step_args(ap: argparse.ArgumentParser, batches: str) -> None:
 def run(args: argparse.Namespace, variants: list[tuple[str, dict[str, str]]],
         on_tokens_differ: Callable[[str, int], None] | None = None) -> dict:
     """`compare` with the options of `add_step_args`; writes `--out`."""
-    from bench.model_sweep import _preset
+    from bench.model_sweep import preset_with_layers
 
-    res = compare(variants, _preset(args.model, args.layers), tuple(int(b) for b in args.batches.split(",")), args.context, args.blocks,
-                  args.rounds, args.steps, on_tokens_differ)
+    res = compare(variants, preset_with_layers(args.model, args.layers), tuple(int(b) for b in args.batches.split(",")),
+                  args.context, args.blocks, args.rounds, args.steps, on_tokens_differ)
     if args.out:
         write_json(args.out, res)
     return res

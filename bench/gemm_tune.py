@@ -22,16 +22,17 @@ loads binaries. `--jobs 0` compiles in-process instead.
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import multiprocessing as mp
 import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import copy_bandwidth, machine, write_json
+from bench.common import copy_bandwidth, machine, preset_projections, weight_copies, write_json
 
 SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
           "down_gated": (1024, 3072), "lm_head": (151936, 1024)}
@@ -46,16 +47,11 @@ Cfg = tuple[int, int, int, int, int]  # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, n
 
 
 def preset_shapes(preset: str) -> dict[str, tuple[int, int]]:
-    """The (N, K) of a preset's dense decode projections at TP=1, named "<preset>/<kind>" (kinds as in SHAPES);
-    MoE presets have no dense MLP (their experts are not these GEMMs)."""
-    from modeling.config import PRESETS
-
-    c = PRESETS[preset]
-    q, kv, h = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
-    kinds = {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "lm_head": (c.vocab_size, h)}
-    if not c.num_experts:
-        kinds.update({"gate_up": (2 * c.intermediate_size, h), "down": (h, c.intermediate_size),
-                      "down_gated": (h, c.intermediate_size)})
+    """The (N, K) of a preset's dense decode projections at TP=1 (`bench.common.preset_projections`, plus
+    down_gated where it has a dense MLP), named "<preset>/<kind>" (kinds as in SHAPES)."""
+    kinds = preset_projections(preset)
+    if "down" in kinds:
+        kinds["down_gated"] = kinds["down"]
     return {f"{preset}/{kind}": nk for kind, nk in kinds.items()}
 
 
@@ -174,7 +170,7 @@ def tune_shape(name: str, n: int, k: int, ms: tuple[int, ...], timer: GraphTimer
     if kind_of(name) == "lm_head":
         copies, calls = LM_HEAD_COPIES, LM_HEAD_CALLS
     else:
-        copies = max(2, min(COPIES, math.ceil(COPY_BYTES / (n * k * 2))))
+        copies = weight_copies(n * k * 2, COPY_BYTES, COPIES)
         calls = max(8, copies)
     g = torch.Generator(device="cuda").manual_seed(n + k)
     w0 = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
@@ -206,7 +202,8 @@ def tune_shape(name: str, n: int, k: int, ms: tuple[int, ...], timer: GraphTimer
         sweep = [measure(c) for c in cfgs]
         good = sorted((r for r in sweep if "us" in r and r["correct"] and r["deterministic"]), key=lambda r: r["us"])
         best = good[0] if good else None
-        row = {"shape": name, "gated": gated, "n": n, "k": k, "m": m, "cublas_us": cublas_us, "current": current, "table": table,
+        row = {"shape": name, "gated": gated, "n": n, "k": k, "m": m, "cublas_us": cublas_us, "current": current,
+               "table": table,
                "roofline_us": n * k * 2 / bw * 1e6, "best": best, "sweep": sweep,
                "failed": [r for r in sweep if "us" not in r or not (r["correct"] and r["deterministic"])]}
         rows.append(row)
@@ -329,10 +326,12 @@ def table_entries(rows: list[dict]) -> list[dict]:
     return out
 
 
-def install_table(entries: list[dict]) -> int:
-    """Put `table_entries` into `triton_gemm._CONFIGS` / `_GATED_CONFIGS` (this process); returns how many."""
+def install_table(path: str) -> int:
+    """Put the `table_entries` of a `bench.gemm_tune` JSON at `path` into `triton_gemm._CONFIGS` /
+    `_GATED_CONFIGS` (this process); returns how many."""
     from modeling.ops import triton_gemm
 
+    entries = json.loads(Path(path).read_text())["table"]
     for e in entries:
         table = triton_gemm._GATED_CONFIGS if e["gated"] else triton_gemm._CONFIGS
         table[(e["n"], e["k"], e["m_class"])] = None if e["config"] is None else tuple(e["config"])

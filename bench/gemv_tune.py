@@ -17,13 +17,15 @@ side by side in one run. The JSON holds every measurement and a ready-to-paste `
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import time
+from pathlib import Path
 
 import torch
 
-from bench.common import copy_bandwidth, machine, write_json
+from bench.common import copy_bandwidth, machine, preset_projections, weight_copies, write_json
 from bench.gemm_tune import GraphTimer
 
 H, I, QKV, ATT = 1024, 3072, 4096, 2048  # Qwen3-0.6B: hidden, intermediate, q+k+v width, attention width
@@ -39,19 +41,27 @@ Cfg = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 def preset_ops(name: str) -> dict[str, tuple[int, int, int, bool]]:
     """The GEMV-shaped decode projections of preset `name` at TP=1: qkv and o_proj, plus gate_up and down for a
     dense MLP (MoE experts take the routed kernel), keyed `<preset>:<op>`."""
-    from modeling.config import PRESETS
-
-    c = PRESETS[name]
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    ops = {"qkv": (q + 2 * kv, c.hidden_size, 2, False), "o_proj": (c.hidden_size, q, 0, False)}
-    if not c.num_experts:
-        ops.update(gate_up=(c.intermediate_size, c.hidden_size, 2, True),
-                   down=(c.hidden_size, c.intermediate_size, 0, False))
+    p = preset_projections(name)
+    ops = {"qkv": (*p["qkv"], 2, False), "o_proj": (*p["o_proj"], 0, False)}
+    if "gate_up" in p:
+        ops.update(gate_up=(p["gate_up"][0] // 2, p["gate_up"][1], 2, True), down=(*p["down"], 0, False))
     return {f"{name}:{op}": shape for op, shape in ops.items()}
 
 
 def copies_for(n: int, k: int, gated: bool) -> int:
-    return max(2, min(COPIES, -(-COPY_BYTES // ((2 if gated else 1) * n * k * 2))))
+    return weight_copies((2 if gated else 1) * n * k * 2, COPY_BYTES, COPIES)
+
+
+def install_winners(path: str) -> int:
+    """Put the winners of a `bench.gemv_tune` JSON at `path` into `triton_gemv._CONFIGS` (this process); returns
+    how many."""
+    from modeling.ops import triton_gemv
+
+    rows = [r for r in json.loads(Path(path).read_text())["results"] if r.get("best")]
+    for r in rows:
+        triton_gemv._CONFIGS[(r["n"], r["k"], triton_gemv.m_pad(r["m"]), r["norm"], r["gated"])] = \
+            tuple(r["best"]["config"])
+    return len(rows)
 
 
 def sweep_configs(n: int, k: int, m: int, gated: bool) -> list[Cfg]:

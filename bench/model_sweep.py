@@ -54,7 +54,7 @@ def matmul_rate(dev: torch.device, n: int = 8192, iters: int = 20) -> float:
     return 2 * n ** 3 / t
 
 
-def _preset(name: str, layers: int | None) -> str:
+def preset_with_layers(name: str, layers: int | None) -> str:
     """The preset to run: `name`, or a copy with its first `layers` layers registered under a derived name."""
     if layers is None or layers >= PRESETS[name].num_layers:
         return name
@@ -172,7 +172,7 @@ def _print_decode(rows: list[dict], title: str) -> None:
 
 @torch.inference_mode()
 def sweep_shape(name: str, args, bw: float, rate: float) -> dict:
-    preset = _preset(name, args.layers)
+    preset = preset_with_layers(name, args.layers)
     cfg = PRESETS[preset]
     batches = [int(b) for b in args.batches.split(",")]
     long_ctx = [int(c) for c in args.long_contexts.split(",") if c]
@@ -290,12 +290,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.gemm_table:
-        import json
-
         from bench.gemm_tune import install_table
 
-        print(f"# installed {install_table(json.loads(open(args.gemm_table).read())['table'])} tuning-table entries "
-              f"from {args.gemm_table}")
+        print(f"# installed {install_table(args.gemm_table)} tuning-table entries from {args.gemm_table}")
     dev = torch.device("cuda", 0)
     bw = copy_bandwidth(dev)
     rate = matmul_rate(dev)

@@ -20,8 +20,8 @@ launches on one device must be stream-ordered (one forward stream per rank, as t
 runner does); two split-K GEMMs running concurrently on different streams of one
 device are unsupported. Every launch leaves the counters at zero.
 
-Configs come from `_CONFIGS` (`triton_gemm_tables.CONFIGS`), keyed by (N, K, M class) with M class 1 (M == 1), 4 (M <= 4), 16 (M <= 16),
-32 (M <= 32) or 64 (M <= 64), values (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); the row tile BLOCK_M is
+Configs come from `_CONFIGS` (`triton_gemm_tables.CONFIGS`), keyed by (N, K, M class) with M class 1 (M == 1),
+4 (M <= 4), 16 (M <= 16), 32 (M <= 32) or 64 (M <= 64), values (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); the row tile BLOCK_M is
 the class's (`block_m`: 16 up to class 16, then 32 and 64);
 shapes not in the table take the faster of cuBLAS and `default_config` as chosen at
 warm-up (`projection_choice`, `triton_gemm_measure`), `default_config` before that.
@@ -71,8 +71,8 @@ class GemmConfig:
 
 
 def block_m(m: int) -> int:
-    """The row tile of M rows: tl.dot needs >= 16; 16 up to 16 rows, else 32 or 64 (rows >= M are masked)."""
-    return 16 if m <= 16 else 32 if m <= 32 else 64
+    """The row tile of M rows (or of a row class): its row class, at least 16 for tl.dot (rows >= M are masked)."""
+    return max(16, projection_choice.m_class(m))
 
 
 @triton.jit

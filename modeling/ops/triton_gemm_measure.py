@@ -77,9 +77,10 @@ def time_candidates(n: int, k: int, mc: int, cfg: pc.Config, device: torch.devic
 def measure_projection_fallbacks(shapes: Iterable[tuple[int, int]], device: torch.device,
                                  dtype: torch.dtype = torch.bfloat16, *, gemv: bool = True, pdl: int = 0,
                                  cache_path: Optional[Path] = None, replays: int = 10) -> dict:
-    """Choose and record (`projection_choice.resolve`) the fallback of every (N, K) in `shapes` x row class not in
-    the table nor chosen on this device yet, skipping row class 1 where the GEMV serves (`gemv`: the bound
-    `KernelOptions.gemv`, weights up to GEMV_MAX_N rows). `pdl`: the PDL mode the skinny GEMM launches with;
+    """Choose and record (`projection_choice.resolve`) the fallback of every (N, K) in `shapes` x
+    measured row class (`projection_choice.needs_choice`: not 32 or 64) not in the table nor chosen here
+    yet, skipping row class 1 where the GEMV serves (`gemv`: the bound `KernelOptions.gemv`, weights up
+    to GEMV_MAX_N rows). `pdl`: the PDL mode the skinny GEMM launches with;
     `cache_path` None: `projection_choice.default_cache_path()`. Returns {(N, K, row class): Choice} of what it
     chose now; {} off CUDA or for dtypes the skinny GEMM lacks (it takes bf16 / fp16 only)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
@@ -88,7 +89,7 @@ def measure_projection_fallbacks(shapes: Iterable[tuple[int, int]], device: torc
         raise ProjectionMeasureError("choose the projection fallbacks before any CUDA graph capture")
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = triton_gemm._sm_count(index)
-    wanted = [(n, k, mc) for n, k in shapes for mc in pc.MEASURED_CLASSES
+    wanted = [(n, k, mc) for n, k in shapes for mc in pc.ROW_CLASSES
               if not (mc == 1 and gemv and n <= triton_gemv.GEMV_MAX_N)]
     context = pc.MeasureContext(gpu=torch.cuda.get_device_name(index), torch=torch.__version__,
                                 cuda=str(torch.version.cuda), triton=triton.__version__,
