@@ -20,8 +20,8 @@ Columns:
 - roofline us: KV bytes / measured copy bandwidth, where the copy bandwidth is
   (bytes read + bytes written) / time of a large device-to-device copy.
 - frac: roofline us / measured us (1.0 = at the copy-bandwidth roofline).
-With --sweep, a grid of decode configs (splits 1..64, BLOCK_N 32/64/128,
-stages 2..4) is also timed eagerly per case, to tune `decode_config`.
+With --sweep, a grid of decode configs (splits 1..128, BLOCK_N 32/64/128,
+stages 2..4) is also timed per case as the graph column is, to tune `decode_config`.
 """
 from __future__ import annotations
 
@@ -157,20 +157,19 @@ def run_case(batch: int, context: int, bandwidth: float, sweep: bool) -> Row:
     )
     if sweep:
         timings = {}
-        for splits in (2**i for i in range(7)):
+        for splits in (2**i for i in range(8)):
             for block_n in (32, 64, 128):
                 for stages in (2, 3, 4):
                     c = replace(cfg, num_splits=splits, block_n=block_n, num_stages=stages)
-                    fn = lambda c=c: tri(config=c)  # noqa: E731
                     try:
-                        timings[c] = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+                        timings[c] = graph_time_us([lambda t=t, c=c: tri(t, c) for t in tables])
                     except OutOfResources:  # tile x stages exceeds shared memory
                         continue
         ranked = sorted(timings, key=timings.__getitem__)
         row.best_config = asdict(ranked[0])
         row.best_config_us = timings[ranked[0]]
         best = ", ".join(f"splits={c.num_splits} n={c.block_n} st={c.num_stages}: {timings[c]:.1f}us" for c in ranked[:3])
-        print(f"  sweep b={batch} ctx={context}: default {triton_us:.1f}us; best {best}")
+        print(f"  sweep b={batch} ctx={context}: default {graph_us:.1f}us in a graph; best {best}")
     k_cache = v_cache = None  # free them before empty_cache (the closures above ran already)
     torch.cuda.empty_cache()
     return row

@@ -13,11 +13,14 @@ N layers of each so every shape fits the time budget):
   free memory; past the cap sequences share physical blocks, which flatters the KV read).
 - prefill: one sequence of T tokens through the piecewise plan against the compute floor: 2 * active parameters
   (embedding and LM head excluded, top-k of E experts) * T plus the causal attention FLOPs, at a measured bf16
-  matmul rate.
+  matmul rate; and against the bytes floor: the weights the prefill reads (for MoE the experts its tokens route
+  to, hooked as for decode) plus the KV it writes, over the copy bandwidth.
 - engine (`--engine-batches`, "" to skip): decode steps through `LLMEngine` over the in-process local executor with
-  the serving defaults (`engine_decode`): B greedy requests of `--context` random prompt tokens admitted at once,
+  the serving defaults (`engine_runs`): B greedy requests of `--context` random prompt tokens admitted at once,
   `--engine-steps` tokens each; the median time of the steps in which every row decoded, from the second quarter
   on, against the same batch's in-rank graph step and roofline where the decode rows have that batch.
+- first token (`--engine-ttft`, "" to skip): the engine's time to first token of one request of T random prompt
+  tokens at a time (the median of 5 after a warm-up), against both floors where `--prefill` has T.
 Diagnosis: `--kernels B1,B2` prints the profiler's kernel table of those decode batches, `--pdl` sets the in-rank
 runs' PDL mode, `--gemm-table` installs a `bench.gemm_tune` JSON's entries before anything is captured.
 """
@@ -213,13 +216,18 @@ def sweep_shape(name: str, args, bw: float, rate: float) -> dict:
         step = _prefill_step(rt, t)
         p = time_step(lambda: rt.runner(step), dev, iters=max(5, args.iters // 3))
         floor = _prefill_flops(cfg, rt, t) / rate
+        used = _experts_used(rt, step) if _moe_blocks(rt) else []
+        bytes_floor = nbytes.needed(used, 1, t - 1) / bw  # the weights read (experts hit), t tokens of KV written
         prefill.append({"tokens": t, "pcg": p, "floor_s": floor, "x_floor": p["gpu_s"] / floor,
-                        "tflops": _prefill_flops(cfg, rt, t) / p["gpu_s"] / 1e12})
+                        "bytes_floor_s": bytes_floor, "x_bytes_floor": p["gpu_s"] / bytes_floor,
+                        "experts_used": used, "tflops": _prefill_flops(cfg, rt, t) / p["gpu_s"] / 1e12})
     if prefill:
-        print(f"  {'tokens':>6} {'pcg gpu ms':>10} {'pcg wall ms':>11} {'floor ms':>8} {'x floor':>7} {'TFLOP/s':>7}")
+        print(f"  {'tokens':>6} {'pcg gpu ms':>10} {'pcg wall ms':>11} {'floor ms':>8} {'x floor':>7} {'TFLOP/s':>7} "
+              f"{'bytes ms':>8} {'x bytes':>7}")
         for r in prefill:
             print(f"  {r['tokens']:6d} {r['pcg']['gpu_s'] * 1e3:10.3f} {r['pcg']['wall_s'] * 1e3:11.3f} "
-                  f"{r['floor_s'] * 1e3:8.3f} {r['x_floor']:7.2f} {r['tflops']:7.1f}")
+                  f"{r['floor_s'] * 1e3:8.3f} {r['x_floor']:7.2f} {r['tflops']:7.1f} {r['bytes_floor_s'] * 1e3:8.3f} "
+                  f"{r['x_bytes_floor']:7.2f}")
     paths = rt.runner.stats.snapshot()["steps"]
     result = {"preset": preset, "config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()},
               "weight_bytes": rt.weight_bytes(), "kv_blocks": blocks, "kv_blocks_needed": need,
@@ -229,35 +237,45 @@ def sweep_shape(name: str, args, bw: float, rate: float) -> dict:
     return result
 
 
-def engine_decode(preset: str, batches: list[int], context: int, steps: int, device: str = "auto",
-                  extra_args: tuple[str, ...] = ()) -> list[dict]:
-    """Median seconds of a decode step through the engine at each batch (see the module doc): one local executor
-    for all batches (built from `launch.options` as `graphline serve --executor local` would be, plus
-    `extra_args`), a fresh `LLMEngine` per batch. Rows: batch, context, engine_step_s, steps (how many counted)."""
+def engine_runs(preset: str, batches: list[int], context: int, steps: int, ttft_tokens: tuple[int, ...] = (),
+                repeats: int = 5, device: str = "auto", extra_args: tuple[str, ...] = ()) -> dict:
+    """Decode steps and first tokens through the engine (see the module doc), on one local executor built from
+    `launch.options` as `graphline serve --executor local` would be (plus `extra_args`):
+    - "decode": a fresh `LLMEngine` per batch; rows of batch, context, engine_step_s, steps (how many counted);
+    - "ttft": for each of `ttft_tokens`, one greedy request of that many random prompt tokens at a time on an idle
+      engine (one warm-up request, then `repeats`); rows of tokens, ttft_s (the median
+      `RequestOutput.time_to_first_token`: admission, the prefill step and the first token's bookkeeping)."""
     from bench.prefill_bench import Driver
     from engine import LLMEngine
     from launch.options import add_model_args, build_executor, engine_config, start_executor
 
     ap = argparse.ArgumentParser()
     add_model_args(ap, executor_default="local")
-    args = ap.parse_args(["--model", preset, "--device", device, "--max-model-len", str(context + steps + 64),
-                          "--max-num-seqs", str(max(batches)), "--no-progress", *extra_args])
+    max_len = max([context + steps] + list(ttft_tokens)) + 64
+    args = ap.parse_args(["--model", preset, "--device", device, "--max-model-len", str(max_len),
+                          "--max-num-seqs", str(max(batches or [1])), "--no-progress", *extra_args])
     executor, _kind = build_executor(args)
     start_executor(executor, args)
-    rows = []
+    decode, ttft = [], []
     try:
         cfg = engine_config(args)
+        vocab = executor.model_config.vocab_size
         for b in batches:
-            drv = Driver(LLMEngine(executor, cfg), executor.model_config.vocab_size, seed=b)
+            drv = Driver(LLMEngine(executor, cfg), vocab, seed=b)
             for _ in range(b):
                 drv.add(drv.prompt(context), steps)
             drv.drain()
             counted = drv.decode_steps[len(drv.decode_steps) // 4:]
-            rows.append({"batch": b, "context": context, "engine_step_s": statistics.median(counted),
-                         "steps": len(counted)})
+            decode.append({"batch": b, "context": context, "engine_step_s": statistics.median(counted),
+                           "steps": len(counted)})
+        for t in ttft_tokens:
+            drv = Driver(LLMEngine(executor, cfg), vocab, seed=t)
+            drv.run_one(drv.prompt(t), 1)
+            times = [drv.run_one(drv.prompt(t), 1).time_to_first_token for _ in range(repeats)]
+            ttft.append({"tokens": t, "ttft_s": statistics.median(times), "repeats": repeats})
     finally:
         executor.shutdown()
-    return rows
+    return {"decode": decode, "ttft": ttft}
 
 
 def _print_engine(rows: list[dict], decode: list[dict]) -> None:
@@ -269,6 +287,16 @@ def _print_engine(rows: list[dict], decode: list[dict]) -> None:
         g = f"{d['graph']['gpu_s'] * 1e3:8.3f} {r['engine_step_s'] / d['graph']['gpu_s']:7.2f} " \
             f"{r['engine_step_s'] / d['roofline_s']:6.2f}" if d else f"{'-':>8} {'-':>7} {'-':>6}"
         print(f"  {r['batch']:5d} {r['context']:6d} {r['engine_step_s'] * 1e3:9.3f} {r['steps']:5d} {g}")
+
+
+def _print_ttft(rows: list[dict], prefill: list[dict]) -> None:
+    by_tokens = {r["tokens"]: r for r in prefill}
+    print(f"  first token through the engine\n  {'tokens':>6} {'ttft ms':>8} {'pcg ms':>7} {'x floor':>7} {'x bytes':>7}")
+    for r in rows:
+        p = by_tokens.get(r["tokens"])
+        extra = f"{p['pcg']['gpu_s'] * 1e3:7.3f} {r['ttft_s'] / p['floor_s']:7.2f} " \
+            f"{r['ttft_s'] / p['bytes_floor_s']:7.2f}" if p else f"{'-':>7} {'-':>7} {'-':>7}"
+        print(f"  {r['tokens']:6d} {r['ttft_s'] * 1e3:8.3f} {extra}")
 
 
 def main() -> None:
@@ -283,6 +311,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-batches", default="1,8,64", help="decode batches through the engine (\"\": none)")
     ap.add_argument("--engine-steps", type=int, default=64, help="tokens each engine request decodes")
+    ap.add_argument("--engine-ttft", default="512,2048",
+                    help="prompt lengths whose time to first token to measure through the engine (\"\": none)")
     ap.add_argument("--kernels", default="", help="decode batches whose per-kernel table to print")
     ap.add_argument("--pdl", default="early", choices=PDL_CHOICES, help="KernelOptions.pdl of the in-rank runs")
     ap.add_argument("--gemm-table", default=None, help="a `bench.gemm_tune` JSON whose table entries to install "
@@ -304,10 +334,14 @@ def main() -> None:
         gc.collect()  # the shape's runtime (weights, KV cache, graphs) went out of scope
         torch.cuda.empty_cache()
         engine_b = [int(b) for b in args.engine_batches.split(",") if b]
-        if engine_b:
-            rows = engine_decode(results[-1]["preset"], engine_b, args.context, args.engine_steps)
-            results[-1]["engine"] = rows
-            _print_engine(rows, results[-1]["decode"])
+        engine_t = tuple(int(t) for t in args.engine_ttft.split(",") if t)
+        if engine_b or engine_t:
+            runs = engine_runs(results[-1]["preset"], engine_b, args.context, args.engine_steps, engine_t)
+            results[-1]["engine"], results[-1]["engine_ttft"] = runs["decode"], runs["ttft"]
+            if engine_b:
+                _print_engine(runs["decode"], results[-1]["decode"])
+            if engine_t:
+                _print_ttft(runs["ttft"], results[-1]["prefill"])
             gc.collect()
             torch.cuda.empty_cache()
     print(f"\n{'shape':>22} {'b1 x roof':>9} {'b_max x roof':>12} {'long b1 x roof':>14} {'prefill x floor':>15}")
