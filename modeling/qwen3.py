@@ -20,7 +20,7 @@ from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
 from modeling.prefill_buffers import PrefillGraphBuffersMixin
 from modeling.moe import SparseMoeBlock
 from modeling.ops import KernelOps, get_kernel_ops
-from modeling.ops.projection_choice import projection_shapes
+from modeling.ops.projection_choice import merge_forms, projection_shapes
 from parallel.context import ParallelContext
 from parallel.layers import (ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
@@ -134,8 +134,24 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, PrefillGraphBuffersMixin, nn.Mod
         calls = decode_projection_warm_up_calls(attn.qkv_proj, attn.o_proj, mlp, self.layers[0].input_layernorm,
                                                 self.ctx.tp_size, self.kernels)
         launches += run_projection_warm_up(calls, self.device, self.kernels.options.compile_threads)
-        self.kernels.measure_projections(projection_shapes(self), self.device, self.config.dtype)
+        self.kernels.measure_projections(projection_shapes(self), self.device, self.config.dtype,
+                                         forms=self.projection_forms())
         return launches
+
+    def projection_forms(self) -> dict[tuple[int, int], str]:
+        """{(N, K): form} of the attention and dense MLP projections as the decode steps run them
+        (`projection_choice.FORMS`): without TP the output and down projections carry the residual add + RMSNorm
+        after them (`project_add_norm`), and down the SiLU-gate before it."""
+        fused = self.ctx.tp_size == 1
+        uses = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            uses += [(tuple(attn.qkv_proj.weight.shape), "plain"),
+                     (tuple(attn.o_proj.weight.shape), "add_norm" if fused else "plain")]
+            if isinstance(layer.mlp, Qwen3MLP):
+                uses += [(tuple(layer.mlp.gate_up_proj.weight.shape), "plain"),
+                         (tuple(layer.mlp.down_proj.weight.shape), "gated_add_norm" if fused else "gated")]
+        return merge_forms(uses)
 
     def compute_logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
         """hidden `[T, H]`, last_token_index int64 `[B]` -> fp32 logits `[B, vocab]`."""

@@ -51,9 +51,10 @@ class KernelOps:
     # (router_logits [N, E], top_k, renormalize) -> (weights fp32, ids int64), one launch (`triton_router.route_topk`),
     # or None: the MoE block routes with the torch `modeling.moe.route`.
     moe_route: Callable | None = None
-    # (shapes [(N, K)], device, dtype) -> {(N, K, row class): Choice}: choose the decode projections' fallbacks
-    # outside capture (`triton_gemm_measure`); nothing to choose for the torch backend or with the option off.
-    measure_projections: Callable = lambda shapes, device, dtype: {}
+    # (shapes [(N, K)], device, dtype, forms={(N, K): form}) -> {(N, K, row class): Choice}: choose the decode
+    # projections' fallbacks outside capture (`triton_gemm_measure`), each measured in the form the model runs it;
+    # nothing to choose for the torch backend or with the option off.
+    measure_projections: Callable = lambda shapes, device, dtype, forms=None: {}
 
 
 def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, linear_add_rms_norm: Callable,

@@ -9,12 +9,13 @@ keys its table:
    docs/benchmarks.md, twentieth session), so those classes take the Triton path only where a table entry says so;
 3. else the fallback chosen on this device at warm-up (`triton_gemm_measure.measure_projection_fallbacks`, run by
    `Qwen3ForCausalLM.warm_up_kernels` outside capture for every (N, K) the loaded model has): the faster of cuBLAS
-   and the safe generic config (`triton_gemm.default_config`), read from the disk cache or measured;
+   and the safe generic config (`triton_gemm.default_config`), read from the disk cache or measured, each in the
+   form the model runs it (`FORMS`: with the SiLU-gate before it and the residual add + RMSNorm it fuses after it);
 4. else (nothing chosen yet, or `KernelOptions.measure_projections=False`) the safe generic config.
 At 1-2 rows the decode GEMV (`triton_gemv`) serves ahead of this choice wherever it applies.
 
 Disk cache (`default_cache_path()`, `~/.cache/graphline/projection_choice.json`): one entry per GPU name, torch /
-CUDA / Triton versions, dtype, PDL mode, (N, K, row class) (`MeasureContext.key`), holding the winner and the safe
+CUDA / Triton versions, dtype, PDL mode, (N, K, row class) and form (`MeasureContext.key`), holding the winner and the safe
 config it was measured against; an entry whose safe config is no longer today's is measured again. A missing,
 unreadable or corrupt file counts as empty and is rewritten whole at the next write; writes replace the file
 atomically (temp file + `os.replace`) after merging what it holds then; a failed write only logs.
@@ -39,6 +40,10 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 ROW_CLASSES = (1, 4, 16, 32, 64)
+# How a projection runs in the model, which is what its fallback is measured as: "plain" y = x @ w^T; "gated" the
+# SiLU-gate before it (`silu_mul_linear`); "add_norm" / "gated_add_norm" also the residual add + RMSNorm after it
+# (`linear_add_rms_norm`: one kernel where the skinny GEMM serves and fuses them, else the GEMM and `add_rms_norm`).
+FORMS = ("plain", "gated", "add_norm", "gated_add_norm")
 TABLE_ONLY_CLASSES = (32, 64)  # untabled shapes take cuBLAS here: neither measured nor the safe config
 MEASURED_CLASSES = tuple(c for c in ROW_CLASSES if c not in TABLE_ONLY_CLASSES)
 KERNELS = ("skinny", "cublas")
@@ -111,6 +116,16 @@ def clear_fallbacks() -> None:
     _FALLBACKS.clear()
 
 
+def merge_forms(uses: Iterable[tuple[tuple[int, int], str]]) -> dict[tuple[int, int], str]:
+    """{(N, K): form} of (shape, form) uses; a shape used in two forms is measured "plain" (the GEMMs alone)."""
+    forms: dict[tuple[int, int], str] = {}
+    for shape, form in uses:
+        if form not in FORMS:
+            raise ValueError(f"form {form!r} of {shape}: not one of {FORMS}")
+        forms[shape] = form if forms.get(shape, form) == form else "plain"
+    return forms
+
+
 def projection_shapes(model: nn.Module) -> list[tuple[int, int]]:
     """The distinct (N, K) weight shapes of the model's dense projections and LM head (the modules that carry a
     `gemm`: `parallel.layers`), in module order; MoE experts and routers are not among them."""
@@ -139,9 +154,9 @@ class MeasureContext:
     dtype: str
     pdl: int
 
-    def key(self, n: int, k: int, mc: int) -> str:
+    def key(self, n: int, k: int, mc: int, form: str = "plain") -> str:
         return (f"{self.gpu}|torch {self.torch}|cuda {self.cuda}|triton {self.triton}|{self.dtype}|pdl {self.pdl}"
-                f"|{n}x{k}|m{mc}")
+                f"|{n}x{k}|m{mc}" + ("" if form == "plain" else f"|{form}"))
 
 
 def load_cache(path: Path) -> dict[str, dict]:
@@ -182,24 +197,28 @@ def _cached_choice(entry: object, safe_config: Config) -> Optional[Choice]:
 
 def resolve(wanted: Iterable[Key], device_index: int, context: MeasureContext, table: Table,
             safe: Callable[[int, int, int], Config], measure: Callable[[int, int, int, Config], tuple[float, float]],
-            cache_path: Optional[Path]) -> dict[Key, Choice]:
+            cache_path: Optional[Path], form_of: Optional[Callable[[int, int, int], str]] = None) -> dict[Key, Choice]:
     """Choose and `record` the fallback of every (N, K, row class) in `wanted` that is neither in `table` nor
-    chosen on this device yet: the cache's entry for `context` when it holds one for today's `safe(n, k, mc)`,
-    else `measure(n, k, mc, safe config) -> (cuBLAS s, safe config s)` per call, decided by `decide` and written
-    to the cache (`cache_path` None: no cache). Returns {(N, K, row class): Choice} of what it chose now."""
+    chosen on this device yet: the cache's entry for `context` and the key's form (`form_of(n, k, mc)`, one of
+    FORMS; None: all "plain") when it holds one for today's `safe(n, k, mc)`, else `measure(n, k, mc, safe config)
+    -> (cuBLAS s, safe config s)` per call, decided by `decide` and written to the cache (`cache_path` None: no
+    cache). Returns {(N, K, row class): Choice} of what it chose now."""
     todo = [key for key in dict.fromkeys(wanted) if needs_choice(device_index, *key, table)]
     cached = load_cache(cache_path) if todo and cache_path is not None else {}
     done: dict[Key, Choice] = {}
     new: dict[str, dict] = {}
     for n, k, mc in todo:
         cfg = tuple(int(v) for v in safe(n, k, mc))
-        key = context.key(n, k, mc)
+        form = form_of(n, k, mc) if form_of is not None else "plain"
+        if form not in FORMS:
+            raise ValueError(f"form {form!r} of {n}x{k} at row class {mc}: not one of {FORMS}")
+        key = context.key(n, k, mc, form)
         choice = _cached_choice(cached.get(key), cfg)
         if choice is None:
             cublas_s, safe_s = measure(n, k, mc, cfg)
             choice = decide(cublas_s, safe_s, cfg)
             new[key] = {"kernel": choice.kernel, "safe_config": list(cfg), "cublas_us": round(cublas_s * 1e6, 3),
-                        "safe_us": round(safe_s * 1e6, 3)}
+                        "safe_us": round(safe_s * 1e6, 3), "form": form}
         record(device_index, n, k, mc, choice)
         done[(n, k, mc)] = choice
     if new and cache_path is not None:

@@ -89,3 +89,35 @@ def test_measurement_refuses_a_capture_and_the_option_turns_it_off(tmp_path):
         with torch.cuda.graph(graph):
             measure_projection_fallbacks(SHAPES, dev, cache_path=tmp_path / "c.json")
     assert pc.fallbacks() == {}
+
+
+def test_fused_forms_are_measured_with_their_epilogue_and_the_fused_operator_follows(tmp_path):
+    """A projection the model runs with its residual add + RMSNorm fused (and down with the SiLU-gate before it) is
+    timed in that form up to FUSED_NORM_MAX_M rows and as the bare (gated) GEMM past it; each form has its own cache
+    entry, and `linear_add_rms_norm` then equals the unfused operators whichever kernel was chosen."""
+    from modeling.ops import triton_gemm_measure as tgm
+    from modeling.ops.triton_fused import add_rms_norm, silu_and_mul
+    from modeling.ops.triton_gemm import linear_add_rms_norm
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    path = tmp_path / "choice.json"
+    forms = {(3072, 1024): "add_norm", (1536, 2560): "gated_add_norm"}
+    done = tgm.measure_projection_fallbacks(list(forms), dev, gemv=False, cache_path=path, forms=forms)
+    assert set(done) == _wanted(forms, gemv=False)
+    entries = json.loads(path.read_text())["entries"]
+    want_forms = {(n, k, mc): tgm.measured_form(forms[(n, k)], n, mc) for n, k, mc in done}
+    assert want_forms[(3072, 1024, 4)] == "add_norm" and want_forms[(3072, 1024, 16)] == "plain"
+    assert want_forms[(1536, 2560, 1)] == "gated_add_norm" and want_forms[(1536, 2560, 16)] == "gated"
+    assert sorted(e["form"] for e in entries.values()) == sorted(want_forms.values())
+    assert all(e["cublas_us"] > 0 and e["safe_us"] > 0 for e in entries.values())
+    for (n, k), form in forms.items():
+        gated = form.startswith("gated")
+        for m in (1, 3, 8):
+            x = torch.randn(m, 2 * k if gated else k, device="cuda").bfloat16()
+            w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+            res = torch.randn(m, n, device="cuda").bfloat16()
+            nw = (torch.rand(n, device="cuda") + 0.5).bfloat16()
+            normed, summed = linear_add_rms_norm(x, w, res, nw, 1e-6, gated=gated)
+            ref_n, ref_s = add_rms_norm(F.linear(silu_and_mul(x) if gated else x, w), res, nw, 1e-6)
+            torch.testing.assert_close(summed.float(), ref_s.float(), atol=3e-2, rtol=2e-2)
+            torch.testing.assert_close(normed.float(), ref_n.float(), atol=6e-2, rtol=3e-2)

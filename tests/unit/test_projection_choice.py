@@ -107,7 +107,7 @@ def test_missing_shapes_are_measured_once_recorded_and_cached(tmp_path):
     data = json.loads(path.read_text())
     assert data["version"] == pc.CACHE_VERSION
     assert data["entries"][CTX.key(8192, 1024, 16)] == {"kernel": "cublas", "safe_config": list(SAFE),
-                                                        "cublas_us": 4.0, "safe_us": 5.0}
+                                                        "cublas_us": 4.0, "safe_us": 5.0, "form": "plain"}
     assert CTX.key(8192, 1024, 16) == "NVIDIA H200|torch 2.13.0|cuda 12.8|triton 3.9.0|bfloat16|pdl 2|8192x1024|m16"
     assert [p.name for p in path.parent.iterdir()] == ["choice.json"]  # no temp file left behind
 
@@ -129,6 +129,34 @@ def test_a_cache_hit_skips_the_measurement_and_other_contexts_miss(tmp_path):
         pc.resolve(wanted, 0, other, TABLE, _safe, timer, path)
         assert len(timer.calls) == 2, other
     assert len(json.loads(path.read_text())["entries"]) == 2 * 6  # merged, none lost
+
+
+def test_each_form_has_its_own_cache_entry_and_an_unknown_form_is_refused(tmp_path):
+    """A shape measured as a bare GEMM does not answer for the same shape with its fused epilogue, and back."""
+    path = tmp_path / "choice.json"
+    wanted = [(3072, 1024, 4), (3072, 1024, 16)]
+    pc.resolve(wanted, 0, CTX, TABLE, _safe, Timer(), path)  # plain
+    pc.clear_fallbacks()
+    timer = Timer()
+    forms = {4: "add_norm", 16: "plain"}
+    again = pc.resolve(wanted, 0, CTX, TABLE, _safe, timer, path, lambda n, k, mc: forms[mc])
+    assert timer.calls == [(3072, 1024, 4, SAFE)]  # the plain class-16 entry answers; class 4 is a new form
+    assert again[(3072, 1024, 16)].source == "cached" and again[(3072, 1024, 4)].source == "measured"
+    entries = json.loads(path.read_text())["entries"]
+    assert entries[CTX.key(3072, 1024, 4, "add_norm")]["form"] == "add_norm"
+    assert CTX.key(3072, 1024, 4, "add_norm") == CTX.key(3072, 1024, 4) + "|add_norm"
+    assert len(entries) == 3
+    pc.clear_fallbacks()
+    with pytest.raises(ValueError, match="form 'fused'"):
+        pc.resolve(wanted, 0, CTX, TABLE, _safe, Timer(), path, lambda n, k, mc: "fused")
+
+
+def test_merge_forms_keeps_one_form_per_shape_and_measures_a_shape_of_two_forms_plain():
+    uses = [((8, 4), "add_norm"), ((8, 4), "add_norm"), ((4, 8), "gated_add_norm"), ((6, 4), "plain"),
+            ((16, 4), "add_norm"), ((16, 4), "gated"), ((16, 4), "add_norm")]
+    assert pc.merge_forms(uses) == {(8, 4): "add_norm", (4, 8): "gated_add_norm", (6, 4): "plain", (16, 4): "plain"}
+    with pytest.raises(ValueError, match="form 'norm'"):
+        pc.merge_forms([((8, 4), "norm")])
 
 
 def test_an_entry_measured_against_another_safe_config_is_measured_again(tmp_path):
@@ -193,9 +221,12 @@ def test_the_gpu_glue_with_the_device_stubbed(tmp_path, monkeypatch):
     monkeypatch.setattr(triton_gemm, "_sm_count", lambda index: 132)
     timed = []
 
-    def fake_time(n, k, mc, cfg, device, dtype, pdl, replays):
+    def fake_time(n, k, mc, cfg, device, dtype, pdl, replays, form="plain"):
         timed.append((n, k, mc, cfg, device, dtype, pdl))
+        forms_timed[(n, k, mc)] = form
         return 1e-6, 2e-6
+
+    forms_timed = {}
 
     monkeypatch.setattr(tgm, "time_candidates", fake_time)
     dev = torch.device("cuda", 0)
@@ -217,6 +248,16 @@ def test_the_gpu_glue_with_the_device_stubbed(tmp_path, monkeypatch):
     done = tgm.measure_projection_fallbacks(shapes, dev, torch.bfloat16, gemv=False, pdl=2, cache_path=path)
     assert timed == [(3072, 1024, 1, timed[0][3], dev, torch.bfloat16, 2)]  # only the new class; the rest cached
     assert set(done) == want | {(3072, 1024, 1)}
+    # the form the model runs a shape in: fused with its norm up to FUSED_NORM_MAX_M rows, the bare GEMM past it
+    pc.clear_fallbacks()
+    forms_timed.clear()
+    tgm.measure_projection_fallbacks([(3072, 1024), (1536, 2560)], dev, torch.bfloat16, gemv=False, pdl=2,
+                                     cache_path=path, forms={(3072, 1024): "add_norm", (1536, 2560): "gated_add_norm"})
+    # (3072, 1024, 16) is measured plain there, as above: the cache answers for it
+    assert forms_timed == {(3072, 1024, 1): "add_norm", (3072, 1024, 4): "add_norm",
+                           (1536, 2560, 1): "gated_add_norm", (1536, 2560, 4): "gated_add_norm",
+                           (1536, 2560, 16): "gated"}
+    assert tgm.measured_form("add_norm", triton_gemm.FUSED_NORM_MAX_N + 1, 4) == "plain"
     assert tgm.measure_projection_fallbacks(shapes, torch.device("cpu"), cache_path=path) == {}
     assert tgm.measure_projection_fallbacks(shapes, dev, torch.float32, cache_path=path) == {}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -243,8 +284,8 @@ def test_the_skinny_gemm_config_follows_the_choice():
 def test_warm_up_hands_every_projection_shape_of_the_model_to_the_measurement(preset):
     cfg = get_preset(preset)
     seen = []
-    ops = dataclasses.replace(get_kernel_ops("cpu"),
-                              measure_projections=lambda shapes, device, dtype: seen.append((shapes, device, dtype)))
+    ops = dataclasses.replace(get_kernel_ops("cpu"), measure_projections=lambda shapes, device, dtype, forms:
+                              seen.append((shapes, device, dtype, forms)))
     model = Qwen3ForCausalLM(cfg, device="cpu", ops=ops)
     model.warm_up_kernels([(torch.zeros(1), torch.zeros(1))])
     qkv = ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size)
@@ -253,4 +294,7 @@ def test_warm_up_hands_every_projection_shape_of_the_model_to_the_measurement(pr
     want = {qkv, o_proj, (cfg.vocab_size, cfg.hidden_size), *mlp}
     assert len(seen) == 1 and set(seen[0][0]) == want and len(seen[0][0]) == len(want)
     assert seen[0][1] == torch.device("cpu") and seen[0][2] == cfg.dtype
+    # without TP the output and down projections run with the residual add + norm after them, down gated
+    mlp_forms = {} if cfg.is_moe else {mlp[0]: "plain", mlp[1]: "gated_add_norm"}
+    assert seen[0][3] == {qkv: "plain", o_proj: "add_norm", **mlp_forms}
     assert get_kernel_ops("cpu").measure_projections([(8, 8)], torch.device("cpu"), cfg.dtype) == {}

@@ -3,7 +3,9 @@ runs under the Triton interpreter and F.linear on the host, while the CUDA graph
 are stand-ins that run the captured calls eagerly and keep a fake clock (each replay of the first graph costs 1 ms,
 of the second 0.5 ms). Checks what is captured (one eager call, then `calls` calls cycling over the weight copies,
 each candidate equal to F.linear), that every timed replay counts, and the per-call seconds and best-of-rounds
-arithmetic. The real timing needs a GPU (tests/gpu/test_projection_measure.py)."""
+arithmetic; and that a projection measured in its fused form times the same operators on both sides (SiLU-gate,
+GEMM, residual add + RMSNorm: three operators after cuBLAS, one fused skinny-GEMM launch) with equal outputs. The
+real timing needs a GPU (tests/gpu/test_projection_measure.py)."""
 import pytest
 
 from tests.unit._interpret import run_interpreted
@@ -64,6 +66,61 @@ print("RESULT" + json.dumps({"cublas_s": cublas_s, "safe_s": safe_s, "replays": 
                              "calls": [c if isinstance(c, str) else list(c) for c in calls],
                              "weights": len(weights), "max_err": max(errors)}))
 """
+
+
+_FUSED_CHILD = r"""
+import contextlib, json
+import torch
+import torch.nn.functional as F
+from modeling.ops import triton_fused, triton_gemm, triton_gemm_measure as tgm
+
+class Graph:
+    def replay(self):
+        pass
+
+class Event:
+    def __init__(self, enable_timing=False):
+        pass
+    def record(self):
+        pass
+    def synchronize(self):
+        pass
+    def elapsed_time(self, end):
+        return 1.0
+
+@contextlib.contextmanager
+def capture(graph, capture_error_mode):
+    yield
+
+calls, outs = [], {}
+
+def recorded(name, fn):
+    def call(*a, **k):
+        out = fn(*a, **k)
+        calls.append(name)
+        outs[name] = out
+        return out
+    return call
+
+torch.cuda.CUDAGraph, torch.cuda.Event, tgm.KeepOriginalErrorGraph = Graph, Event, capture
+tgm.F = type("F", (), {"linear": staticmethod(recorded("cublas", F.linear))})
+for mod, name in ((triton_fused, "silu_and_mul"), (triton_fused, "add_rms_norm"),
+                  (triton_gemm, "linear_add_rms_norm_with_config")):
+    setattr(mod, name, recorded(name, getattr(mod, name)))
+tgm._MAX_COPIES = 2
+tgm.time_candidates(64, 128, 4, (16, 64, 2, 4, 2), torch.device("cpu"), torch.float16, 0, 1, form="gated_add_norm")
+(ref_normed, ref_sum), (normed, summed) = outs["add_rms_norm"], outs["linear_add_rms_norm_with_config"]
+print("RESULT" + json.dumps({"calls": calls, "normed_err": (normed.float() - ref_normed.float()).abs().max().item(),
+                             "sum_err": (summed.float() - ref_sum.float()).abs().max().item()}))
+"""
+
+
+def test_the_fused_form_times_the_operators_the_model_runs_on_both_sides():
+    r = run_interpreted(_FUSED_CHILD)
+    calls = 16  # max(_MIN_CALLS, copies)
+    assert r["calls"] == (["silu_and_mul", "cublas", "add_rms_norm"] * (1 + calls)
+                          + ["linear_add_rms_norm_with_config"] * (1 + calls))
+    assert r["normed_err"] < 5e-2 and r["sum_err"] < 2e-2  # both sides compute the same thing (last weight copy)
 
 
 def test_time_candidates_captures_both_candidates_and_times_every_replay():
