@@ -3,6 +3,7 @@ dense projections of other presets (`--presets`).
 
     python -m bench.gemm_tune --out artifacts/gemm_tune.json
     python -m bench.gemm_tune --presets qwen3-8b --shapes qkv,o_proj,gate_up,down --ms 4,16,32,64
+    python -m bench.gemm_tune --safe-table qwen3-1.7b --ms 1,4,16 --out artifacts/safe_17b.json  # no GPU
 
 Every measurement runs the GEMM as a decode graph does: one CUDA graph calls it on distinct
 weight copies in turn (up to 28 copies, at least 256 MiB of them, so L2 never holds the weights; lm_head: 2
@@ -53,6 +54,12 @@ def preset_shapes(preset: str) -> dict[str, tuple[int, int]]:
     if "down" in kinds:
         kinds["down_gated"] = kinds["down"]
     return {f"{preset}/{kind}": nk for kind, nk in kinds.items()}
+
+
+def m_class_of(m: int) -> int:
+    from modeling.ops.projection_choice import m_class
+
+    return m_class(m)
 
 
 def kind_of(name: str) -> str:
@@ -249,7 +256,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=min(16, max(1, (os.cpu_count() or 2) - 1)),
                     help="parallel compile processes (0: compile in-process)")
+    ap.add_argument("--safe-table", default="", help="write to --out, without timing anything, a table giving these "
+                    "presets' untabled projections the safe config at --ms classes (`safe_table`), then stop")
     args = ap.parse_args(argv)
+    if args.safe_table:
+        if not args.out:
+            ap.error("--safe-table needs --out")
+        classes = tuple(sorted({m_class_of(int(m)) for m in args.ms.split(",")}))
+        entries = safe_table([p for p in args.safe_table.split(",") if p], classes)
+        write_json(args.out, {"table": entries})
+        print(f"wrote {len(entries)} safe-config entries to {args.out}")
+        return
     from modeling.ops.triton_gemm import config_for
 
     t0 = time.perf_counter()
@@ -323,6 +340,24 @@ def table_entries(rows: list[dict]) -> list[dict]:
             faster = r["best"]["us"] < r["cublas_us"]
             out.append({"n": r["n"], "k": r["k"], "m_class": m_class(r["m"]), "gated": r["gated"],
                         "config": r["best"]["config"] if faster else None})
+    return out
+
+
+def safe_table(presets: list[str], classes: tuple[int, ...] = (1, 4, 16), sms: int = 132) -> list[dict]:
+    """Tuning-table entries giving every projection of `presets` that the table lacks the safe generic config
+    (`triton_gemm.default_config` for `sms` SMs; 132: an H200) at each of `classes`: the path untabled shapes take
+    with `GRAPHLINE_PROJECTION_MEASURE=0`, for an in-model A/B against the warm-up's measured choice in one
+    process (`bench.decode_ab` variant `gemm_table=PATH`). No device needed."""
+    from modeling.ops.triton_gemm import _CONFIGS, default_config
+
+    out = []
+    for preset in presets:
+        for n, k in dict.fromkeys(preset_projections(preset).values()):
+            for mc in classes:
+                if (n, k, mc) not in _CONFIGS:
+                    c = default_config(n, k, mc, sms)
+                    out.append({"n": n, "k": k, "m_class": mc, "gated": False,
+                                "config": [c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages]})
     return out
 
 
