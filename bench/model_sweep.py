@@ -291,7 +291,8 @@ def _print_engine(rows: list[dict], decode: list[dict]) -> None:
 
 def _print_ttft(rows: list[dict], prefill: list[dict]) -> None:
     by_tokens = {r["tokens"]: r for r in prefill}
-    print(f"  first token through the engine\n  {'tokens':>6} {'ttft ms':>8} {'pcg ms':>7} {'x floor':>7} {'x bytes':>7}")
+    print("  first token through the engine")
+    print(f"  {'tokens':>6} {'ttft ms':>8} {'pcg ms':>7} {'x floor':>7} {'x bytes':>7}")
     for r in rows:
         p = by_tokens.get(r["tokens"])
         extra = f"{p['pcg']['gpu_s'] * 1e3:7.3f} {r['ttft_s'] / p['floor_s']:7.2f} " \

@@ -15,8 +15,8 @@ keys its table:
 At 1-2 rows the decode GEMV (`triton_gemv`) serves ahead of this choice wherever it applies.
 
 Disk cache (`default_cache_path()`, `~/.cache/graphline/projection_choice.json`): one entry per GPU name, torch /
-CUDA / Triton versions, dtype, PDL mode, (N, K, row class) and form (`MeasureContext.key`), holding the winner and the safe
-config it was measured against; an entry whose safe config is no longer today's is measured again. A missing,
+CUDA / Triton versions, dtype, PDL mode, (N, K, row class) and form (`MeasureContext.key`), holding the winner and
+the safe config it was measured against; an entry whose safe config is no longer today's is measured again. A missing,
 unreadable or corrupt file counts as empty and is rewritten whole at the next write; writes replace the file
 atomically (temp file + `os.replace`) after merging what it holds then; a failed write only logs.
 

@@ -115,8 +115,9 @@ def measure_projection_fallbacks(shapes: Iterable[tuple[int, int]], device: torc
     yet, skipping row class 1 where the GEMV serves (`gemv`: the bound `KernelOptions.gemv`, weights up
     to GEMV_MAX_N rows). `pdl`: the PDL mode the skinny GEMM launches with;
     `cache_path` None: `projection_choice.default_cache_path()`; `forms`: {(N, K): form} of the shapes the model
-    runs in another form than "plain" (`projection_choice.FORMS`, measured as `measured_form` says). Returns {(N, K, row class): Choice} of what it
-    chose now; {} off CUDA or for dtypes the skinny GEMM lacks (it takes bf16 / fp16 only)."""
+    runs in another form than "plain" (`projection_choice.FORMS`, measured as `measured_form` says). Returns
+    {(N, K, row class): Choice} of what it chose now; {} off CUDA or for dtypes the skinny GEMM lacks (it takes
+    bf16 / fp16 only)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return {}
     if torch.cuda.is_current_stream_capturing():
