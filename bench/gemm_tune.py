@@ -56,12 +56,6 @@ def preset_shapes(preset: str) -> dict[str, tuple[int, int]]:
     return {f"{preset}/{kind}": nk for kind, nk in kinds.items()}
 
 
-def m_class_of(m: int) -> int:
-    from modeling.ops.projection_choice import m_class
-
-    return m_class(m)
-
-
 def kind_of(name: str) -> str:
     return name.rsplit("/", 1)[-1]
 
@@ -210,8 +204,7 @@ def tune_shape(name: str, n: int, k: int, ms: tuple[int, ...], timer: GraphTimer
         good = sorted((r for r in sweep if "us" in r and r["correct"] and r["deterministic"]), key=lambda r: r["us"])
         best = good[0] if good else None
         row = {"shape": name, "gated": gated, "n": n, "k": k, "m": m, "cublas_us": cublas_us, "current": current,
-               "table": table,
-               "roofline_us": n * k * 2 / bw * 1e6, "best": best, "sweep": sweep,
+               "table": table, "roofline_us": n * k * 2 / bw * 1e6, "best": best, "sweep": sweep,
                "failed": [r for r in sweep if "us" not in r or not (r["correct"] and r["deterministic"])]}
         rows.append(row)
         print(f"{name:>24} {m:3d} {cublas_us:8.2f} {current.get('us', float('nan')):8.2f} "
@@ -262,7 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.safe_table:
         if not args.out:
             ap.error("--safe-table needs --out")
-        classes = tuple(sorted({m_class_of(int(m)) for m in args.ms.split(",")}))
+        from modeling.ops.projection_choice import m_class
+
+        classes = tuple(sorted({m_class(int(m)) for m in args.ms.split(",")}))
         entries = safe_table([p for p in args.safe_table.split(",") if p], classes)
         write_json(args.out, {"table": entries})
         print(f"wrote {len(entries)} safe-config entries to {args.out}")

@@ -21,8 +21,8 @@ runner does); two split-K GEMMs running concurrently on different streams of one
 device are unsupported. Every launch leaves the counters at zero.
 
 Configs come from `_CONFIGS` (`triton_gemm_tables.CONFIGS`), keyed by (N, K, M class) with M class 1 (M == 1),
-4 (M <= 4), 16 (M <= 16), 32 (M <= 32) or 64 (M <= 64), values (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); the row tile BLOCK_M is
-the class's (`block_m`: 16 up to class 16, then 32 and 64);
+4 (M <= 4), 16 (M <= 16), 32 (M <= 32) or 64 (M <= 64), values (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages);
+the row tile BLOCK_M is the class's (`block_m`: 16 up to class 16, then 32 and 64);
 shapes not in the table take the faster of cuBLAS and `default_config` as chosen at
 warm-up (`projection_choice`, `triton_gemm_measure`), `default_config` before that.
 `python -m bench.gemm_tune` prints a ready-to-paste table.
@@ -68,6 +68,12 @@ class GemmConfig:
         """Upper bound of the shared memory per CTA at row tile `block_m` (triton 3.9 on sm_90 allocates
         max(1, num_stages - 1) stages)."""
         return self.num_stages * (block_m + self.block_n) * self.block_k * 2
+
+
+def fuses_norm(m: int, n: int) -> bool:
+    """Whether `linear_add_rms_norm`'s skinny-GEMM path fuses the residual add + RMSNorm into the GEMM's epilogue
+    for m rows of n columns (else it runs `add_rms_norm` after the GEMM)."""
+    return m <= FUSED_NORM_MAX_M and n <= FUSED_NORM_MAX_N
 
 
 def block_m(m: int) -> int:
@@ -343,7 +349,7 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
         cfg = _triton_config(x, weight)
         if cfg is not None:  # the gated prologue measured slower than the separate kernel here
             x, gated = silu_and_mul(x, pdl=pdl), False
-    if (cfg is None or x.shape[0] > FUSED_NORM_MAX_M or n > FUSED_NORM_MAX_N or residual.shape != (x.shape[0], n)
+    if (cfg is None or not fuses_norm(x.shape[0], n) or residual.shape != (x.shape[0], n)
             or residual.dtype != x.dtype or norm_weight.shape != (n,) or norm_weight.dtype != x.dtype):
         y = silu_mul_linear(x, weight, pdl=pdl, gemv=gemv) if gated else linear(x, weight, pdl=pdl, gemv=gemv)
         return add_rms_norm(y, residual, norm_weight, eps, pdl=pdl)

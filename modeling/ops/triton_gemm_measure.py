@@ -59,10 +59,10 @@ def _seconds_per_call(graph: torch.cuda.CUDAGraph, calls: int, replays: int) -> 
 
 def measured_form(form: str, n: int, mc: int) -> str:
     """The form a projection of `form` (`projection_choice.FORMS`) with n output columns is measured in at row
-    class mc: its residual add + RMSNorm only where `triton_gemm.linear_add_rms_norm` would fuse them (up to
-    FUSED_NORM_MAX_M rows and FUSED_NORM_MAX_N columns); elsewhere both candidates run the same `add_rms_norm`
-    after the GEMM, which is left out."""
-    if form.endswith("add_norm") and (mc > triton_gemm.FUSED_NORM_MAX_M or n > triton_gemm.FUSED_NORM_MAX_N):
+    class mc: its residual add + RMSNorm only where `triton_gemm.linear_add_rms_norm` would fuse them
+    (`triton_gemm.fuses_norm`); elsewhere both candidates run the same `add_rms_norm` after the GEMM, which is
+    left out."""
+    if form.endswith("add_norm") and not triton_gemm.fuses_norm(mc, n):
         return "gated" if form.startswith("gated") else "plain"
     return form
 
