@@ -2,13 +2,9 @@
 
     python -m bench.moe_bench --shape 2048,768,128,8 --tokens 1,8,64,256,512,2048 --out artifacts/moe_bench.json
 
-Per token count: device time of `triton_moe.routed_experts` replayed in a CUDA graph on its grouped path (and of
-its grouping and its two GEMMs alone) and, up to `--pair-max` tokens, on its pair path (`triton_moe_pairs`), of the
-static path (also captured) and of the eager grouped path; the weight bytes the batch's routing needs (distinct
-experts routed to) over the measured copy bandwidth, and all experts' bytes. `--pair-sweep` also times the pair
-path's launch configs (`triton_moe_pairs.PairConfig`) at each of those token counts and prints the fastest.
-
-    python -m bench.moe_bench --tokens 1,2,4,8 --pair-max 8 --pair-sweep
+Per token count: device time of `triton_moe.routed_experts` replayed in a CUDA graph (and of its grouping and its
+two GEMMs alone), of the static path (also captured) and of the eager grouped path; the weight bytes the batch's routing needs (distinct experts routed to)
+over the measured copy bandwidth, and all experts' bytes.
 """
 from __future__ import annotations
 
@@ -29,32 +25,15 @@ def _graph(fn):
     return g.replay
 
 
-def _pair_sweep(run, dev) -> list:
-    """(config tuple, device seconds) of each pair-path launch config, fastest first."""
-    from modeling.ops.triton_moe_pairs import PairConfig
-
-    out = []
-    for n13 in (8, 16, 32):
-        for k13 in (512, 2048):
-            for n2 in (4, 8, 16):
-                for warps in (4, 8):
-                    cfg = PairConfig(n13, k13, n2, 256, warps)
-                    out.append(((n13, k13, n2, 256, warps), time_step(_graph(lambda: run(cfg)), dev)["gpu_s"]))
-    return sorted(out, key=lambda r: r[1])
-
-
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="2048,768,128,8", help="H,I,E,top_k")
     ap.add_argument("--tokens", default="1,2,8,64,256,512,2048")
     ap.add_argument("--static-max", type=int, default=256, help="time the static path up to this many tokens")
-    ap.add_argument("--pair-max", type=int, default=8, help="time the pair path up to this many tokens")
-    ap.add_argument("--pair-sweep", action="store_true", help="time the pair path's launch configs too")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from modeling.ops.triton_moe import group_by_expert, grouped_swiglu, routed_experts
-    from modeling.ops.triton_moe_pairs import pair_experts
 
     h, i, e, k = (int(v) for v in args.shape.split(","))
     dev = torch.device("cuda", 0)
@@ -64,7 +43,7 @@ def main() -> None:
     per_expert = 3 * i * h * 2
     print(f"# {machine()} | H {h} I {i} E {e} top-{k} | all experts {e * per_expert / 2**20:.1f} MiB | "
           f"copy bw {bw / 1e12:.2f} TB/s")
-    print(f"{'tokens':>6} {'experts':>7} {'pair us':>7} {'routed us':>9} {'group us':>8} {'gemms us':>8} {'static us':>9} {'grouped us':>10} {'roof us':>8} "
+    print(f"{'tokens':>6} {'experts':>7} {'routed us':>9} {'group us':>8} {'gemms us':>8} {'static us':>9} {'grouped us':>10} {'roof us':>8} "
           f"{'x roof':>6} {'flop floor us':>13}")
     rows = []
     for n in (int(t) for t in args.tokens.split(",")):
@@ -74,14 +53,7 @@ def main() -> None:
         w = (w / w.sum(-1, keepdim=True)).float()
         used = int(torch.unique(ids).numel())
         roof = used * per_expert / bw
-        routed = time_step(_graph(lambda: routed_experts(x, ids, w, w13, w2, pair_max_tokens=0)), dev)["gpu_s"]
-        pair = None
-        if n <= args.pair_max:
-            pair = time_step(_graph(lambda: routed_experts(x, ids, w, w13, w2, pair_max_tokens=n)), dev)["gpu_s"]
-            if args.pair_sweep:
-                sweep = _pair_sweep(lambda cfg: pair_experts(x, ids, w, w13, w2, 0, config=cfg), dev)
-                print(f"# {n} tokens, pair configs (n13, k13, n2, k2, warps) -> us, fastest first: " +
-                      ", ".join(f"{c} {t * 1e6:.1f}" for c, t in sweep[:6]))
+        routed = time_step(_graph(lambda: routed_experts(x, ids, w, w13, w2)), dev)["gpu_s"]
         group = time_step(_graph(lambda: group_by_expert(ids, e, 0)), dev)["gpu_s"]
         sp, counts = group_by_expert(ids, e, 0)
         gemms = time_step(_graph(lambda: grouped_swiglu(x, sp, counts, w13, w2, n * k, top_k=k)), dev)["gpu_s"]
@@ -90,13 +62,12 @@ def main() -> None:
             static = time_step(_graph(lambda: moe_ref.experts_static(x, ids, w, w13, w2, 0)), dev)["gpu_s"]
         grouped = time_step(lambda: moe_ref.experts_grouped(x, ids, w, w13, w2, 0), dev, iters=10)["gpu_s"]
         flops = 2 * n * k * 3 * i * h
-        row = {"tokens": n, "experts_used": used, "pair_s": pair, "routed_s": routed, "group_s": group, "gemms_s": gemms,
+        row = {"tokens": n, "experts_used": used, "routed_s": routed, "group_s": group, "gemms_s": gemms,
                "static_s": static, "grouped_s": grouped,
                "roofline_s": roof, "flops": flops}
         rows.append(row)
         st = f"{static * 1e6:9.1f}" if static is not None else f"{'-':>9}"
-        pt = f"{pair * 1e6:7.1f}" if pair is not None else f"{'-':>7}"
-        print(f"{n:6d} {used:7d} {pt} {routed * 1e6:9.1f} {group * 1e6:8.1f} {gemms * 1e6:8.1f} {st} {grouped * 1e6:10.1f} {roof * 1e6:8.1f} "
+        print(f"{n:6d} {used:7d} {routed * 1e6:9.1f} {group * 1e6:8.1f} {gemms * 1e6:8.1f} {st} {grouped * 1e6:10.1f} {roof * 1e6:8.1f} "
               f"{routed / roof:6.2f} {flops / 800e12 * 1e6:13.1f}")
     write_json(args.out, {"machine": machine(), "shape": [h, i, e, k], "copy_bandwidth_Bps": bw, "rows": rows})
 

@@ -133,8 +133,7 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
                                single_launch=single, fused_qk=options.decode_fused_qk),
         decode_attention_qk=(bind(triton_attention.decode_attention_qk, single_launch=single, pdl=pdl)
                              if options.decode_fused_qk else None),
-        moe_routed=bind(triton_moe.routed_experts, pair_max_tokens=options.moe_pair_max_tokens, pdl=pdl),
-        moe_packed=triton_moe.packed_experts,
+        moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts,
         moe_route=bind(triton_router.route_topk, pdl=pdl) if options.moe_route_kernel else None,
         measure_projections=measure,
         options=options)

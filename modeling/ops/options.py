@@ -16,7 +16,6 @@ COMPILE_THREADS_ENV = "GRAPHLINE_COMPILE_THREADS"
 PROJECTION_MEASURE_ENV = "GRAPHLINE_PROJECTION_MEASURE"
 MOE_ROUTE_KERNEL_ENV = "GRAPHLINE_MOE_ROUTE_KERNEL"
 DECODE_FUSED_QK_ENV = "GRAPHLINE_DECODE_FUSED_QK"
-MOE_PAIR_TOKENS_ENV = "GRAPHLINE_MOE_PAIR_TOKENS"
 PDL_CHOICES = ("0", "1", "early")
 # The decode GEMV serves models up to this hidden size. Above it (Qwen3-8B, 14B) its 1- and 2-row steps measured
 # slower than the same model's 3-row step through cuBLAS (docs/benchmarks.md, twentieth session).
@@ -41,10 +40,7 @@ class KernelOptions:
     torch's five kernels (the default; its teacher-forced agreement equals torch routing's over six prompt seeds,
     `bench.moe_router_agreement`, docs/benchmarks.md, twentieth session).
     decode_fused_qk: the decode attention kernel normalises and rotates the raw q/k and stores the new token's K/V
-    itself (`triton_decode_qk`), one launch a layer fewer (the default); False: `qk_norm_rope_store` first.
-    moe_pair_max_tokens: MoE steps of up to this many tokens run their routed experts pair by pair in two launches
-    (`triton_moe_pairs`: no grouping, the combine fused into the down GEMV) instead of the grouped path's four;
-    0: always grouped."""
+    itself (`triton_decode_qk`), one launch a layer fewer (the default); False: `qk_norm_rope_store` first."""
 
     pdl: str = "early"
     gemv: bool = True
@@ -53,7 +49,6 @@ class KernelOptions:
     measure_projections: bool = True
     moe_route_kernel: bool = True
     decode_fused_qk: bool = True
-    moe_pair_max_tokens: int = 4
 
     def for_model(self, hidden_size: int) -> "KernelOptions":
         """The options a model of `hidden_size` runs with: the decode GEMV only up to GEMV_MAX_HIDDEN."""
@@ -70,9 +65,6 @@ class KernelOptions:
                           ("moe_route_kernel", MOE_ROUTE_KERNEL_ENV), ("decode_fused_qk", DECODE_FUSED_QK_ENV)):
             if not isinstance(getattr(self, name), bool):
                 raise KernelOptionsError(f"{name} ({env}) must be a bool, got {getattr(self, name)!r}")
-        m = self.moe_pair_max_tokens
-        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 64:
-            raise KernelOptionsError(f"{MOE_PAIR_TOKENS_ENV}={m!r} must be an integer from 0 (off) to 64")
         n = self.compile_threads
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise KernelOptionsError(f"{COMPILE_THREADS_ENV}={n!r} must be an integer >= 1")

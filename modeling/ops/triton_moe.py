@@ -22,9 +22,6 @@ Kernels (all on the current stream; grids depend on shapes only, nothing is read
    local pairs, in slot order (deterministic, no atomics).
 The row-tile grid is the worst case over every routing, min(P, cdiv(P, BLOCK_M) + E_local) for P rows, so one
 launch shape (and one captured graph) serves every expert load. Weights are read only for experts with rows.
-Up to `pair_max_tokens` tokens (a decode step of a few sequences) `routed_experts` skips the grouping and takes
-`triton_moe_pairs` instead: one gate/up GEMV per (pair, I tile) and the down GEMV with the combine fused, two
-launches.
 
 Numerics follow `modeling.ops.moe_ref` (fp32 accumulation; gate and up rounded to the activation dtype, silu
 rounded, times up rounded, the down projection rounded, the weighted sum in fp32 rounded once). bf16, fp16 and
@@ -38,11 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from modeling.ops import triton_moe_pairs
-
 _BLOCK_P = 128  # pairs per grouping program
 _SCAN_C = 32  # chunk rows per step of the grouping scan
-PAIR_MAX_TOKENS = 4  # `routed_experts` takes the pair path up to this many tokens (KernelOptions.moe_pair_max_tokens)
 
 
 class MoeKernelError(ValueError):
@@ -312,13 +306,10 @@ def grouped_swiglu(x: torch.Tensor, sorted_rows: torch.Tensor | None, counts: to
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   first_expert: int = 0, *, configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None,
-                   pair_max_tokens: int = PAIR_MAX_TOKENS, pdl: int = 0) -> torch.Tensor:
+                   first_expert: int = 0, *, configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None) -> torch.Tensor:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) over the local experts: x `[N, H]`, ids int64 `[N, k]`
     (global ids, -1 = none), weights fp32 `[N, k]`, w13 `[E_local, 2I, H]`, w2 `[E_local, H, I]` in x's dtype;
-    returns `[N, H]` in x's dtype (0 for a token with no local expert). Capturable. Up to `pair_max_tokens` tokens
-    (`KernelOptions.moe_pair_max_tokens`; 0: never) the pair path of `triton_moe_pairs` in two launches (PDL mode
-    `pdl`), else the grouped path in four or five (`configs`: its GEMM launch configs)."""
+    returns `[N, H]` in x's dtype (0 for a token with no local expert). Five launches, capturable."""
     if x.dim() != 2 or ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise MoeKernelError(f"x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
     if ids.dtype != torch.int64 or weights.dtype != torch.float32:
@@ -329,8 +320,6 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     if n == 0:
         return out
     ids, weights = ids.contiguous(), weights.contiguous()
-    if n <= pair_max_tokens:
-        return triton_moe_pairs.pair_experts(x, ids, weights, w13, w2, first_expert, pdl=pdl)
     sorted_pairs, counts = group_by_expert(ids, e_local, first_expert)
     y = grouped_swiglu(x, sorted_pairs, counts, w13, w2, n * k, top_k=k, configs=configs)
     block_h = min(1024, triton.next_power_of_2(h))

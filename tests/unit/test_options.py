@@ -25,7 +25,7 @@ def test_defaults_without_any_variable():
 def test_every_variable_reaches_its_field():
     env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0",
            "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_MOE_ROUTE_KERNEL": "0",
-           "GRAPHLINE_DECODE_FUSED_QK": "0", "GRAPHLINE_MOE_PAIR_TOKENS": "0", "GRAPHLINE_TP_ALLREDUCE": "symm",
+           "GRAPHLINE_DECODE_FUSED_QK": "0", "GRAPHLINE_TP_ALLREDUCE": "symm",
            "GRAPHLINE_TP_FUSED_KIND": "pull", "GRAPHLINE_TP_FUSED_NORM": "0",
            "GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK": "128",
            "GRAPHLINE_STEP_PATH": "plain", "GRAPHLINE_DRIVER_POLL_S": "0.001", "GRAPHLINE_STEP_TRACE": "1",
@@ -33,8 +33,7 @@ def test_every_variable_reaches_its_field():
     assert set(env) == set(OPTION_VARIABLES)
     k, c, d = options_from_environ(env)
     assert k == KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=2,
-                              measure_projections=False, moe_route_kernel=False, decode_fused_qk=False,
-                              moe_pair_max_tokens=0)
+                              measure_projections=False, moe_route_kernel=False, decode_fused_qk=False)
     assert c == CommOptions(tp_allreduce="symm", tp_fused_kind="pull", tp_fused_norm=False,
                             deepep_max_tokens_per_rank=128)
     assert d == DriverOptions(step_path="plain", poll_s=0.001, step_trace=True, step_profile="/tmp/prof")
@@ -49,9 +48,6 @@ def test_every_variable_reaches_its_field():
     ("GRAPHLINE_DRIVER_POLL_S", "-1", r"GRAPHLINE_DRIVER_POLL_S=-1.0 must be a number of seconds >= 0"),
     ("GRAPHLINE_STEP_TRACE", "true", r"GRAPHLINE_STEP_TRACE='true': use 1 .* or 0"),
     ("GRAPHLINE_DECODE_FUSED_QK", "on", r"GRAPHLINE_DECODE_FUSED_QK='on': use 1 .* or 0"),
-    ("GRAPHLINE_MOE_PAIR_TOKENS", "few", r"GRAPHLINE_MOE_PAIR_TOKENS='few' is not an integer"),
-    ("GRAPHLINE_MOE_PAIR_TOKENS", "-1", r"GRAPHLINE_MOE_PAIR_TOKENS=-1 must be an integer from 0 \(off\) to 64"),
-    ("GRAPHLINE_MOE_PAIR_TOKENS", "65", r"GRAPHLINE_MOE_PAIR_TOKENS=65 must be an integer from 0 \(off\) to 64"),
 ])
 def test_a_bad_variable_is_named_with_its_choices(name, raw, match):
     with pytest.raises(ValueError, match=match):
@@ -70,8 +66,6 @@ def test_options_are_frozen_and_checked():
         KernelOptions(measure_projections=1)
     with pytest.raises(ValueError, match=r"decode_fused_qk \(GRAPHLINE_DECODE_FUSED_QK\) must be a bool"):
         KernelOptions(decode_fused_qk="1")
-    with pytest.raises(ValueError, match=r"GRAPHLINE_MOE_PAIR_TOKENS=True must be an integer"):
-        KernelOptions(moe_pair_max_tokens=True)
     with pytest.raises(DriverOptionsError, match="GRAPHLINE_STEP_PATH"):
         DriverOptions(step_path="bogus")
     with pytest.raises(ValueError, match="GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK"):
@@ -81,7 +75,7 @@ def test_options_are_frozen_and_checked():
 def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     pytest.importorskip("triton", reason="the Triton backend's modules need triton")
     from modeling.ops import (KernelOps, get_kernel_ops, pdl, triton_attention, triton_gemm, triton_gemm_measure,
-                              triton_moe, triton_router)
+                              triton_router)
 
     monkeypatch.setattr(pdl, "_INTERPRETED", False)
     monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: True)
@@ -103,10 +97,6 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.moe_route.func is triton_router.route_topk and ops.moe_route.keywords == {"pdl": 2}  # the default
     off = get_kernel_ops(dev, "triton", KernelOptions(moe_route_kernel=False))
     assert off.moe_route is None  # torch's routing
-    assert ops.moe_routed.func is triton_moe.routed_experts
-    assert ops.moe_routed.keywords == {"pair_max_tokens": KernelOptions.moe_pair_max_tokens, "pdl": 2}
-    grouped = get_kernel_ops(dev, "triton", KernelOptions(moe_pair_max_tokens=0))
-    assert grouped.moe_routed.keywords == {"pair_max_tokens": 0, "pdl": 2}
     opts = KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=3, moe_route_kernel=True)
     ops = get_kernel_ops(dev, "triton", opts)
     assert ops.options == opts and ops.prologue_norm_max_tokens == 0
@@ -117,7 +107,6 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.decode_attention_qk.keywords == {"pdl": 1, "single_launch": False}
     assert ops.measure_projections.keywords == {"gemv": False, "pdl": 1}
     assert ops.moe_route.keywords == {"pdl": 1}
-    assert ops.moe_routed.keywords["pdl"] == 1
     off = get_kernel_ops(dev, "triton", KernelOptions(measure_projections=False))
     assert off.measure_projections is KernelOps.measure_projections  # measures nothing, reads no cache
     assert off.measure_projections([(3072, 1024)], dev, torch.bfloat16) == {}
