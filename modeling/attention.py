@@ -8,9 +8,8 @@ captured whole (the Triton decode and store kernels have static grids).
 
 With a `QKPrologue` the operator takes RAW (pre-norm) q/k and applies the per-head
 RMSNorm + neox rotary itself, fused with the KV store into one kernel
-(`KernelOps.qk_norm_rope_store`), and on decode steps into the attention kernel as
-well where the backend can (`KernelOps.decode_attention_qk`); under piecewise graphs
-that norm therefore runs inside the eager boundary.
+(`KernelOps.qk_norm_rope_store`); under piecewise graphs that norm therefore runs
+inside the eager boundary.
 """
 from __future__ import annotations
 
@@ -64,10 +63,6 @@ def paged_attention(
     """
     n = attn_metadata.num_tokens
     k_cache, v_cache = kv_caches[layer_idx]
-    if prologue is not None and attn_metadata.is_decoding and ops.decode_attention_qk is not None:
-        return ops.decode_attention_qk(q, k, v, prologue.q_weight, prologue.k_weight, prologue.cos, prologue.sin,
-                                       prologue.positions, prologue.eps, k_cache, v_cache, attn_metadata.slot_mapping,
-                                       attn_metadata.block_tables, attn_metadata.kv_seqlens, scale, n)
     if prologue is None:
         ops.store_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
     else:

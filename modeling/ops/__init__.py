@@ -55,10 +55,6 @@ class KernelOps:
     # projections' fallbacks outside capture (`triton_gemm_measure`), each measured in the form the model runs it;
     # nothing to choose for the torch backend or with the option off.
     measure_projections: Callable = lambda shapes, device, dtype, forms=None: {}
-    # (q, k, v, q_weight, k_weight, cos, sin, positions, eps, k_cache, v_cache, slot_mapping, block_tables,
-    # kv_seqlens, scale, num_tokens) -> `[num_tokens, Hq, D]`: `qk_norm_rope_store` then `decode_attention` of raw
-    # q/k, one launch where it can (`triton_attention.decode_attention_qk`); None: the two operators.
-    decode_attention_qk: Callable | None = None
 
 
 def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, linear_add_rms_norm: Callable,
@@ -130,9 +126,7 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         norm_linear=bind(triton_gemm.norm_linear, pdl=pdl, gemv=gemv), capturable=True,
         prologue_norm_max_tokens=triton_gemv.GEMV_MAX_M if gemv else 0,
         warm_up_attention=bind(triton_attention.warm_up_attention, threads=options.compile_threads, pdl=pdl,
-                               single_launch=single, fused_qk=options.decode_fused_qk),
-        decode_attention_qk=(bind(triton_attention.decode_attention_qk, single_launch=single, pdl=pdl)
-                             if options.decode_fused_qk else None),
+                               single_launch=single),
         moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts,
         moe_route=bind(triton_router.route_topk, pdl=pdl) if options.moe_route_kernel else None,
         measure_projections=measure,

@@ -39,7 +39,6 @@ import triton
 import triton.language as tl
 
 from modeling.ops.pdl import PDL_LAUNCH, pdl_launch_dependents, pdl_wait
-from modeling.ops.triton_decode_qk import DecodeQK, _prologue
 from modeling.ops.triton_decode_config import (COMBINE_CHUNK, LOG2E, MAX_SPLITS, TARGET_WAVES,  # noqa: F401
                                               _COUNTER_SLOTS, DecodeConfig, DecodeNotWarmedUpError, _counters,
                                               _sm_count, decode_config, decode_counters, device_sm_count)
@@ -93,19 +92,42 @@ def _combine_splits(PART_O, PART_LSE, OUT, b, kvh, n_active, stride_ob, stride_o
 
 
 # Per-step metadata (block-table width, where the lengths and tables live) must not pick a new compiled variant.
-@triton.jit(do_not_specialize=["stride_bt", "n_slots"],
-            do_not_specialize_on_alignment=["BLOCK_TABLES", "KV_LENS", "POS", "SLOTS"])
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["BLOCK_TABLES", "KV_LENS"])
 def _decode_split_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLES, KV_LENS, OUT, PART_O, PART_LSE, COUNTERS, qk_scale,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ob,
+    Q,
+    K_CACHE,
+    V_CACHE,
+    BLOCK_TABLES,
+    KV_LENS,
+    OUT,
+    PART_O,
+    PART_LSE,
+    COUNTERS,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ob,
     stride_oh,
-    # QK_FUSED only (`triton_decode_qk`): Q is raw; the new token's raw k/v, norm weights, rotary tables, slots
-    K_NEW, V_NEW, QW, KW, COS, SIN, POS, SLOTS, n_slots, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos,
-    stride_sin, eps,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SINGLE_LAUNCH: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-    QK_FUSED: tl.constexpr, HALF: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SINGLE_LAUNCH: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)  # before the early exit below too (`modeling.ops.pdl`, rule 3)
@@ -135,14 +157,11 @@ def _decode_split_kernel(
         d_mask = offs_d < BLOCK_D
     else:
         d_mask = offs_d < HEAD_DIM
-    if QK_FUSED:
-        q = _prologue(Q, K_NEW, V_NEW, QW, KW, COS, SIN, POS, SLOTS, K_CACHE, V_CACHE, b, kvh, heads, g_mask, offs_d,
-                      d_mask, n_slots, stride_qb, stride_qh, stride_knb, stride_knh, stride_vnb, stride_vnh,
-                      stride_cos, stride_sin, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, eps,
-                      HEAD_DIM, HALF, PAGE)
-    else:
-        q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     table = BLOCK_TABLES + b.to(tl.int64) * stride_bt
     k_base = K_CACHE + kvh * stride_kh
     v_base = V_CACHE + kvh * stride_vh
@@ -226,7 +245,6 @@ def decode_attention(
     config: DecodeConfig | None = None,
     single_launch: bool = True,
     pdl: int = 0,
-    qk: DecodeQK | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (`q`: `[B, Hq, D]`) over its whole cached context; returns `[B, Hq, D]`.
 
@@ -237,9 +255,6 @@ def decode_attention(
     the current stream; scratch is a per-call `torch.empty` (graph-pool memory under capture). The first call
     on a device allocates its arrival counters and must run outside CUDA graph capture; calls on one device
     must be stream-ordered (see the module docstring). `pdl`: the split kernel's PDL mode (`modeling.ops.pdl`).
-    `qk` (`triton_decode_qk.DecodeQK`): q is RAW and the split kernel first normalises and rotates it, and stores
-    the new token's k/v (`qk_norm_rope_store` inside the kernel); the caller checks `triton_decode_qk.fusable`,
-    and the launch must combine in one kernel (`fused_launch`).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -260,8 +275,6 @@ def decode_attention(
         return out
     splits = cfg.num_splits
     single_launch = single_launch and splits > 1 and batch * num_kv_heads <= counters.numel()
-    if qk is not None and splits > 1 and not single_launch:
-        raise ValueError("decode_attention: the fused q/k prologue needs the single-launch combine (fused_launch)")
     if splits > 1:
         part_o = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
@@ -271,35 +284,64 @@ def decode_attention(
     block_s = triton.next_power_of_2(splits)
     block_c = min(block_s, COMBINE_CHUNK)
     block_d = triton.next_power_of_2(head_dim)
-    if qk is None:  # QK_FUSED off: these arguments are dead in the kernel
-        fused = (q, q, q, q, q, q, kv_seqlens, kv_seqlens, 0, 0, 0, 0, 0, 0, 0, 0.0)
-    else:
-        fused = (qk.k, qk.v, qk.q_weight, qk.k_weight, qk.cos, qk.sin, qk.positions, qk.slot_mapping,
-                 qk.slot_mapping.shape[0], qk.k.stride(0), qk.k.stride(1), qk.v.stride(0), qk.v.stride(1),
-                 qk.cos.stride(0), qk.sin.stride(0), qk.eps)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, kv_seqlens, out, part_o, part_lse, counters, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), *fused,
-        GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, SINGLE_LAUNCH=single_launch,
-        BLOCK_G=max(16, block_h), BLOCK_N=cfg.block_n, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_C=block_c,
-        BLOCK_D=block_d, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", QK_FUSED=qk is not None,
-        HALF=head_dim // 2, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **PDL_LAUNCH[pdl],
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        kv_seqlens,
+        out,
+        part_o,
+        part_lse,
+        counters,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE=page,
+        NUM_SPLITS=splits,
+        SINGLE_LAUNCH=single_launch,
+        BLOCK_G=max(16, block_h),
+        BLOCK_N=cfg.block_n,
+        BLOCK_H=block_h,
+        BLOCK_S=block_s,
+        BLOCK_C=block_c,
+        BLOCK_D=block_d,
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **PDL_LAUNCH[pdl],
     )
     if splits > 1 and not single_launch:
         _decode_reduce_kernel[(batch, num_kv_heads)](
-            part_o, part_lse, kv_seqlens, out, out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim,
-            NUM_SPLITS=splits, BLOCK_N=cfg.block_n, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_C=block_c,
-            BLOCK_D=block_d, num_warps=4,
+            part_o,
+            part_lse,
+            kv_seqlens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=splits,
+            BLOCK_N=cfg.block_n,
+            BLOCK_H=block_h,
+            BLOCK_S=block_s,
+            BLOCK_C=block_c,
+            BLOCK_D=block_d,
+            num_warps=4,
         )
     return out
 
 
-def fused_launch(batch: int, num_kv_heads: int, cfg: DecodeConfig, single_launch: bool, device: torch.device) -> bool:
-    """Whether a launch of `cfg` combines inside the split kernel (or needs no combine): what the fused q/k
-    prologue needs, since the two-kernel path's split 0 may exit before storing."""
-    return cfg.num_splits == 1 or (single_launch and batch * num_kv_heads <= decode_counters(device).numel())
-
-
 __all__ = ["DecodeConfig", "DecodeNotWarmedUpError", "decode_attention", "decode_config", "decode_counters",
-           "device_sm_count", "fused_launch", "LOG2E"]
+           "device_sm_count", "LOG2E"]

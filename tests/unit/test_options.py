@@ -25,7 +25,7 @@ def test_defaults_without_any_variable():
 def test_every_variable_reaches_its_field():
     env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0",
            "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_MOE_ROUTE_KERNEL": "0",
-           "GRAPHLINE_DECODE_FUSED_QK": "0", "GRAPHLINE_TP_ALLREDUCE": "symm",
+           "GRAPHLINE_TP_ALLREDUCE": "symm",
            "GRAPHLINE_TP_FUSED_KIND": "pull", "GRAPHLINE_TP_FUSED_NORM": "0",
            "GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK": "128",
            "GRAPHLINE_STEP_PATH": "plain", "GRAPHLINE_DRIVER_POLL_S": "0.001", "GRAPHLINE_STEP_TRACE": "1",
@@ -33,7 +33,7 @@ def test_every_variable_reaches_its_field():
     assert set(env) == set(OPTION_VARIABLES)
     k, c, d = options_from_environ(env)
     assert k == KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=2,
-                              measure_projections=False, moe_route_kernel=False, decode_fused_qk=False)
+                              measure_projections=False, moe_route_kernel=False)
     assert c == CommOptions(tp_allreduce="symm", tp_fused_kind="pull", tp_fused_norm=False,
                             deepep_max_tokens_per_rank=128)
     assert d == DriverOptions(step_path="plain", poll_s=0.001, step_trace=True, step_profile="/tmp/prof")
@@ -47,7 +47,6 @@ def test_every_variable_reaches_its_field():
     ("GRAPHLINE_DRIVER_POLL_S", "soon", r"GRAPHLINE_DRIVER_POLL_S='soon'"),
     ("GRAPHLINE_DRIVER_POLL_S", "-1", r"GRAPHLINE_DRIVER_POLL_S=-1.0 must be a number of seconds >= 0"),
     ("GRAPHLINE_STEP_TRACE", "true", r"GRAPHLINE_STEP_TRACE='true': use 1 .* or 0"),
-    ("GRAPHLINE_DECODE_FUSED_QK", "on", r"GRAPHLINE_DECODE_FUSED_QK='on': use 1 .* or 0"),
 ])
 def test_a_bad_variable_is_named_with_its_choices(name, raw, match):
     with pytest.raises(ValueError, match=match):
@@ -64,8 +63,6 @@ def test_options_are_frozen_and_checked():
         KernelOptions().pdl = "0"
     with pytest.raises(ValueError, match=r"measure_projections \(GRAPHLINE_PROJECTION_MEASURE\) must be a bool"):
         KernelOptions(measure_projections=1)
-    with pytest.raises(ValueError, match=r"decode_fused_qk \(GRAPHLINE_DECODE_FUSED_QK\) must be a bool"):
-        KernelOptions(decode_fused_qk="1")
     with pytest.raises(DriverOptionsError, match="GRAPHLINE_STEP_PATH"):
         DriverOptions(step_path="bogus")
     with pytest.raises(ValueError, match="GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK"):
@@ -87,11 +84,7 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.norm_linear.keywords == {"pdl": 2, "gemv": True}
     assert ops.decode_attention.keywords == {"pdl": 2, "single_launch": True}
     assert ops.warm_up_attention.func is triton_attention.warm_up_attention
-    assert ops.warm_up_attention.keywords == {"threads": None, "pdl": 2, "single_launch": True, "fused_qk": True}
-    assert ops.decode_attention_qk.func is triton_attention.decode_attention_qk
-    assert ops.decode_attention_qk.keywords == {"pdl": 2, "single_launch": True}
-    unfused = get_kernel_ops(dev, "triton", KernelOptions(decode_fused_qk=False))
-    assert unfused.decode_attention_qk is None and unfused.warm_up_attention.keywords["fused_qk"] is False
+    assert ops.warm_up_attention.keywords == {"threads": None, "pdl": 2, "single_launch": True}
     assert ops.measure_projections.func is triton_gemm_measure.measure_projection_fallbacks
     assert ops.measure_projections.keywords == {"gemv": True, "pdl": 2}
     assert ops.moe_route.func is triton_router.route_topk and ops.moe_route.keywords == {"pdl": 2}  # the default
@@ -103,8 +96,7 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.linear.keywords == {"pdl": 1, "gemv": False}
     assert ops.silu_and_mul.keywords == ops.rms_norm.keywords == {"pdl": 1}
     assert ops.decode_attention.keywords == {"pdl": 1, "single_launch": False}
-    assert ops.warm_up_attention.keywords == {"threads": 3, "pdl": 1, "single_launch": False, "fused_qk": True}
-    assert ops.decode_attention_qk.keywords == {"pdl": 1, "single_launch": False}
+    assert ops.warm_up_attention.keywords == {"threads": 3, "pdl": 1, "single_launch": False}
     assert ops.measure_projections.keywords == {"gemv": False, "pdl": 1}
     assert ops.moe_route.keywords == {"pdl": 1}
     off = get_kernel_ops(dev, "triton", KernelOptions(measure_projections=False))
