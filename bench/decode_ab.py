@@ -74,10 +74,11 @@ def installed_tables(env: dict[str, str]) -> Iterator[None]:
             table.update(old)
 
 
-def _runtime(model: str, blocks: int, env: dict[str, str], max_batch: int) -> RankRuntime:
+def _runtime(model: str, blocks: int, env: dict[str, str], max_batch: int, context: int = 128) -> RankRuntime:
     kernels = options_from_environ(child_environ(**{k: v for k, v in env.items() if k not in TABLES})).kernels
     graph = GraphRunnerConfig(max_decode_batch=max_batch, pcg_max_tokens=512)
-    cfg = RuntimeConfig(model=model, device="cuda", num_kv_blocks=blocks, graph=graph, kernels=kernels)
+    cfg = RuntimeConfig(model=model, device="cuda", num_kv_blocks=blocks, graph=graph, kernels=kernels,
+                        max_model_len=max(4096, context + 64))
     rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
     with installed_tables(env):
         rt.load_model()
@@ -104,7 +105,7 @@ def compare(variants: list[tuple[str, dict[str, str]]], model: str = "qwen3-0.6b
     `on_tokens_differ(label, batch)` is called where a variant's tokens differ from the baseline's (default:
     recorded only)."""
     labels = [label for label, _ in variants]
-    sides = {label: _runtime(model, blocks, env, max(batches)) for label, env in variants}
+    sides = {label: _runtime(model, blocks, env, max(batches), context) for label, env in variants}
     base = labels[0]
     res: dict = {"machine": machine(), "model": model, "context": context,
                  "variants": {label: env for label, env in variants}, "batches": {}}
