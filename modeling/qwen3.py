@@ -42,27 +42,12 @@ class Qwen3DecoderLayer(nn.Module):
         """hidden: this layer's input, already normed by its `input_layernorm`; residual: the stream it was normed
         from. Returns (next_norm(stream'), stream'): the next layer's normed input (or, with the model's final
         norm, the output) and the new stream. Each residual add + norm rides on the projection before it."""
-        attn = self.self_attn
-        qkv = attn.qkv_proj(hidden)
-        self.prefetch_after_attention(attn_metadata)
-        o = attn.attend_projected(positions, qkv, kv_caches, attn_metadata)
+        o = self.self_attn.attend(positions, hidden, kv_caches, attn_metadata)
         hidden, residual = project_add_norm(self.self_attn.o_proj, o, residual, self.post_attention_layernorm, self.ops)
         if isinstance(self.mlp, Qwen3MLP):
             up = self.mlp.gate_up_proj(hidden)
             return project_add_norm(self.mlp.down_proj, up, residual, next_norm, self.ops, gated=True)
         return next_norm(self.mlp(hidden), residual)
-
-    def weights_after_attention(self) -> tuple[torch.Tensor, ...]:
-        """The weights this layer reads after its attention, in the order it reads them."""
-        if isinstance(self.mlp, Qwen3MLP):
-            return self.self_attn.o_proj.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight
-        return self.self_attn.o_proj.weight, self.mlp.gate.weight
-
-    def prefetch_after_attention(self, attn_metadata) -> None:
-        """On decode steps, pull the start of `weights_after_attention` into L2 while the attention runs
-        (`KernelOps.l2_prefetch`, where the backend binds it)."""
-        if self.ops.l2_prefetch is not None and attn_metadata.is_decoding:
-            self.ops.l2_prefetch(self.weights_after_attention())
 
     def forward_norm_first(self, positions, pending, residual, kv_caches, attn_metadata):
         """The same layer with each residual add + norm riding on the projection AFTER it (`KernelOps.norm_linear`:
@@ -75,7 +60,6 @@ class Qwen3DecoderLayer(nn.Module):
             qkv, residual = self.ops.norm_linear(residual, None, norm.weight, norm.eps, attn.qkv_proj.weight)
         else:
             qkv, residual = self.ops.norm_linear(pending, residual, norm.weight, norm.eps, attn.qkv_proj.weight)
-        self.prefetch_after_attention(attn_metadata)
         y = attn.o_proj(attn.attend_projected(positions, qkv, kv_caches, attn_metadata))
         norm = self.post_attention_layernorm
         if isinstance(self.mlp, Qwen3MLP):

@@ -55,9 +55,6 @@ class KernelOps:
     # projections' fallbacks outside capture (`triton_gemm_measure`), each measured in the form the model runs it;
     # nothing to choose for the torch backend or with the option off.
     measure_projections: Callable = lambda shapes, device, dtype, forms=None: {}
-    # (weights in the order a decode layer reads them after its attention) -> None: pull their first
-    # `KernelOptions.l2_prefetch_mb` MiB into L2, capturable (`triton_prefetch.l2_prefetch`); None: off or no such op.
-    l2_prefetch: Callable | None = None
 
 
 def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, linear_add_rms_norm: Callable,
@@ -110,8 +107,8 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto",
 
 def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
     from modeling.ops import (triton_attention, triton_fused, triton_gemm, triton_gemm_measure, triton_gemv, triton_moe,
-                               triton_prefetch, triton_router)
-    from modeling.ops.pdl import interpreted, pdl_mode
+                               triton_router)
+    from modeling.ops.pdl import pdl_mode
 
     pdl, gemv, single = pdl_mode(dev, options.pdl), options.gemv, options.decode_single_launch
     bind = functools.partial
@@ -132,7 +129,5 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
                                single_launch=single),
         moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts,
         moe_route=bind(triton_router.route_topk, pdl=pdl) if options.moe_route_kernel else None,
-        l2_prefetch=(bind(triton_prefetch.l2_prefetch, max_bytes=options.l2_prefetch_mb << 20, pdl=pdl)
-                     if options.l2_prefetch_mb and not interpreted() else None),
         measure_projections=measure,
         options=options)
