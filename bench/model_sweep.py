@@ -35,6 +35,7 @@ import statistics
 import numpy as np
 import torch
 
+from actors.environment import options_from_environ
 from actors.rank import RankRuntime, RuntimeConfig
 from bench.common import copy_bandwidth, machine, time_step, write_json
 from bench.graph_bench import _decode_batch, _decode_step, _prefill_step
@@ -42,7 +43,7 @@ from bench.profile_step import kernel_table
 from graphrunner.config import GraphRunnerConfig
 from modeling.config import PRESETS, ModelConfig
 from modeling.moe import SparseMoeBlock, route
-from modeling.ops.options import PDL_CHOICES, KernelOptions
+from modeling.ops.options import PDL_CHOICES
 from parallel.context import ParallelContext
 
 SHAPES = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-30b-a3b")
@@ -187,7 +188,8 @@ def sweep_shape(name: str, args, bw: float, rate: float) -> dict:
                               pcg_max_tokens=max(prefills) if prefills else 0, pcg_token_stride=512)
     max_len = max([args.context] + long_ctx + prefills) + 64
     rt_cfg = RuntimeConfig(model=preset, device=("cuda" if torch.cuda.is_available() else "cpu"), num_kv_blocks=64,
-                           max_model_len=max_len, graph=graph, kernels=KernelOptions(pdl=args.pdl))
+                           max_model_len=max_len, graph=graph,
+                           kernels=dataclasses.replace(options_from_environ().kernels, pdl=args.pdl))
     rt = RankRuntime(rt_cfg, ParallelContext(), dev)
     rt.load_model()
     bs = rt_cfg.block_size
@@ -315,7 +317,8 @@ def main() -> None:
     ap.add_argument("--engine-ttft", default="512,2048",
                     help="prompt lengths whose time to first token to measure through the engine (\"\": none)")
     ap.add_argument("--kernels", default="", help="decode batches whose per-kernel table to print")
-    ap.add_argument("--pdl", default="early", choices=PDL_CHOICES, help="KernelOptions.pdl of the in-rank runs")
+    ap.add_argument("--pdl", default="early", choices=PDL_CHOICES,
+                    help="KernelOptions.pdl of the in-rank runs (the other kernel options: the GRAPHLINE_* variables)")
     ap.add_argument("--gemm-table", default=None, help="a `bench.gemm_tune` JSON whose table entries to install "
                     "in the skinny GEMM's tuning table first (an A/B of a sweep's winners in the model)")
     ap.add_argument("--out", default=None)
