@@ -127,8 +127,7 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         prologue_norm_max_tokens=triton_gemv.GEMV_MAX_M if gemv else 0,
         warm_up_attention=bind(triton_attention.warm_up_attention, threads=options.compile_threads, pdl=pdl,
                                single_launch=single),
-        moe_routed=bind(triton_moe.routed_experts, grouped_mm_min_tokens=options.moe_grouped_mm_min_tokens),
-        moe_packed=triton_moe.packed_experts,
+        moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts,
         moe_route=bind(triton_router.route_topk, pdl=pdl) if options.moe_route_kernel else None,
         measure_projections=measure,
         options=options)

@@ -15,7 +15,6 @@ DECODE_SINGLE_LAUNCH_ENV = "GRAPHLINE_DECODE_SINGLE_LAUNCH"
 COMPILE_THREADS_ENV = "GRAPHLINE_COMPILE_THREADS"
 PROJECTION_MEASURE_ENV = "GRAPHLINE_PROJECTION_MEASURE"
 MOE_ROUTE_KERNEL_ENV = "GRAPHLINE_MOE_ROUTE_KERNEL"
-MOE_GROUPED_MM_ENV = "GRAPHLINE_MOE_GROUPED_MM_TOKENS"
 PDL_CHOICES = ("0", "1", "early")
 # The decode GEMV serves models up to this hidden size. Above it (Qwen3-8B, 14B) its 1- and 2-row steps measured
 # slower than the same model's 3-row step through cuBLAS (docs/benchmarks.md, twentieth session).
@@ -38,9 +37,7 @@ class KernelOptions:
     neither measure nor read the cache, untuned shapes take the safe config.
     moe_route_kernel: MoE routing (softmax, top-k, renormalisation) in one Triton launch (`triton_router`) instead of
     torch's five kernels (the default; its teacher-forced agreement equals torch routing's over six prompt seeds,
-    `bench.moe_router_agreement`, docs/benchmarks.md, twentieth session).
-    moe_grouped_mm_min_tokens: MoE steps of at least this many tokens run the routed experts' GEMMs as torch's
-    grouped GEMM (`torch._grouped_mm`, bf16 on sm90+) instead of the Triton grouped kernels; 0: never."""
+    `bench.moe_router_agreement`, docs/benchmarks.md, twentieth session)."""
 
     pdl: str = "early"
     gemv: bool = True
@@ -48,7 +45,6 @@ class KernelOptions:
     compile_threads: Optional[int] = None
     measure_projections: bool = True
     moe_route_kernel: bool = True
-    moe_grouped_mm_min_tokens: int = 0
 
     def for_model(self, hidden_size: int) -> "KernelOptions":
         """The options a model of `hidden_size` runs with: the decode GEMV only up to GEMV_MAX_HIDDEN."""
@@ -65,9 +61,6 @@ class KernelOptions:
                           ("moe_route_kernel", MOE_ROUTE_KERNEL_ENV)):
             if not isinstance(getattr(self, name), bool):
                 raise KernelOptionsError(f"{name} ({env}) must be a bool, got {getattr(self, name)!r}")
-        m = self.moe_grouped_mm_min_tokens
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise KernelOptionsError(f"{MOE_GROUPED_MM_ENV}={m!r} must be an integer >= 0 (0: off)")
         n = self.compile_threads
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise KernelOptionsError(f"{COMPILE_THREADS_ENV}={n!r} must be an integer >= 1")

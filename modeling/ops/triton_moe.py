@@ -22,9 +22,6 @@ Kernels (all on the current stream; grids depend on shapes only, nothing is read
    local pairs, in slot order (deterministic, no atomics).
 The row-tile grid is the worst case over every routing, min(P, cdiv(P, BLOCK_M) + E_local) for P rows, so one
 launch shape (and one captured graph) serves every expert load. Weights are read only for experts with rows.
-From `grouped_mm_min_tokens` tokens (prefill) `routed_experts` can run steps 3-4 as torch's grouped GEMM instead
-(`torch._grouped_mm`, CUTLASS on sm90, offsets on the device): the pairs' token rows gathered in expert order, the
-gate/up GEMM, `triton_fused.silu_and_mul`, the down GEMM, the rows put back at their pairs' slots, then step 5.
 
 Numerics follow `modeling.ops.moe_ref` (fp32 accumulation; gate and up rounded to the activation dtype, silu
 rounded, times up rounded, the down projection rounded, the weighted sum in fp32 rounded once). bf16, fp16 and
@@ -37,8 +34,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from modeling.ops import triton_fused
 
 _BLOCK_P = 128  # pairs per grouping program
 _SCAN_C = 32  # chunk rows per step of the grouping scan
@@ -310,45 +305,11 @@ def grouped_swiglu(x: torch.Tensor, sorted_rows: torch.Tensor | None, counts: to
     return y
 
 
-def grouped_mm_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM (`torch._grouped_mm`: CUTLASS, offsets on the device) can run these experts:
-    bf16 on a CUDA GPU of compute capability 9.0 or later, rows of H and I a multiple of 16 bytes."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
-        return False
-    h, inter = w2.shape[1], w2.shape[2]
-    return torch.cuda.get_device_capability(x.device)[0] >= 9 and h % 8 == 0 and inter % 8 == 0
-
-
-def _grouped_mm_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                        w2: torch.Tensor, first_expert: int, out: torch.Tensor) -> torch.Tensor:
-    """`routed_experts` with the two grouped GEMMs of `torch._grouped_mm` (inputs checked, N >= 1): the grouped
-    pairs' token rows gathered in expert order, gate/up GEMM, `silu_and_mul`, down GEMM, each output row put back
-    at its pair's slot (pairs past the local ones go to a dump row), then `_combine_kernel`. No host read."""
-    n, k = ids.shape
-    p = n * k
-    e_local, h, _ = w2.shape
-    sorted_pairs, counts = group_by_expert(ids, e_local, first_expert)
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    local = torch.arange(p, device=x.device, dtype=torch.int32) < offs[-1]
-    pairs = torch.where(local, sorted_pairs, p).long()  # past the local pairs: the dump row p
-    rows = x.index_select(0, pairs.clamp(max=p - 1) // k)
-    act = triton_fused.silu_and_mul(torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs))
-    y = torch.empty((p + 1, h), dtype=x.dtype, device=x.device)
-    y.index_copy_(0, pairs, torch._grouped_mm(act, w2.transpose(1, 2), offs=offs))
-    block_h = min(1024, triton.next_power_of_2(h))
-    _combine_kernel[(n, triton.cdiv(h, block_h))](y, ids, weights, out, first_expert, e_local, h, TOP_K=k,
-                                                  BLOCK_H=block_h, num_warps=4)
-    return out
-
-
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   first_expert: int = 0, *, configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None,
-                   grouped_mm_min_tokens: int = 0) -> torch.Tensor:
+                   first_expert: int = 0, *, configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None) -> torch.Tensor:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) over the local experts: x `[N, H]`, ids int64 `[N, k]`
     (global ids, -1 = none), weights fp32 `[N, k]`, w13 `[E_local, 2I, H]`, w2 `[E_local, H, I]` in x's dtype;
-    returns `[N, H]` in x's dtype (0 for a token with no local expert). Capturable. From `grouped_mm_min_tokens`
-    tokens (`KernelOptions.moe_grouped_mm_min_tokens`; 0: never) where `grouped_mm_fits`, the GEMMs are torch's
-    grouped GEMM (`_grouped_mm_experts`); else this module's grouped kernels, five launches."""
+    returns `[N, H]` in x's dtype (0 for a token with no local expert). Five launches, capturable."""
     if x.dim() != 2 or ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise MoeKernelError(f"x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
     if ids.dtype != torch.int64 or weights.dtype != torch.float32:
@@ -359,8 +320,6 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     if n == 0:
         return out
     ids, weights = ids.contiguous(), weights.contiguous()
-    if grouped_mm_min_tokens and n >= grouped_mm_min_tokens and grouped_mm_fits(x, w13, w2):
-        return _grouped_mm_experts(x, ids, weights, w13, w2, first_expert, out)
     sorted_pairs, counts = group_by_expert(ids, e_local, first_expert)
     y = grouped_swiglu(x, sorted_pairs, counts, w13, w2, n * k, top_k=k, configs=configs)
     block_h = min(1024, triton.next_power_of_2(h))

@@ -2,8 +2,7 @@
 (`modeling/ops/moe_ref.py`) in bf16 and fp32 at 1..2048 tokens on the Qwen3-30B-A3B layer shape and a small one,
 eager and inside a CUDA graph replayed with new inputs and new routing (one graph serves every expert load, and
 its replay equals the eager call bitwise); the EP layout (other ranks' experts and -1 slots contribute zero); the
-packed DeepEP layout; the path through torch's grouped GEMM (bf16, eager, replayed, EP); the one-launch router
-(`modeling/ops/triton_router.py`) equal to `modeling.moe.route` eager and
+packed DeepEP layout; the one-launch router (`modeling/ops/triton_router.py`) equal to `modeling.moe.route` eager and
 replayed with new logits; and qwen3-moe-small through the rank's decode graphs: greedy tokens equal to the torch
 reference path for 64 steps in fp32, teacher-forced agreement in bf16, graph == bucket-padded eager bitwise."""
 import numpy as np
@@ -111,47 +110,6 @@ def test_fp32_graph_replay(n):
         x.copy_(x2), ids.copy_(ids2), w.copy_(w2_)
         graph.replay()
         _close(y, _reference(x, ids, w, w13, w2), dtype)
-
-
-@pytest.mark.parametrize("n", [64, 512, 2048])
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_grouped_mm_path_equals_reference_eager_and_replayed(name, n):
-    """`routed_experts` through torch's grouped GEMM (`grouped_mm_min_tokens=1`) in bf16: close to the reference
-    and to the Triton grouped path, then captured in a CUDA graph and replayed with new inputs and routing
-    (every kind, EP holes included): graph == eager bitwise."""
-    from modeling.ops.triton_moe import grouped_mm_fits, routed_experts
-
-    shape, dtype = SHAPES[name], torch.bfloat16
-    w13, w2 = _weights(shape, dtype, seed=9)
-    x, ids, w = _inputs(shape, n, dtype, "skewed", seed=10)
-    assert grouped_mm_fits(x, w13, w2)
-    got = routed_experts(x, ids, w, w13, w2, grouped_mm_min_tokens=1)
-    _close(got, _reference(x, ids, w, w13, w2), dtype)
-    _close(got, routed_experts(x, ids, w, w13, w2), dtype)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = routed_experts(x, ids, w, w13, w2, grouped_mm_min_tokens=1)
-    for seed, kind in enumerate(ROUTINGS):
-        x2, ids2, w2_ = _inputs(shape, n, dtype, kind, seed=seed + 40)
-        x.copy_(x2), ids.copy_(ids2), w.copy_(w2_)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, routed_experts(x, ids, w, w13, w2, grouped_mm_min_tokens=1)), kind
-        _close(y, _reference(x, ids, w, w13, w2), dtype)
-
-
-def test_grouped_mm_path_on_the_ep_layout():
-    """EP rank 1 of 2: pairs on rank 0's experts and -1 slots contribute zero through the grouped GEMM too."""
-    from modeling.ops.triton_moe import routed_experts
-
-    shape, dtype = SHAPES["qwen3-30b-a3b"], torch.bfloat16
-    w13, w2 = _weights(shape, dtype, seed=11)
-    local13, local2 = w13[64:].contiguous(), w2[64:].contiguous()
-    x, ids, w = _inputs(shape, 512, dtype, "holes", seed=12)
-    ids[0] = torch.arange(shape[3], device="cuda")
-    got = routed_experts(x, ids, w, local13, local2, first_expert=64, grouped_mm_min_tokens=1)
-    _close(got, _reference(x, ids, w, local13, local2, first=64), dtype)
-    assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
 def _router_logits(n, e, dtype, seed):

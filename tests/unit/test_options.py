@@ -25,7 +25,6 @@ def test_defaults_without_any_variable():
 def test_every_variable_reaches_its_field():
     env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0",
            "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_MOE_ROUTE_KERNEL": "0",
-           "GRAPHLINE_MOE_GROUPED_MM_TOKENS": "256",
            "GRAPHLINE_TP_ALLREDUCE": "symm",
            "GRAPHLINE_TP_FUSED_KIND": "pull", "GRAPHLINE_TP_FUSED_NORM": "0",
            "GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK": "128",
@@ -34,7 +33,7 @@ def test_every_variable_reaches_its_field():
     assert set(env) == set(OPTION_VARIABLES)
     k, c, d = options_from_environ(env)
     assert k == KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=2,
-                              measure_projections=False, moe_route_kernel=False, moe_grouped_mm_min_tokens=256)
+                              measure_projections=False, moe_route_kernel=False)
     assert c == CommOptions(tp_allreduce="symm", tp_fused_kind="pull", tp_fused_norm=False,
                             deepep_max_tokens_per_rank=128)
     assert d == DriverOptions(step_path="plain", poll_s=0.001, step_trace=True, step_profile="/tmp/prof")
@@ -48,8 +47,6 @@ def test_every_variable_reaches_its_field():
     ("GRAPHLINE_DRIVER_POLL_S", "soon", r"GRAPHLINE_DRIVER_POLL_S='soon'"),
     ("GRAPHLINE_DRIVER_POLL_S", "-1", r"GRAPHLINE_DRIVER_POLL_S=-1.0 must be a number of seconds >= 0"),
     ("GRAPHLINE_STEP_TRACE", "true", r"GRAPHLINE_STEP_TRACE='true': use 1 .* or 0"),
-    ("GRAPHLINE_MOE_GROUPED_MM_TOKENS", "many", r"GRAPHLINE_MOE_GROUPED_MM_TOKENS='many' is not an integer"),
-    ("GRAPHLINE_MOE_GROUPED_MM_TOKENS", "-5", r"GRAPHLINE_MOE_GROUPED_MM_TOKENS=-5 must be an integer >= 0"),
 ])
 def test_a_bad_variable_is_named_with_its_choices(name, raw, match):
     with pytest.raises(ValueError, match=match):
@@ -75,7 +72,7 @@ def test_options_are_frozen_and_checked():
 def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     pytest.importorskip("triton", reason="the Triton backend's modules need triton")
     from modeling.ops import (KernelOps, get_kernel_ops, pdl, triton_attention, triton_gemm, triton_gemm_measure,
-                              triton_moe, triton_router)
+                              triton_router)
 
     monkeypatch.setattr(pdl, "_INTERPRETED", False)
     monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: True)
@@ -93,10 +90,6 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.moe_route.func is triton_router.route_topk and ops.moe_route.keywords == {"pdl": 2}  # the default
     off = get_kernel_ops(dev, "triton", KernelOptions(moe_route_kernel=False))
     assert off.moe_route is None  # torch's routing
-    assert ops.moe_routed.func is triton_moe.routed_experts
-    assert ops.moe_routed.keywords == {"grouped_mm_min_tokens": 0}  # off by default
-    assert get_kernel_ops(dev, "triton", KernelOptions(moe_grouped_mm_min_tokens=512)).moe_routed.keywords == {
-        "grouped_mm_min_tokens": 512}
     opts = KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=3, moe_route_kernel=True)
     ops = get_kernel_ops(dev, "triton", opts)
     assert ops.options == opts and ops.prologue_norm_max_tokens == 0
