@@ -39,7 +39,7 @@ class KernelOptions:
     moe_route_kernel: MoE routing (softmax, top-k, renormalisation) in one Triton launch (`triton_router`) instead of
     torch's five kernels (the default; its teacher-forced agreement equals torch routing's over six prompt seeds,
     `bench.moe_router_agreement`, docs/benchmarks.md, twentieth session).
-    prefill_sdpa: eager prefill steps run their long sequences (`sdpa_prefill.SDPA_MIN_TOKENS` new tokens and up)
+    prefill_sdpa: prefill steps run their long sequences (`sdpa_prefill.SDPA_MIN_PAIRS` attended pairs and up) eagerly
     through cuDNN's fused attention over gathered K/V instead of the paged Triton kernel (`modeling.ops.sdpa_prefill`;
     `python -m bench.prefill_attn_tune`, docs/benchmarks.md, twenty-third session)."""
 

@@ -3,10 +3,12 @@
 The paged prefill kernel (`triton_prefill`) runs at 270-360 TFLOP/s on an H100 at 2048-8192 tokens; cuDNN's
 attention runs the same causal attention at 420-620 (`python -m bench.prefill_attn_tune`, docs/benchmarks.md,
 twenty-third session). It needs contiguous K/V and host-known lengths, so it serves eager steps only (the
-piecewise plans' attention boundary, where long prompts and their chunks run), never a captured graph.
+piecewise plans' attention boundary), never a captured graph: a step with a long sequence is kept out of the full
+prefill graphs for it (`PrefillGraphBuffersMixin.supports_prefill_graph`).
 
 `prefill_attention_by_sequence` keeps the signature of `prefill_attention` plus the step's host copies of the
-lengths (`AttentionMetadata.host_lens`). Sequences with at least `min_tokens` new tokens go one by one:
+lengths (`AttentionMetadata.host_lens`). Sequences whose causal prefill attends at least `min_pairs` (query, key)
+pairs (`long_sequences`) go one by one:
 1. their K/V pages are gathered (`index_select` over the block-table row) into contiguous `[Hkv, kv_len, D]`;
 2. without history: one causal attention of the new tokens;
 3. with history (a chunk of a long prompt): a non-causal attention over the history and a causal one over the new
@@ -28,7 +30,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-SDPA_MIN_TOKENS = 256  # new tokens from which a sequence leaves the paged kernel (cuDNN wins from 512 measured)
+# (query, key) pairs of a sequence's causal prefill from which it leaves the paged kernel: on an H100 the split's
+# fixed cost (~100 us of gathers, copies and cuDNN's host work) lost at 2048 new tokens with no history (2.1M pairs)
+# and broke even at 2048 after 6144 (14.7M); it won 1.26-1.43x from 8192 fresh tokens (33.6M) and 1.26-1.68x at
+# 4096 after 12288-28672 (docs/benchmarks.md, twenty-third session).
+SDPA_MIN_PAIRS = 24_000_000
 BACKENDS = ("cudnn", "flash", "math")
 _GQA_NATIVE: dict[tuple[str, int], bool] = {}  # (backend, group) -> takes fewer K/V heads; learnt at first use
 
@@ -102,17 +108,31 @@ def sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return out[0].transpose(0, 1)
 
 
+def attended_pairs(q_lens, kv_lens):
+    """(query, key) pairs of each sequence's causal prefill: q_len new tokens after kv_len - q_len cached ones
+    (numpy or torch integer arrays; int64 arithmetic)."""
+    q = q_lens.astype(np.int64) if isinstance(q_lens, np.ndarray) else q_lens.long()
+    kv = kv_lens.astype(np.int64) if isinstance(kv_lens, np.ndarray) else kv_lens.long()
+    return q * (kv - q) + q * (q + 1) // 2
+
+
+def long_sequences(host: Sequence[np.ndarray], min_pairs: int = SDPA_MIN_PAIRS) -> np.ndarray:
+    """Indices of the sequences `prefill_attention_by_sequence` sends through cuDNN; host = (q_start, q_seqlens,
+    kv_seqlens) numpy `[B]`."""
+    return np.flatnonzero(attended_pairs(host[1], host[2]) >= min_pairs)
+
+
 def prefill_attention_by_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   q_start_loc: torch.Tensor, q_seqlens: torch.Tensor, kv_seqlens: torch.Tensor,
                                   block_tables: torch.Tensor, scale: float, *, host: Sequence[np.ndarray],
                                   fallback: Callable[..., torch.Tensor], max_q_seqlen: int | None = None,
-                                  backend: str = "cudnn", min_tokens: int = SDPA_MIN_TOKENS) -> torch.Tensor:
+                                  backend: str = "cudnn", min_pairs: int = SDPA_MIN_PAIRS) -> torch.Tensor:
     """`prefill_attention` (same arguments and result: `[T, Hq, D]`, rows past the real tokens zero) with the
-    sequences of at least `min_tokens` new tokens through `sequence_attention` and the others through `fallback`
+    `long_sequences` through `sequence_attention` and the others through `fallback`
     (the paged kernel, `prefill_attention`'s signature). `host`: (q_start_loc, q_seqlens, kv_seqlens) on the host,
     numpy int32 `[B]` equal to the device tensors (`AttentionMetadata.host_lens`). On the current stream; eager only (under capture everything takes `fallback`)."""
     host_start, q_lens, host_kv = host
-    long = np.flatnonzero(q_lens >= min_tokens)
+    long = long_sequences(host, min_pairs)
     usable = k_cache.dtype in (torch.bfloat16, torch.float16) and not (
         q.is_cuda and torch.cuda.is_current_stream_capturing())
     if long.size == 0 or not usable:
@@ -121,9 +141,11 @@ def prefill_attention_by_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if long.size == q_lens.size:
         out = torch.zeros((q.shape[0], q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
     else:
-        short_lens = torch.where(q_seqlens >= min_tokens, 0, q_seqlens).to(q_seqlens.dtype)
-        out = fallback(q, k_cache, v_cache, q_start_loc, short_lens, kv_seqlens, block_tables, scale,
-                       max_q_seqlen=int(q_lens[q_lens < min_tokens].max()))
+        short_lens = torch.where(attended_pairs(q_seqlens, kv_seqlens) >= min_pairs, 0, q_seqlens)
+        short = np.ones(q_lens.size, dtype=bool)
+        short[long] = False
+        out = fallback(q, k_cache, v_cache, q_start_loc, short_lens.to(q_seqlens.dtype), kv_seqlens, block_tables,
+                       scale, max_q_seqlen=int(q_lens[short].max()))
     for i in long.tolist():
         start, length = int(host_start[i]), int(q_lens[i])
         out[start:start + length] = sequence_attention(q[start:start + length], k_cache, v_cache, block_tables[i],
@@ -131,5 +153,5 @@ def prefill_attention_by_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     return out
 
 
-__all__ = ["BACKENDS", "SDPA_MIN_TOKENS", "attend", "merge", "prefill_attention_by_sequence",
-           "sequence_attention"]
+__all__ = ["BACKENDS", "SDPA_MIN_PAIRS", "attend", "attended_pairs", "long_sequences", "merge",
+           "prefill_attention_by_sequence", "sequence_attention"]

@@ -25,7 +25,7 @@ from modeling.ops.triton_store import store_kv
 from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
 
 # query-length bounds that reach each of `prefill_config`'s tile configs
-_PREFILL_BOUNDS = (16, 64, 128)
+_PREFILL_BOUNDS = (16, 64, 513)
 
 
 def attention_warm_up_calls(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, scale: float, *,

@@ -12,7 +12,8 @@ import torch
 from modeling.attention import paged_attention
 from modeling.attn_metadata import HostLens, SequenceSlice, build_step
 from modeling.ops import attention_ref, get_kernel_ops
-from modeling.ops.sdpa_prefill import attend, merge, prefill_attention_by_sequence
+from modeling.ops.sdpa_prefill import (SDPA_MIN_PAIRS, attend, attended_pairs, long_sequences, merge,
+                                       prefill_attention_by_sequence)
 
 PAGE, HKV, D = 16, 2, 32
 
@@ -39,7 +40,7 @@ def _args(q, kc, vc, meta):
 
 @pytest.mark.parametrize("hq", [2, 4])
 def test_long_sequences_split_out_equal_the_paged_reference(hq):
-    # a prompt alone, a chunk after history, a short chunk and a decode row in one mixed step
+    # a prompt alone (820 pairs), a chunk after history (2211), a short chunk (50) and a decode row (71)
     q, kc, vc, meta = _step([(0, 40), (50, 33), (7, 5), (70, 1)], hq)
     seen = []
 
@@ -48,7 +49,7 @@ def test_long_sequences_split_out_equal_the_paged_reference(hq):
         return attention_ref.prefill_attention(*a, **kw)
 
     out = prefill_attention_by_sequence(*_args(q, kc, vc, meta), host=meta.host_lens, fallback=fallback,
-                                        max_q_seqlen=meta.max_q_seqlen, backend="math", min_tokens=32)
+                                        max_q_seqlen=meta.max_q_seqlen, backend="math", min_pairs=500)
     ref = attention_ref.prefill_attention(*_args(q, kc, vc, meta), max_q_seqlen=meta.max_q_seqlen)
     assert seen == [[0, 0, 5, 1]]  # the paged path ran only the short sequences
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
@@ -64,10 +65,10 @@ def test_every_sequence_long_skips_the_paged_path_and_short_ones_take_it_whole()
         return attention_ref.prefill_attention(*a, **kw)
 
     args = _args(q, kc, vc, meta)
-    out = prefill_attention_by_sequence(*args, host=meta.host_lens, fallback=fallback, backend="math", min_tokens=32)
+    out = prefill_attention_by_sequence(*args, host=meta.host_lens, fallback=fallback, backend="math", min_pairs=500)
     assert calls == []
     torch.testing.assert_close(out.float(), attention_ref.prefill_attention(*args).float(), atol=2e-2, rtol=2e-2)
-    out = prefill_attention_by_sequence(*args, host=meta.host_lens, fallback=fallback, backend="math", min_tokens=64)
+    out = prefill_attention_by_sequence(*args, host=meta.host_lens, fallback=fallback, backend="math", min_pairs=2000)
     assert len(calls) == 1 and calls[0][4] is meta.q_seqlens  # nothing long: the plain paged call
     torch.testing.assert_close(out, attention_ref.prefill_attention(*args))
 
@@ -76,7 +77,7 @@ def test_fp32_caches_take_the_paged_path():
     q, kc, vc, meta = _step([(0, 40)], 2)
     args = (q.float(), kc.float(), vc.float(), *_args(q, kc, vc, meta)[3:])
     calls = []
-    out = prefill_attention_by_sequence(*args, host=meta.host_lens, backend="math", min_tokens=8,
+    out = prefill_attention_by_sequence(*args, host=meta.host_lens, backend="math", min_pairs=8,
                                         fallback=lambda *a, **kw: calls.append(1) or attention_ref.prefill_attention(
                                             *a, **kw))
     assert calls == [1]
@@ -116,7 +117,7 @@ def test_paged_attention_takes_the_split_when_the_ops_have_it():
     def by_sequence(*a, **kw):
         taken.append(kw["host"])
         return prefill_attention_by_sequence(*a, **kw, fallback=attention_ref.prefill_attention, backend="math",
-                                             min_tokens=32)
+                                             min_pairs=500)
 
     split_ops = dataclasses.replace(ops, store_kv=lambda *a: None, prefill_by_sequence=by_sequence)
     out = paged_attention(q, k, k, [(kc, vc)], 0, meta, D ** -0.5, split_ops)
@@ -126,3 +127,36 @@ def test_paged_attention_takes_the_split_when_the_ops_have_it():
     no_host = dataclasses.replace(meta, host_lens=None)  # e.g. a graph's bucket metadata: the paged path
     paged_attention(q, k, k, [(kc, vc)], 0, no_host, D ** -0.5, split_ops)
     assert len(taken) == 1
+
+
+def test_pairs_pick_the_long_sequences_alike_on_host_and_device():
+    q = np.array([2048, 2048, 8192, 1, 4096], dtype=np.int32)
+    kv = np.array([2048, 2048 + 6144, 8192, 30000, 4096 + 12288], dtype=np.int32)
+    pairs = attended_pairs(q, kv)
+    assert pairs.tolist() == [2048 * 2049 // 2, 2048 * 6144 + 2048 * 2049 // 2, 8192 * 8193 // 2, 30000,
+                              4096 * 12288 + 4096 * 4097 // 2]
+    assert attended_pairs(torch.from_numpy(q), torch.from_numpy(kv)).tolist() == pairs.tolist()
+    # measured (H100): 2048 fresh and 2048 after 6144 stay on the paged kernel, 8192 fresh and 4096 after 12288 go
+    assert long_sequences((np.zeros(5, np.int32), q, kv)).tolist() == [2, 4]
+    assert long_sequences((np.zeros(5, np.int32), q, kv), SDPA_MIN_PAIRS * 100).size == 0
+
+
+def test_steps_with_a_long_sequence_stay_out_of_the_full_prefill_graphs():
+    from types import SimpleNamespace
+
+    from modeling.prefill_buffers import PrefillGraphBuffersMixin
+
+    class Model(PrefillGraphBuffersMixin):
+        def __init__(self, ops):
+            self.attn_ops, self.ctx, self.layers = ops, SimpleNamespace(tp_size=1, ep_size=1), []
+
+    def step(hist: int, new: int):
+        _, _, meta = build_step([SequenceSlice([1] * new, hist, list(range(1, 2 + (hist + new) // PAGE)))], PAGE,
+                                "cpu")
+        return SimpleNamespace(mrope_position_ids=None, state_ids=None, attn_metadata=meta)
+
+    ops = dataclasses.replace(get_kernel_ops("cpu"), capturable=True)
+    split = Model(dataclasses.replace(ops, prefill_by_sequence=prefill_attention_by_sequence))
+    assert split.supports_prefill_graph(step(0, 2048))
+    assert not split.supports_prefill_graph(step(12288, 2048))  # 29.3M pairs: cuDNN in the piecewise plans
+    assert Model(ops).supports_prefill_graph(step(12288, 2048))  # option off: the graph as before
