@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import itertools
 
-import numpy as np
 import torch
 
 from bench.common import machine, write_json
@@ -41,19 +40,6 @@ def _graph_us(fn, replays: int = 10) -> float:
     return s.elapsed_time(e) * 1e3 / replays
 
 
-def _eager_us(fn, iters: int = 10) -> float:
-    """Eager calls back to back (host work included), microseconds per call."""
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) * 1e3 / iters
-
-
 def _case(text: str) -> tuple[int, int]:
     new, _, hist = text.partition("@")
     return int(new), int(hist or 0)
@@ -73,13 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-ns", default="32,64,128")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3,4")
-    ap.add_argument("--split-backends", default="cudnn,flash",
-                    help="`sdpa_prefill` backends timed eagerly beside the paged kernel (\"\": none)")
-    ap.add_argument("--no-sweep", action="store_true", help="only the default config and the split backends")
+    ap.add_argument("--no-sweep", action="store_true", help="only the default config (and SDPA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from modeling.attn_metadata import HostLens
-    from modeling.ops.sdpa_prefill import prefill_attention_by_sequence
     from modeling.ops.triton_prefill import PrefillConfig, prefill_attention, prefill_config
 
     dev = torch.device("cuda", 0)
@@ -138,27 +120,12 @@ def main(argv: list[str] | None = None) -> None:
                 diff = (sdpa()[0].transpose(0, 1).float() - ref.float()).abs().max().item()
                 sdpa_us = _graph_us(sdpa)
                 row.update(sdpa_us=sdpa_us, sdpa_max_abs=diff)
-            host = HostLens(np.zeros(1, np.int32), np.array([new], np.int32), np.array([kv_len], np.int32))
-            eager = {"paged": _eager_us(lambda: run(default))}
-            for backend in (b for b in args.split_backends.split(",") if b):
-                def split(backend=backend):
-                    return prefill_attention_by_sequence(q, kc, vc, q_start, q_lens, kv_lens, table, scale, host=host,
-                                                         fallback=prefill_attention, max_q_seqlen=new,
-                                                         backend=backend, min_tokens=1)
-                try:
-                    row[f"split_{backend}_max_abs"] = (split().float() - ref.float()).abs().max().item()
-                    eager[backend] = _eager_us(split)
-                except Exception as exc:  # noqa: BLE001 - a backend this torch or GPU lacks is reported, not fatal
-                    print(f"    split {backend}: {type(exc).__name__} {str(exc)[:160]}", flush=True)
-            row.update(best=list(best[1].__dict__.values()), best_us=best[0], eager_us=eager)
+            row.update(best=list(best[1].__dict__.values()), best_us=best[0])
             rows.append(row)
             sd = f"{sdpa_us:8.1f} ({flops / sdpa_us / 1e6:5.0f})" if sdpa_us else "-"
             print(f"{heads:>6} {text:>10}  default {tuple(default.__dict__.values())} {base_us:8.1f} "
                   f"({flops / base_us / 1e6:5.0f})  best {tuple(best[1].__dict__.values())} {best[0]:8.1f} "
                   f"({flops / best[0] / 1e6:5.0f})  sdpa {sd}", flush=True)
-            print("        eager: " + "  ".join(f"{k} {v:.1f} ({flops / v / 1e6:.0f})" for k, v in eager.items())
-                  + "  max abs vs paged: " + "  ".join(f"{k[6:-8]} {v:.3g}" for k, v in row.items()
-                                                      if k.startswith("split_")), flush=True)
     write_json(args.out, dict(machine=machine(), args=vars(args), rows=rows))
 
 

@@ -58,8 +58,7 @@ def paged_attention(
     (`ops.store_kv`). With it, q/k are RAW: `ops.qk_norm_rope_store` normalises and rotates q and k
     (all T rows of q) and stores the real tokens' K/V in the same kernel. Then the operator attends
     into `kv_caches[layer_idx]`, the kernel picked from live metadata: decode (one token per
-    sequence) or prefill (causal over history + new tokens, also mixed batches; with the metadata's host lengths
-    and `ops.prefill_by_sequence`, long sequences through cuDNN).
+    sequence) or prefill (causal over history + new tokens, also mixed batches).
     Returns `[attn_metadata.num_tokens, Hq, D]`.
     """
     n = attn_metadata.num_tokens
@@ -72,12 +71,10 @@ def paged_attention(
     q = q[:n]
     if attn_metadata.is_decoding:
         return ops.decode_attention(q, k_cache, v_cache, attn_metadata.block_tables, attn_metadata.kv_seqlens, scale)
-    args = (q, k_cache, v_cache, attn_metadata.q_start_loc, attn_metadata.q_seqlens, attn_metadata.kv_seqlens,
-            attn_metadata.block_tables, scale)
-    host = getattr(attn_metadata, "host_lens", None)
-    if ops.prefill_by_sequence is not None and host is not None:
-        return ops.prefill_by_sequence(*args, host=host, max_q_seqlen=attn_metadata.max_q_seqlen)
-    return ops.prefill_attention(*args, max_q_seqlen=attn_metadata.max_q_seqlen)
+    return ops.prefill_attention(
+        q, k_cache, v_cache, attn_metadata.q_start_loc, attn_metadata.q_seqlens, attn_metadata.kv_seqlens,
+        attn_metadata.block_tables, scale, max_q_seqlen=attn_metadata.max_q_seqlen,
+    )
 
 
 # The output feeds only the next captured piece (o_proj), so its bridge storage is recycled after it.

@@ -7,7 +7,7 @@ in a global). Lifetime: one forward step. All tensors live on the step's device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -15,15 +15,6 @@ import torch
 
 class MetadataError(ValueError):
     """A batch description is inconsistent (lengths, block tables, capacity)."""
-
-
-class HostLens(NamedTuple):
-    """Host copies (numpy int32 `[B]`) of a step's q_start_loc, q_seqlens and kv_seqlens, for eager operators that
-    split their work by sequence (`modeling.ops.sdpa_prefill`) without reading the device."""
-
-    q_start: np.ndarray
-    q_seqlens: np.ndarray
-    kv_seqlens: np.ndarray
 
 
 @dataclass
@@ -39,9 +30,6 @@ class AttentionMetadata:
     slot_mapping: int64 `[num_tokens]` flat cache slot of each token; -1 = do not store.
     last_token_index: int64 `[B]` flat index of each sequence's last token.
     max_q_seqlen, max_kv_seqlen: host ints, upper bounds used for eager kernel grids.
-    host_lens: the per-sequence fields on the host (`HostLens`), set for prefill and mixed steps built from host
-        arrays; None for decode steps and for metadata viewing a graph's static buffers (their values change under
-        the same object).
     """
 
     is_decoding: bool
@@ -54,7 +42,6 @@ class AttentionMetadata:
     max_q_seqlen: int
     max_kv_seqlen: int
     block_size: int
-    host_lens: Optional[HostLens] = None
 
     @property
     def batch_size(self) -> int:
@@ -166,7 +153,6 @@ def build_step_from_arrays(
         max_q_seqlen=1 if decoding else int(q_lens.max()),
         max_kv_seqlen=int(kv_lens.max()),
         block_size=block_size,
-        host_lens=None if decoding else HostLens(starts, q_lens.copy(), kv_lens),
     )
     return ids, positions, meta
 

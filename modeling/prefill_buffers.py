@@ -26,7 +26,6 @@ import torch
 from modeling.attn_metadata import HostPrefillMetadata
 from modeling.cudagraph import bucket_step
 from modeling.moe import SparseMoeBlock
-from modeling.ops.sdpa_prefill import long_sequences
 
 _TOKEN_FIELDS = (("input_ids", 0), ("position_ids", 0), ("slot_mapping", -1))
 _SEQ_FIELDS = ("q_seqlens", "kv_seqlens", "q_start_loc", "last_token_index")
@@ -41,9 +40,6 @@ class PrefillGraphBuffersMixin:
         the routed-expert kernel (device-side grouping at every size; the torch paths sync with the host)."""
         if step.mrope_position_ids is not None or step.state_ids is not None:
             return False
-        host = getattr(step.attn_metadata, "host_lens", None)
-        if host is not None and self.attn_ops.prefill_by_sequence is not None and long_sequences(host).size:
-            return False  # its long sequence runs faster through cuDNN, in the piecewise plans' eager attention
         capable = self.__dict__.get("_prefill_graph_capable")
         if capable is None:  # facts of the model, not of the step: decided once, not on every prefill step
             capable = self._prefill_graph_capable = (

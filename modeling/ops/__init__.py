@@ -55,9 +55,6 @@ class KernelOps:
     # projections' fallbacks outside capture (`triton_gemm_measure`), each measured in the form the model runs it;
     # nothing to choose for the torch backend or with the option off.
     measure_projections: Callable = lambda shapes, device, dtype, forms=None: {}
-    # `prefill_attention` plus `host=` (the step's `AttentionMetadata.host_lens`): long sequences through cuDNN
-    # (`sdpa_prefill.prefill_attention_by_sequence`), or None: every prefill takes `prefill_attention`.
-    prefill_by_sequence: Callable | None = None
 
 
 def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, linear_add_rms_norm: Callable,
@@ -109,8 +106,8 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto",
 
 
 def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
-    from modeling.ops import (sdpa_prefill, triton_attention, triton_fused, triton_gemm, triton_gemm_measure,
-                               triton_gemv, triton_moe, triton_router)
+    from modeling.ops import (triton_attention, triton_fused, triton_gemm, triton_gemm_measure, triton_gemv, triton_moe,
+                               triton_router)
     from modeling.ops.pdl import pdl_mode
 
     pdl, gemv, single = pdl_mode(dev, options.pdl), options.gemv, options.decode_single_launch
@@ -133,6 +130,4 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts,
         moe_route=bind(triton_router.route_topk, pdl=pdl) if options.moe_route_kernel else None,
         measure_projections=measure,
-        prefill_by_sequence=(bind(sdpa_prefill.prefill_attention_by_sequence,
-                                  fallback=triton_attention.prefill_attention) if options.prefill_sdpa else None),
         options=options)

@@ -15,7 +15,6 @@ DECODE_SINGLE_LAUNCH_ENV = "GRAPHLINE_DECODE_SINGLE_LAUNCH"
 COMPILE_THREADS_ENV = "GRAPHLINE_COMPILE_THREADS"
 PROJECTION_MEASURE_ENV = "GRAPHLINE_PROJECTION_MEASURE"
 MOE_ROUTE_KERNEL_ENV = "GRAPHLINE_MOE_ROUTE_KERNEL"
-PREFILL_SDPA_ENV = "GRAPHLINE_PREFILL_SDPA"
 PDL_CHOICES = ("0", "1", "early")
 # The decode GEMV serves models up to this hidden size. Above it (Qwen3-8B, 14B) its 1- and 2-row steps measured
 # slower than the same model's 3-row step through cuBLAS (docs/benchmarks.md, twentieth session).
@@ -38,10 +37,7 @@ class KernelOptions:
     neither measure nor read the cache, untuned shapes take the safe config.
     moe_route_kernel: MoE routing (softmax, top-k, renormalisation) in one Triton launch (`triton_router`) instead of
     torch's five kernels (the default; its teacher-forced agreement equals torch routing's over six prompt seeds,
-    `bench.moe_router_agreement`, docs/benchmarks.md, twentieth session).
-    prefill_sdpa: prefill steps run their long sequences (`sdpa_prefill.SDPA_MIN_PAIRS` attended pairs and up) eagerly
-    through cuDNN's fused attention over gathered K/V instead of the paged Triton kernel (`modeling.ops.sdpa_prefill`;
-    `python -m bench.prefill_attn_tune`, docs/benchmarks.md, twenty-third session)."""
+    `bench.moe_router_agreement`, docs/benchmarks.md, twentieth session)."""
 
     pdl: str = "early"
     gemv: bool = True
@@ -49,7 +45,6 @@ class KernelOptions:
     compile_threads: Optional[int] = None
     measure_projections: bool = True
     moe_route_kernel: bool = True
-    prefill_sdpa: bool = True
 
     def for_model(self, hidden_size: int) -> "KernelOptions":
         """The options a model of `hidden_size` runs with: the decode GEMV only up to GEMV_MAX_HIDDEN."""
@@ -63,7 +58,7 @@ class KernelOptions:
                                      "(the default)")
         for name, env in (("gemv", GEMV_ENV), ("decode_single_launch", DECODE_SINGLE_LAUNCH_ENV),
                           ("measure_projections", PROJECTION_MEASURE_ENV),
-                          ("moe_route_kernel", MOE_ROUTE_KERNEL_ENV), ("prefill_sdpa", PREFILL_SDPA_ENV)):
+                          ("moe_route_kernel", MOE_ROUTE_KERNEL_ENV)):
             if not isinstance(getattr(self, name), bool):
                 raise KernelOptionsError(f"{name} ({env}) must be a bool, got {getattr(self, name)!r}")
         n = self.compile_threads

@@ -25,7 +25,6 @@ def test_defaults_without_any_variable():
 def test_every_variable_reaches_its_field():
     env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0",
            "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_MOE_ROUTE_KERNEL": "0",
-           "GRAPHLINE_PREFILL_SDPA": "0",
            "GRAPHLINE_TP_ALLREDUCE": "symm",
            "GRAPHLINE_TP_FUSED_KIND": "pull", "GRAPHLINE_TP_FUSED_NORM": "0",
            "GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK": "128",
@@ -34,7 +33,7 @@ def test_every_variable_reaches_its_field():
     assert set(env) == set(OPTION_VARIABLES)
     k, c, d = options_from_environ(env)
     assert k == KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=2,
-                              measure_projections=False, moe_route_kernel=False, prefill_sdpa=False)
+                              measure_projections=False, moe_route_kernel=False)
     assert c == CommOptions(tp_allreduce="symm", tp_fused_kind="pull", tp_fused_norm=False,
                             deepep_max_tokens_per_rank=128)
     assert d == DriverOptions(step_path="plain", poll_s=0.001, step_trace=True, step_profile="/tmp/prof")
