@@ -75,3 +75,21 @@ def weight_copies(weight_bytes: int, min_bytes: int, max_copies: int) -> int:
     """How many copies of a weight a timing graph cycles through so L2 never holds it: enough for `min_bytes` in
     all, at least 2, at most `max_copies`."""
     return max(2, min(max_copies, -(-min_bytes // weight_bytes)))
+
+
+def graph_replay_us(fn: Callable[[], object], replays: int = 10) -> float:
+    """fn once eagerly, then captured in one CUDA graph; microseconds per replay of that graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(replays):
+        g.replay()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3 / replays

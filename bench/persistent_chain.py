@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.common import copy_bandwidth, machine, write_json
+from bench.common import copy_bandwidth, graph_replay_us, machine, write_json
 
 EPS = 1e-6
 
@@ -238,27 +238,6 @@ def max_resident(device: torch.device, h: torch.Tensor, cw: ChainWeights, bar: t
     return max(0, min(by_regs, by_smem, props.max_threads_per_multi_processor // threads))
 
 
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def time_graph(g: torch.cuda.CUDAGraph, replays: int) -> float:
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(replays):
-        g.replay()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) * 1e3 / replays
-
-
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -294,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     pdl = pdl_mode(dev)
     ref = kernel_chain(h0, cw, pdl)
     exact = reference_chain(h0, cw)
-    variants = {"kernels": graph_of(lambda: kernel_chain(h0, cw, pdl))}
+    variants = {"kernels": lambda: kernel_chain(h0, cw, pdl)}
     checks = {"kernels vs torch max abs": (ref.float() - exact.float()).abs().max().item()}
     for ctas in (int(v) for v in args.ctas.split(",")):
         if ctas > fits:
@@ -306,16 +285,16 @@ def main(argv: list[str] | None = None) -> None:
         checks[f"persistent {ctas} vs kernels max abs"] = (h.float() - ref.float()).abs().max().item()
         checks[f"persistent {ctas} vs torch max abs"] = (h.float() - exact.float()).abs().max().item()
         hp = h0.clone()
-        variants[f"persistent, {ctas} CTAs/SM"] = graph_of(lambda hp=hp, ctas=ctas: launch_chain(hp, cw, bar, ctas, **kw))
+        variants[f"persistent, {ctas} CTAs/SM"] = lambda hp=hp, ctas=ctas: launch_chain(hp, cw, bar, ctas, **kw)
         hb = h0.clone()
-        variants[f"barriers only, {ctas} CTAs/SM"] = graph_of(
+        variants[f"barriers only, {ctas} CTAs/SM"] = (
             lambda hb=hb, ctas=ctas: launch_chain(hb, cw, bar, ctas, work=False, **kw))
     for name, val in checks.items():
         print(f"   check {name}: {val:.4g}", flush=True)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, g in variants.items():
-            times[name].append(time_graph(g, args.replays))
+            times[name].append(graph_replay_us(g, args.replays))
     base = statistics.median(times["kernels"])
     rows = []
     print(f"{'variant':28} {'us/step':>9} {'us/layer':>9} {'x floor':>8} {'vs kernels':>10}")

@@ -17,27 +17,10 @@ import itertools
 
 import torch
 
-from bench.common import machine, write_json
+from bench.common import graph_replay_us, machine, write_json
 
 PAGE = 64
 D = 128
-
-
-def _graph_us(fn, replays: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(replays):
-        g.replay()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) * 1e3 / replays
 
 
 def _case(text: str) -> tuple[int, int]:
@@ -93,14 +76,14 @@ def main(argv: list[str] | None = None) -> None:
 
             default = prefill_config(new, D, torch.bfloat16)
             ref = run(default)
-            base_us = _graph_us(lambda: run(default))
+            base_us = graph_replay_us(lambda: run(default))
             row = dict(heads=heads, case=text, default=list(default.__dict__.values()), default_us=base_us,
                        default_tflops=flops / base_us / 1e6, configs=[])
             best = (base_us, default)
             for cfg in sweep:
                 try:
                     ok = torch.allclose(run(cfg).float(), ref.float(), atol=2e-2, rtol=2e-2)
-                    us = _graph_us(lambda cfg=cfg: run(cfg)) if ok else float("inf")
+                    us = graph_replay_us(lambda cfg=cfg: run(cfg)) if ok else float("inf")
                 except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is skipped
                     print(f"    {cfg}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
                     us = float("inf")
@@ -118,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                     return torch.nn.functional.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True)
 
                 diff = (sdpa()[0].transpose(0, 1).float() - ref.float()).abs().max().item()
-                sdpa_us = _graph_us(sdpa)
+                sdpa_us = graph_replay_us(sdpa)
                 row.update(sdpa_us=sdpa_us, sdpa_max_abs=diff)
             row.update(best=list(best[1].__dict__.values()), best_us=best[0])
             rows.append(row)
