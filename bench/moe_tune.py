@@ -17,25 +17,12 @@ import itertools
 
 import torch
 
-from bench.common import machine, write_json
+from bench.common import graph_replay_us, machine, write_json
 
 
 def _time(fn, copies: int, replays: int = 20) -> float:
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(replays):
-        g.replay()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) * 1e3 / replays / copies
+    """Microseconds per call of fn(i) over `copies` weight copies, all in one CUDA graph."""
+    return graph_replay_us(lambda: [fn(i) for i in range(copies)], replays) / copies
 
 
 @torch.inference_mode()

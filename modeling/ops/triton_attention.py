@@ -20,12 +20,12 @@ import torch
 from modeling.ops import triton_decode, triton_prefill
 from modeling.ops.triton_decode import (MAX_SPLITS, DecodeConfig, decode_attention, decode_config, decode_counters,
                                      device_sm_count)
-from modeling.ops.triton_prefill import PrefillConfig, prefill_attention, prefill_config
+from modeling.ops.triton_prefill import MID_MAX_Q, SMALL_MAX_Q, PrefillConfig, prefill_attention, prefill_config
 from modeling.ops.triton_store import store_kv
 from modeling.ops.warm_up import prime_kernel_caches, run_side_by_side
 
 # query-length bounds that reach each of `prefill_config`'s tile configs
-_PREFILL_BOUNDS = (16, 64, 513)
+_PREFILL_BOUNDS = (SMALL_MAX_Q, MID_MAX_Q, MID_MAX_Q + 1)
 
 
 def attention_warm_up_calls(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, scale: float, *,

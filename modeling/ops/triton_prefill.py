@@ -21,6 +21,11 @@ import triton.language as tl
 from modeling.ops.triton_decode import LOG2E
 
 
+# Upper query-length bounds of `prefill_config`'s bf16/fp16 tile tiers (the last tier has none); the warm-up compiles
+# one variant per tier from these (`triton_attention.attention_warm_up_calls`).
+SMALL_MAX_Q, MID_MAX_Q = 16, 512
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     """Static launch parameters of the prefill kernel."""
@@ -37,9 +42,9 @@ def prefill_config(max_q: int, head_dim: int, dtype: torch.dtype) -> PrefillConf
         return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
     if head_dim > 128:
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    if max_q <= 16:
+    if max_q <= SMALL_MAX_Q:
         return PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-    if max_q <= 512:
+    if max_q <= MID_MAX_Q:
         return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     # `python -m bench.prefill_attn_tune` on an H100 (docs/benchmarks.md, twenty-third session): 128 x 128 tiles beat
     # the former 128 x 64 by 3.5-13% from 2048 tokens up, with and without history; 64 x 64 led at 512
