@@ -35,7 +35,8 @@ class KernelOps:
     silu_mul_linear: Callable  # linear(silu_and_mul(x), w), fused where the backend can
     linear_add_rms_norm: Callable  # add_rms_norm(linear(x, w) or silu_mul_linear(x, w), residual, ...), one kernel where it can
     # (x, residual | None, norm_weight, eps, w, gated=) -> (linear(norm(x + residual), w), x + residual); gated:
-    # the first output is silu_and_mul'ed. One kernel where the backend can (the GEMV at 1-2 rows).
+    # the first output is silu_and_mul'ed. One kernel where the backend can (the GEMV up to
+    # `prologue_norm_max_tokens` rows).
     norm_linear: Callable
     capturable: bool
     # Up to this many tokens the model runs the norm before each projection inside it (`norm_linear`: the residual
@@ -106,11 +107,11 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto",
 
 
 def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
-    from modeling.ops import (triton_attention, triton_fused, triton_gemm, triton_gemm_measure, triton_gemv, triton_moe,
+    from modeling.ops import (triton_attention, triton_fused, triton_gemm, triton_gemm_measure, triton_moe,
                                triton_router)
     from modeling.ops.pdl import pdl_mode
 
-    pdl, gemv, single = pdl_mode(dev, options.pdl), options.gemv, options.decode_single_launch
+    pdl, gemv, single = pdl_mode(dev, options.pdl), options.gemv_max_rows(), options.decode_single_launch
     bind = functools.partial
     measure = (bind(triton_gemm_measure.measure_projection_fallbacks, gemv=gemv, pdl=pdl)
                if options.measure_projections else KernelOps.measure_projections)
@@ -124,7 +125,7 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         silu_mul_linear=bind(triton_gemm.silu_mul_linear, pdl=pdl, gemv=gemv),
         linear_add_rms_norm=bind(triton_gemm.linear_add_rms_norm, pdl=pdl, gemv=gemv),
         norm_linear=bind(triton_gemm.norm_linear, pdl=pdl, gemv=gemv), capturable=True,
-        prologue_norm_max_tokens=triton_gemv.GEMV_MAX_M if gemv else 0,
+        prologue_norm_max_tokens=gemv,
         warm_up_attention=bind(triton_attention.warm_up_attention, threads=options.compile_threads, pdl=pdl,
                                single_launch=single),
         moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts,

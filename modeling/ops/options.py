@@ -11,11 +11,13 @@ from typing import Optional
 
 PDL_ENV = "GRAPHLINE_PDL"
 GEMV_ENV = "GRAPHLINE_GEMV"
+GEMV_ROWS_ENV = "GRAPHLINE_GEMV_ROWS"
 DECODE_SINGLE_LAUNCH_ENV = "GRAPHLINE_DECODE_SINGLE_LAUNCH"
 COMPILE_THREADS_ENV = "GRAPHLINE_COMPILE_THREADS"
 PROJECTION_MEASURE_ENV = "GRAPHLINE_PROJECTION_MEASURE"
 MOE_ROUTE_KERNEL_ENV = "GRAPHLINE_MOE_ROUTE_KERNEL"
 PDL_CHOICES = ("0", "1", "early")
+GEMV_ROW_CHOICES = (1, 2, 3, 4)  # the decode GEMV kernel holds up to 4 rows (`triton_gemv`)
 # The decode GEMV serves models up to this hidden size. Above it (Qwen3-8B, 14B) its 1- and 2-row steps measured
 # slower than the same model's 3-row step through cuBLAS (docs/benchmarks.md, twentieth session).
 GEMV_MAX_HIDDEN = 2048
@@ -28,8 +30,10 @@ class KernelOptionsError(ValueError):
 @dataclass(frozen=True)
 class KernelOptions:
     """pdl: programmatic dependent launch on sm_90+ (`modeling.ops.pdl`): "0" off, "1", or "early" (the default).
-    gemv: the decode GEMV at 1-2 rows and the model's norm-first layout with it (`modeling.ops.triton_gemv`), for
-    models up to GEMV_MAX_HIDDEN wide (`for_model`; wider ones take cuBLAS or the skinny GEMM there).
+    gemv: the decode GEMV and the model's norm-first layout with it (`modeling.ops.triton_gemv`), for models up to
+    GEMV_MAX_HIDDEN wide (`for_model`; wider ones take cuBLAS or the skinny GEMM there).
+    gemv_rows: the most rows (decode tokens of a step) the GEMV serves, 1-4; larger steps take cuBLAS or the skinny
+    GEMM with the norm in their epilogue. `gemv_max_rows()` is what the kernels are bound with.
     decode_single_launch: split-KV decode attention combines its splits in the split kernel (False: two launches).
     compile_threads: threads compiling Triton variants at start-up; None: up to 8 of the rank's host cores.
     measure_projections: at warm-up, time cuBLAS against the safe skinny-GEMM config for every decode projection
@@ -41,6 +45,7 @@ class KernelOptions:
 
     pdl: str = "early"
     gemv: bool = True
+    gemv_rows: int = 2
     decode_single_launch: bool = True
     compile_threads: Optional[int] = None
     measure_projections: bool = True
@@ -52,7 +57,14 @@ class KernelOptions:
             return dataclasses.replace(self, gemv=False)
         return self
 
+    def gemv_max_rows(self) -> int:
+        """Rows up to which the decode GEMV serves a projection: `gemv_rows`, or 0 with the GEMV off."""
+        return self.gemv_rows if self.gemv else 0
+
     def __post_init__(self) -> None:
+        if isinstance(self.gemv_rows, bool) or self.gemv_rows not in GEMV_ROW_CHOICES:
+            raise KernelOptionsError(f"{GEMV_ROWS_ENV}={self.gemv_rows!r}: use one of "
+                                     f"{', '.join(map(str, GEMV_ROW_CHOICES))} (rows the decode GEMV serves)")
         if self.pdl not in PDL_CHOICES:
             raise KernelOptionsError(f"{PDL_ENV}={self.pdl!r}: use 0 (off), 1 (trigger after the wait) or early "
                                      "(the default)")

@@ -304,16 +304,16 @@ def _triton_config(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None, pdl: int = 0,
-           gemv: bool = True) -> torch.Tensor:
-    """`F.linear(x, weight)` for x `[..., K]`, weight `[N, K]`; the GEMV (`triton_gemv`) where it applies (1-2
-    rows, weights up to GEMV_MAX_N rows, x's dtype out), else the skinny Triton path when x is 2-D CUDA bf16/fp16
+           gemv: int = triton_gemv.GEMV_DEFAULT_ROWS) -> torch.Tensor:
+    """`F.linear(x, weight)` for x `[..., K]`, weight `[N, K]`; the GEMV (`triton_gemv`) where it applies (up to
+    `gemv` rows, weights up to GEMV_MAX_N rows, x's dtype out), else the skinny Triton path when x is 2-D CUDA bf16/fp16
     with rows <= SKINNY_MAX_M and weight has unit last stride. `out_dtype` (default x.dtype) is the output
     dtype; the Triton path writes it straight from the fp32 accumulator (fp32 logits), the `F.linear`
     fallback (larger M, fp32, CPU, strided weight) casts its x.dtype result. Call once per device before
     CUDA graph capture (allocates the split-K counters); same-device calls must be stream-ordered. `pdl`: the PDL
-    mode of every launch (`modeling.ops.pdl`); `gemv`: whether the GEMV may serve (`KernelOptions.gemv`), as in
-    every operator below."""
-    if gemv and (out_dtype is None or out_dtype == x.dtype) and triton_gemv.applies(x, weight):
+    mode of every launch (`modeling.ops.pdl`); `gemv`: the rows up to which the GEMV may serve
+    (`KernelOptions.gemv_max_rows()`, 0 = never), as in every operator below."""
+    if gemv and (out_dtype is None or out_dtype == x.dtype) and triton_gemv.applies(x, weight, gemv):
         return triton_gemv.gemv(x, weight, pdl=pdl)
     cfg = _triton_config(x, weight)
     if cfg is None:
@@ -322,7 +322,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     return linear_with_config(x if x.stride(1) == 1 else x.contiguous(), weight, cfg, out_dtype, pdl=pdl)
 
 
-def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, *, pdl: int = 0, gemv: bool = True) -> torch.Tensor:
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, *, pdl: int = 0,
+                    gemv: int = triton_gemv.GEMV_DEFAULT_ROWS) -> torch.Tensor:
     """`linear(silu_and_mul(x), weight)` for x `[M, 2K]` (gate then up), weight `[N, K]`: one kernel (the SiLU-gate
     in the GEMM's prologue, no `[M, K]` intermediate) where `linear` would take the Triton path, else the two
     operators. Same bits as the unfused pair: the prologue rounds like `silu_and_mul`."""
@@ -336,7 +337,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, *, pdl: int = 0, gemv
 
 def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                         eps: float, *, gated: bool = False, pdl: int = 0,
-                        gemv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        gemv: int = triton_gemv.GEMV_DEFAULT_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm(linear(x, weight), residual, norm_weight, eps)` (gated: `silu_mul_linear(x, weight)`):
     (normed `[M, N]`, sum `[M, N]`). One kernel where the GEMM takes the Triton path, M <= FUSED_NORM_MAX_M,
     N <= FUSED_NORM_MAX_N and residual/norm_weight match x's dtype; else the GEMM and `add_rms_norm` kernels.
@@ -360,16 +361,16 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, *, gated: bool = False, pdl: int = 0,
-                gemv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                gemv: int = triton_gemv.GEMV_DEFAULT_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual) * norm_weight, weight), x + residual): the projection with the residual add
     and RMSNorm before it (residual None: the norm of x, and x itself as the stream); gated: weight `[2N, K]`
     (gate then up) and the first output is silu_and_mul of the projection, `[M, N]`. One GEMV launch where
-    `triton_gemv.applies` (1-2 rows), residual `[M, K]` and norm_weight `[K]` matching x's dtype; else the norm,
-    linear and silu_and_mul kernels. Rounded like the unfused operators; fp32 sums may be ordered differently."""
+    `triton_gemv.applies` (up to `gemv` rows), residual `[M, K]` and norm_weight `[K]` matching x's dtype; else the
+    norm, linear and silu_and_mul kernels. Rounded like the unfused operators; fp32 sums may be ordered differently."""
     k = x.shape[-1]
     if gated and weight.shape[0] % 2:
         raise ValueError(f"norm_linear: gated weight {tuple(weight.shape)} needs an even number of rows (gate, up)")
-    if (gemv and triton_gemv.applies(x, weight) and norm_weight.shape == (k,) and norm_weight.dtype == x.dtype
+    if (gemv and triton_gemv.applies(x, weight, gemv) and norm_weight.shape == (k,) and norm_weight.dtype == x.dtype
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
         return triton_gemv.norm_gemv(x, residual, norm_weight, eps, weight, gated, pdl=pdl)
     if residual is None:

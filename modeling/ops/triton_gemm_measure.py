@@ -107,13 +107,15 @@ def time_candidates(n: int, k: int, mc: int, cfg: pc.Config, device: torch.devic
 
 
 def measure_projection_fallbacks(shapes: Iterable[tuple[int, int]], device: torch.device,
-                                 dtype: torch.dtype = torch.bfloat16, *, gemv: bool = True, pdl: int = 0,
+                                 dtype: torch.dtype = torch.bfloat16, *, gemv: int = triton_gemv.GEMV_DEFAULT_ROWS,
+                                 pdl: int = 0,
                                  cache_path: Optional[Path] = None, replays: int = 10,
                                  forms: Optional[Mapping[tuple[int, int], str]] = None) -> dict:
     """Choose and record (`projection_choice.resolve`) the fallback of every (N, K) in `shapes` x
     measured row class (`projection_choice.needs_choice`: not 32 or 64) not in the table nor chosen here
-    yet, skipping row class 1 where the GEMV serves (`gemv`: the bound `KernelOptions.gemv`, weights up
-    to GEMV_MAX_N rows). `pdl`: the PDL mode the skinny GEMM launches with;
+    yet, skipping the row classes the GEMV serves whole (classes up to `gemv`, the bound
+    `KernelOptions.gemv_max_rows()`; weights up to GEMV_MAX_N rows). `pdl`: the PDL mode the skinny GEMM launches
+    with;
     `cache_path` None: `projection_choice.default_cache_path()`; `forms`: {(N, K): form} of the shapes the model
     runs in another form than "plain" (`projection_choice.FORMS`, measured as `measured_form` says). Returns
     {(N, K, row class): Choice} of what it chose now; {} off CUDA or for dtypes the skinny GEMM lacks (it takes
@@ -125,7 +127,7 @@ def measure_projection_fallbacks(shapes: Iterable[tuple[int, int]], device: torc
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = triton_gemm._sm_count(index)
     wanted = [(n, k, mc) for n, k in shapes for mc in pc.ROW_CLASSES
-              if not (mc == 1 and gemv and n <= triton_gemv.GEMV_MAX_N)]
+              if not (mc <= gemv and n <= triton_gemv.GEMV_MAX_N)]
     context = pc.MeasureContext(gpu=torch.cuda.get_device_name(index), torch=torch.__version__,
                                 cuda=str(torch.version.cuda), triton=triton.__version__,
                                 dtype=str(dtype).removeprefix("torch."), pdl=pdl)

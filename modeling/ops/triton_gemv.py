@@ -17,10 +17,10 @@ Numerics: rounded at the points of the unfused operators (`triton_fused.add_rms_
 activation dtype before the GEMV, gate and up are rounded to it before the SiLU. The fp32 sums
 (sum of squares, dot products) are ordered differently from those kernels and from cuBLAS.
 
-The kernel takes up to 4 rows (M_PAD 1, 2, 4: rows broadcast against the weight tile); `applies` admits
-GEMV_MAX_M = 2, where it measured faster than the kernels it replaces (at 4 rows it was slower).
-`KernelOptions.gemv=False` (`GRAPHLINE_GEMV=0`) turns it off, and with it the model's norm-first layout, for A/B
-benchmarks: `linear` and `norm_linear` of `triton_gemm` take it as their `gemv` argument.
+The kernel takes up to GEMV_ROW_LIMIT = 4 rows (M_PAD 1, 2, 4: rows broadcast against the weight tile); `applies`
+admits up to its `max_rows` argument, `KernelOptions.gemv_max_rows()`: 2 by default (`GRAPHLINE_GEMV_ROWS`), where
+it measured faster than the kernels it replaces; 0 with `GRAPHLINE_GEMV=0`, which also turns off the model's
+norm-first layout. `linear` and `norm_linear` of `triton_gemm` take it as their `gemv` argument.
 
 Grid `(cdiv(N, BLOCK_N),)`, static, no host sync, no process-wide state: capturable anywhere.
 Launch configs come from `_CONFIGS` (measured, `python -m bench.gemv_tune`), keyed by (N, K,
@@ -38,7 +38,8 @@ import triton.language as tl
 
 from modeling.ops.pdl import PDL_LAUNCH, interpreted, pdl_launch_dependents, pdl_wait
 
-GEMV_MAX_M = 2  # measured faster than the layout it replaces at M = 1, 2; slower at 4 (bench.gemv_tune)
+GEMV_ROW_LIMIT = 4  # rows one program holds (M_PAD 1, 2, 4)
+GEMV_DEFAULT_ROWS = 2  # `KernelOptions.gemv_rows`' default: rows up to which the GEMV serves unless told otherwise
 GEMV_MAX_N = 32768  # wider weights (the LM head) stay on the skinny GEMM, which streams them near roofline
 NORM_NONE, NORM_RMS, NORM_ADD_RMS = 0, 1, 2
 
@@ -203,12 +204,13 @@ def config_for(n: int, k: int, m: int, norm: int, gated: bool) -> GemvConfig:
     return GemvConfig(*entry) if entry is not None else default_config(n, k, gated)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the GEMV serves x `[M, K]` @ weight^T: x 2-D with M <= GEMV_MAX_M rows and unit last stride, weight
-    2-D with unit last stride and at most GEMV_MAX_N rows (larger ones, the LM head, stay on the skinny GEMM),
-    both bf16 or both fp16 on one CUDA device (or any device under the Triton interpreter). Whether the GEMV is on
-    at all is the caller's `gemv` option."""
-    return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M and x.shape[1] == weight.shape[1]
+def applies(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_DEFAULT_ROWS) -> bool:
+    """Whether the GEMV serves x `[M, K]` @ weight^T: x 2-D with M <= min(max_rows, GEMV_ROW_LIMIT) rows and unit
+    last stride, weight 2-D with unit last stride and at most GEMV_MAX_N rows (larger ones, the LM head, stay on
+    the skinny GEMM), both bf16 or both fp16 on one CUDA device (or any device under the Triton interpreter).
+    `max_rows`: the caller's `gemv` option (`KernelOptions.gemv_max_rows()`, 0 = off)."""
+    return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= min(max_rows, GEMV_ROW_LIMIT)
+            and x.shape[1] == weight.shape[1]
             and weight.shape[0] <= GEMV_MAX_N and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device
             and (x.is_cuda or interpreted()))

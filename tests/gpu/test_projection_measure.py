@@ -21,10 +21,10 @@ def _own_fallbacks(monkeypatch):
     monkeypatch.setattr(pc, "_FALLBACKS", {})  # neither sees nor leaves another test's choices
 
 
-def _wanted(shapes, gemv=True):
+def _wanted(shapes, gemv=2):
     from modeling.ops.projection_choice import MEASURED_CLASSES
 
-    return {(n, k, mc) for n, k in shapes for mc in MEASURED_CLASSES if mc > 1 or not gemv or n > 32768}
+    return {(n, k, mc) for n, k in shapes for mc in MEASURED_CLASSES if mc > gemv or n > 32768}
 
 
 def test_measurement_records_every_untabled_shape_caches_it_and_linear_follows_it(tmp_path, monkeypatch):
@@ -66,8 +66,8 @@ def test_the_row_class_of_one_is_measured_where_the_gemv_is_off(tmp_path):
     from modeling.ops.triton_gemm_measure import measure_projection_fallbacks
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    done = measure_projection_fallbacks(SHAPES[:1], dev, gemv=False, cache_path=tmp_path / "c.json")
-    assert set(done) == _wanted(SHAPES[:1], gemv=False)
+    done = measure_projection_fallbacks(SHAPES[:1], dev, gemv=0, cache_path=tmp_path / "c.json")
+    assert set(done) == _wanted(SHAPES[:1], gemv=0)
 
 
 def test_measurement_refuses_a_capture_and_the_option_turns_it_off(tmp_path):
@@ -82,7 +82,7 @@ def test_measurement_refuses_a_capture_and_the_option_turns_it_off(tmp_path):
     assert off.measure_projections(SHAPES, dev, torch.bfloat16) == {} and pc.fallbacks() == {}
     on = get_kernel_ops(dev, "triton", KernelOptions(gemv=False))
     assert on.measure_projections.func is measure_projection_fallbacks
-    assert on.measure_projections.keywords == {"gemv": False, "pdl": pdl_mode(dev, "early")}
+    assert on.measure_projections.keywords == {"gemv": 0, "pdl": pdl_mode(dev, "early")}
     assert measure_projection_fallbacks(SHAPES, dev, dtype=torch.float32, cache_path=tmp_path / "c.json") == {}
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(ProjectionMeasureError):
@@ -102,8 +102,8 @@ def test_fused_forms_are_measured_with_their_epilogue_and_the_fused_operator_fol
     dev = torch.device("cuda", torch.cuda.current_device())
     path = tmp_path / "choice.json"
     forms = {(3072, 1024): "add_norm", (1536, 2560): "gated_add_norm"}
-    done = tgm.measure_projection_fallbacks(list(forms), dev, gemv=False, cache_path=path, forms=forms)
-    assert set(done) == _wanted(forms, gemv=False)
+    done = tgm.measure_projection_fallbacks(list(forms), dev, gemv=0, cache_path=path, forms=forms)
+    assert set(done) == _wanted(forms, gemv=0)
     entries = json.loads(path.read_text())["entries"]
     want_forms = {(n, k, mc): tgm.measured_form(forms[(n, k)], n, mc) for n, k, mc in done}
     assert want_forms[(3072, 1024, 4)] == "add_norm" and want_forms[(3072, 1024, 16)] == "plain"

@@ -47,26 +47,32 @@ for n, k, bn, bk in json.loads(sys.argv[1]):
         y, s = gv.gemv_with_config(x, w[:n], cfg, norm_weight=nw, eps=1e-6)
         want = F.linear(rms_norm(x, nw, 1e-6).float(), w[:n].float())
         out["rms " + key] = {"err": (y.float() - want).abs().max().item(), "sum": s is None}
-# the operators the model calls: linear dispatches 1-2 rows here, norm_linear fuses, 3+ rows fall back
+# the operators the model calls: linear dispatches 1-2 rows here by default (up to `gemv` rows when told: the
+# KernelOptions.gemv_rows binding), norm_linear fuses, more rows fall back
 g = torch.Generator().manual_seed(1)
 w = (torch.randn(96, 128, generator=g) / 128 ** 0.5).half()
 nw = (1 + 0.1 * torch.randn(128, generator=g)).half()
-for m in (1, 2, 3):
+for m in (1, 2, 3, 4):
     x, r = torch.randn(m, 128, generator=g).half(), torch.randn(m, 128, generator=g).half()
     y = triton_gemm.linear(x, w)
     a, s = triton_gemm.norm_linear(x, r, nw, 1e-6, w, gated=True)
     b, s0 = triton_gemm.norm_linear(x, None, nw, 1e-6, w)
     normed, summed = add_rms_norm(x, r, nw, 1e-6)
+    y4 = triton_gemm.linear(x, w, gemv=4)
+    a4, s4 = triton_gemm.norm_linear(x, r, nw, 1e-6, w, gated=True, gemv=4)
+    a_gv, s_gv = gv.norm_gemv(x, r, nw, 1e-6, w, True)
     out[f"ops {m}"] = {
-        "gemv": gv.applies(x, w),
+        "gemv": gv.applies(x, w), "gemv4": gv.applies(x, w, 4), "gemv1": gv.applies(x, w, 1),
+        "gemv0": gv.applies(x, w, 0), "rows4_is_gemv": torch.equal(a4, a_gv) and torch.equal(s4, s_gv),
+        "rows4_linear_err": (y4.float() - F.linear(x.float(), w.float())).abs().max().item(),
         "linear_err": (y.float() - F.linear(x.float(), w.float())).abs().max().item(),
         "gated_err": (a.float() - silu_and_mul(F.linear(normed, w)).float()).abs().max().item(),
         "gated_shape": list(a.shape), "sum_equal": torch.equal(s, summed), "stream_is_x": s0 is x,
         "rms_err": (b.float() - F.linear(rms_norm(x, nw, 1e-6), w).float()).abs().max().item()}
-# gemv=False (KernelOptions.gemv): the same operators without the GEMV (F.linear and the norm kernels on the CPU)
+# gemv=0 (KernelOptions.gemv off): the same operators without the GEMV (F.linear and the norm kernels on the CPU)
 x, r = torch.randn(1, 128, generator=g).half(), torch.randn(1, 128, generator=g).half()
-y = triton_gemm.linear(x, w, gemv=False)
-a, s = triton_gemm.norm_linear(x, r, nw, 1e-6, w, gemv=False)
+y = triton_gemm.linear(x, w, gemv=0)
+a, s = triton_gemm.norm_linear(x, r, nw, 1e-6, w, gemv=0)
 normed, summed = add_rms_norm(x, r, nw, 1e-6)
 out["gemv off"] = {"linear_err": (y.float() - F.linear(x.float(), w.float())).abs().max().item(),
                    "norm_err": (a.float() - F.linear(normed, w).float()).abs().max().item(),
@@ -105,10 +111,12 @@ def test_interpreted_norm_prologue_and_gate_epilogue_match_the_unfused_operators
     assert r["err"] < 4e-3  # the fp32 sums are ordered differently from the unfused kernels
 
 
-@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_interpreted_model_operators_dispatch_and_fall_back(results, m):
     r = results[f"ops {m}"]
-    assert r["gemv"] == (m <= 2)
+    assert r["gemv"] == (m <= 2)  # the default: up to 2 rows
+    assert r["gemv1"] == (m == 1) and r["gemv4"] and not r["gemv0"]
+    assert r["rows4_is_gemv"] and r["rows4_linear_err"] < 2e-3  # gemv=4: every row count here takes the GEMV
     assert r["linear_err"] < 2e-3 and r["gated_err"] < 4e-3 and r["rms_err"] < 4e-3
     assert r["gated_shape"] == [m, 48] and r["sum_equal"] and r["stream_is_x"]
 
@@ -143,6 +151,20 @@ def test_gemv_switch_parses_strictly():
         options_from_environ({GEMV_ENV: "yes"})
     with pytest.raises(ValueError, match="gemv"):
         KernelOptions(gemv=1)
+
+
+def test_gemv_rows_option_parses_strictly_and_binds_zero_when_off():
+    from actors.environment import options_from_environ
+    from modeling.ops.options import GEMV_ENV, GEMV_ROWS_ENV, KernelOptions
+
+    assert options_from_environ({}).kernels.gemv_max_rows() == 2
+    assert options_from_environ({GEMV_ROWS_ENV: "4"}).kernels.gemv_max_rows() == 4
+    assert options_from_environ({GEMV_ROWS_ENV: "4", GEMV_ENV: "0"}).kernels.gemv_max_rows() == 0
+    for bad in ("0", "5", "two"):
+        with pytest.raises(ValueError, match="GRAPHLINE_GEMV_ROWS"):
+            options_from_environ({GEMV_ROWS_ENV: bad})
+    with pytest.raises(ValueError, match="GRAPHLINE_GEMV_ROWS"):
+        KernelOptions(gemv_rows=True)
 
 
 def test_gemv_off_takes_the_other_kernels(results):

@@ -23,7 +23,7 @@ def test_defaults_without_any_variable():
 
 
 def test_every_variable_reaches_its_field():
-    env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0",
+    env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_GEMV_ROWS": "3", "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0",
            "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_MOE_ROUTE_KERNEL": "0",
            "GRAPHLINE_TP_ALLREDUCE": "symm",
            "GRAPHLINE_TP_FUSED_KIND": "pull", "GRAPHLINE_TP_FUSED_NORM": "0",
@@ -32,7 +32,7 @@ def test_every_variable_reaches_its_field():
            "GRAPHLINE_STEP_PROFILE": "/tmp/prof"}
     assert set(env) == set(OPTION_VARIABLES)
     k, c, d = options_from_environ(env)
-    assert k == KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=2,
+    assert k == KernelOptions(pdl="1", gemv=False, gemv_rows=3, decode_single_launch=False, compile_threads=2,
                               measure_projections=False, moe_route_kernel=False)
     assert c == CommOptions(tp_allreduce="symm", tp_fused_kind="pull", tp_fused_norm=False,
                             deepep_max_tokens_per_rank=128)
@@ -80,24 +80,27 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     dev = torch.device("cuda", 0)
     ops = get_kernel_ops(dev, "triton")
     assert ops.options == KernelOptions() and ops.prologue_norm_max_tokens == 2
-    assert ops.linear.func is triton_gemm.linear and ops.linear.keywords == {"pdl": 2, "gemv": True}
-    assert ops.norm_linear.keywords == {"pdl": 2, "gemv": True}
+    assert ops.linear.func is triton_gemm.linear and ops.linear.keywords == {"pdl": 2, "gemv": 2}
+    assert ops.norm_linear.keywords == {"pdl": 2, "gemv": 2}
     assert ops.decode_attention.keywords == {"pdl": 2, "single_launch": True}
     assert ops.warm_up_attention.func is triton_attention.warm_up_attention
     assert ops.warm_up_attention.keywords == {"threads": None, "pdl": 2, "single_launch": True}
     assert ops.measure_projections.func is triton_gemm_measure.measure_projection_fallbacks
-    assert ops.measure_projections.keywords == {"gemv": True, "pdl": 2}
+    assert ops.measure_projections.keywords == {"gemv": 2, "pdl": 2}
+    rows4 = get_kernel_ops(dev, "triton", KernelOptions(gemv_rows=4))
+    assert rows4.prologue_norm_max_tokens == 4 and rows4.norm_linear.keywords == {"pdl": 2, "gemv": 4}
+    assert rows4.measure_projections.keywords == {"gemv": 4, "pdl": 2}
     assert ops.moe_route.func is triton_router.route_topk and ops.moe_route.keywords == {"pdl": 2}  # the default
     off = get_kernel_ops(dev, "triton", KernelOptions(moe_route_kernel=False))
     assert off.moe_route is None  # torch's routing
     opts = KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=3, moe_route_kernel=True)
     ops = get_kernel_ops(dev, "triton", opts)
     assert ops.options == opts and ops.prologue_norm_max_tokens == 0
-    assert ops.linear.keywords == {"pdl": 1, "gemv": False}
+    assert ops.linear.keywords == {"pdl": 1, "gemv": 0}
     assert ops.silu_and_mul.keywords == ops.rms_norm.keywords == {"pdl": 1}
     assert ops.decode_attention.keywords == {"pdl": 1, "single_launch": False}
     assert ops.warm_up_attention.keywords == {"threads": 3, "pdl": 1, "single_launch": False}
-    assert ops.measure_projections.keywords == {"gemv": False, "pdl": 1}
+    assert ops.measure_projections.keywords == {"gemv": 0, "pdl": 1}
     assert ops.moe_route.keywords == {"pdl": 1}
     off = get_kernel_ops(dev, "triton", KernelOptions(measure_projections=False))
     assert off.measure_projections is KernelOps.measure_projections  # measures nothing, reads no cache

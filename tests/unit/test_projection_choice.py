@@ -232,7 +232,7 @@ def test_the_gpu_glue_with_the_device_stubbed(tmp_path, monkeypatch):
     dev = torch.device("cuda", 0)
     path = tmp_path / "choice.json"
     shapes = [(3072, 1024), (4096, 1024), (200000, 1024)]  # untabled, tabled, wider than the GEMV
-    done = tgm.measure_projection_fallbacks(shapes, dev, torch.bfloat16, gemv=True, pdl=2, cache_path=path)
+    done = tgm.measure_projection_fallbacks(shapes, dev, torch.bfloat16, gemv=2, pdl=2, cache_path=path)
     want = {(3072, 1024, mc) for mc in (4, 16)} | {(200000, 1024, mc) for mc in (1, 4, 16)}
     assert set(done) == want and {c.kernel for c in done.values()} == {"cublas"}
     for n, k, mc, cfg, device, dtype, pdl in timed:
@@ -245,19 +245,24 @@ def test_the_gpu_glue_with_the_device_stubbed(tmp_path, monkeypatch):
     assert set(pc.load_cache(path)) == {ctx.key(*key) for key in want}
     pc.clear_fallbacks()
     timed.clear()
-    done = tgm.measure_projection_fallbacks(shapes, dev, torch.bfloat16, gemv=False, pdl=2, cache_path=path)
+    done = tgm.measure_projection_fallbacks(shapes, dev, torch.bfloat16, gemv=0, pdl=2, cache_path=path)
     assert timed == [(3072, 1024, 1, timed[0][3], dev, torch.bfloat16, 2)]  # only the new class; the rest cached
     assert set(done) == want | {(3072, 1024, 1)}
     # the form the model runs a shape in: fused with its norm up to FUSED_NORM_MAX_M rows, the bare GEMM past it
     pc.clear_fallbacks()
     forms_timed.clear()
-    tgm.measure_projection_fallbacks([(3072, 1024), (1536, 2560)], dev, torch.bfloat16, gemv=False, pdl=2,
+    tgm.measure_projection_fallbacks([(3072, 1024), (1536, 2560)], dev, torch.bfloat16, gemv=0, pdl=2,
                                      cache_path=path, forms={(3072, 1024): "add_norm", (1536, 2560): "gated_add_norm"})
     # (3072, 1024, 16) is measured plain there, as above: the cache answers for it
     assert forms_timed == {(3072, 1024, 1): "add_norm", (3072, 1024, 4): "add_norm",
                            (1536, 2560, 1): "gated_add_norm", (1536, 2560, 4): "gated_add_norm",
                            (1536, 2560, 16): "gated"}
     assert tgm.measured_form("add_norm", triton_gemm.FUSED_NORM_MAX_N + 1, 4) == "plain"
+    # a GEMV serving up to 4 rows (KernelOptions.gemv_rows=4) leaves only the larger classes to measure
+    pc.clear_fallbacks()
+    timed.clear()
+    tgm.measure_projection_fallbacks([(3072, 1024)], dev, torch.bfloat16, gemv=4, pdl=2, cache_path=tmp_path / "4.json")
+    assert [t[2] for t in timed] == [16]
     assert tgm.measure_projection_fallbacks(shapes, torch.device("cpu"), cache_path=path) == {}
     assert tgm.measure_projection_fallbacks(shapes, dev, torch.float32, cache_path=path) == {}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
