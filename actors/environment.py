@@ -75,7 +75,7 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Environment
     kernels = KernelOptions(
         pdl=environ.get(PDL_ENV, KernelOptions.pdl),
         gemv=_flag(environ, GEMV_ENV, True, "the decode GEMV, the default", "off"),
-        gemv_rows=KernelOptions.gemv_rows if gemv_rows is None else gemv_rows,
+        gemv_rows=gemv_rows,
         decode_single_launch=_flag(environ, DECODE_SINGLE_LAUNCH_ENV, True, "one launch, the default",
                                    "split-KV decode attention in two launches"),
         compile_threads=threads,

@@ -21,6 +21,11 @@ GEMV_ROW_CHOICES = (1, 2, 3, 4)  # the decode GEMV kernel holds up to 4 rows (`t
 # The decode GEMV serves models up to this hidden size. Above it (Qwen3-8B, 14B) its 1- and 2-row steps measured
 # slower than the same model's 3-row step through cuBLAS (docs/benchmarks.md, twentieth session).
 GEMV_MAX_HIDDEN = 2048
+# Rows the GEMV serves when `gemv_rows` is left to the model (None), by the model's hidden size: at 3-4 rows it ran
+# Qwen3-0.6B's decode step at 0.90x of cuBLAS / the skinny GEMM, and 1.7B's and 30B-A3B's at 1.03-1.13x
+# (docs/benchmarks.md, twenty-fourth session).
+GEMV_AUTO_ROWS = ((1024, 4), (GEMV_MAX_HIDDEN, 2))  # (up to this hidden size, rows)
+GEMV_UNRESOLVED_ROWS = 2  # `gemv_max_rows()` of options no model resolved (`for_model`) yet
 
 
 class KernelOptionsError(ValueError):
@@ -33,7 +38,8 @@ class KernelOptions:
     gemv: the decode GEMV and the model's norm-first layout with it (`modeling.ops.triton_gemv`), for models up to
     GEMV_MAX_HIDDEN wide (`for_model`; wider ones take cuBLAS or the skinny GEMM there).
     gemv_rows: the most rows (decode tokens of a step) the GEMV serves, 1-4; larger steps take cuBLAS or the skinny
-    GEMM with the norm in their epilogue. `gemv_max_rows()` is what the kernels are bound with.
+    GEMM with the norm in their epilogue. None (the default): by the model's width (`for_model`, GEMV_AUTO_ROWS).
+    `gemv_max_rows()` is what the kernels are bound with.
     decode_single_launch: split-KV decode attention combines its splits in the split kernel (False: two launches).
     compile_threads: threads compiling Triton variants at start-up; None: up to 8 of the rank's host cores.
     measure_projections: at warm-up, time cuBLAS against the safe skinny-GEMM config for every decode projection
@@ -45,24 +51,32 @@ class KernelOptions:
 
     pdl: str = "early"
     gemv: bool = True
-    gemv_rows: int = 2
+    gemv_rows: Optional[int] = None
     decode_single_launch: bool = True
     compile_threads: Optional[int] = None
     measure_projections: bool = True
     moe_route_kernel: bool = True
 
     def for_model(self, hidden_size: int) -> "KernelOptions":
-        """The options a model of `hidden_size` runs with: the decode GEMV only up to GEMV_MAX_HIDDEN."""
+        """The options a model of `hidden_size` runs with: the decode GEMV only up to GEMV_MAX_HIDDEN, serving the
+        rows GEMV_AUTO_ROWS gives for that width unless `gemv_rows` says."""
         if self.gemv and hidden_size > GEMV_MAX_HIDDEN:
             return dataclasses.replace(self, gemv=False)
+        if self.gemv and self.gemv_rows is None:
+            rows = next(r for width, r in GEMV_AUTO_ROWS if hidden_size <= width)
+            return dataclasses.replace(self, gemv_rows=rows)
         return self
 
     def gemv_max_rows(self) -> int:
-        """Rows up to which the decode GEMV serves a projection: `gemv_rows`, or 0 with the GEMV off."""
-        return self.gemv_rows if self.gemv else 0
+        """Rows up to which the decode GEMV serves a projection: `gemv_rows` (GEMV_UNRESOLVED_ROWS while None), or
+        0 with the GEMV off."""
+        if not self.gemv:
+            return 0
+        return GEMV_UNRESOLVED_ROWS if self.gemv_rows is None else self.gemv_rows
 
     def __post_init__(self) -> None:
-        if isinstance(self.gemv_rows, bool) or self.gemv_rows not in GEMV_ROW_CHOICES:
+        rows = self.gemv_rows
+        if rows is not None and (isinstance(rows, bool) or rows not in GEMV_ROW_CHOICES):
             raise KernelOptionsError(f"{GEMV_ROWS_ENV}={self.gemv_rows!r}: use one of "
                                      f"{', '.join(map(str, GEMV_ROW_CHOICES))} (rows the decode GEMV serves)")
         if self.pdl not in PDL_CHOICES:

@@ -18,9 +18,10 @@ activation dtype before the GEMV, gate and up are rounded to it before the SiLU.
 (sum of squares, dot products) are ordered differently from those kernels and from cuBLAS.
 
 The kernel takes up to GEMV_ROW_LIMIT = 4 rows (M_PAD 1, 2, 4: rows broadcast against the weight tile); `applies`
-admits up to its `max_rows` argument, `KernelOptions.gemv_max_rows()`: 2 by default (`GRAPHLINE_GEMV_ROWS`), where
-it measured faster than the kernels it replaces; 0 with `GRAPHLINE_GEMV=0`, which also turns off the model's
-norm-first layout. `linear` and `norm_linear` of `triton_gemm` take it as their `gemv` argument.
+admits up to its `max_rows` argument, `KernelOptions.gemv_max_rows()`: by default 4 rows for models up to hidden
+1024 and 2 up to 2048 (`options.GEMV_AUTO_ROWS`, where it measured faster than the kernels it replaces; set with
+`GRAPHLINE_GEMV_ROWS`); 0 with `GRAPHLINE_GEMV=0`, which also turns off the model's norm-first layout. `linear`
+and `norm_linear` of `triton_gemm` take it as their `gemv` argument.
 
 Grid `(cdiv(N, BLOCK_N),)`, static, no host sync, no process-wide state: capturable anywhere.
 Launch configs come from `_CONFIGS` (measured, `python -m bench.gemv_tune`), keyed by (N, K,
@@ -39,7 +40,7 @@ import triton.language as tl
 from modeling.ops.pdl import PDL_LAUNCH, interpreted, pdl_launch_dependents, pdl_wait
 
 GEMV_ROW_LIMIT = 4  # rows one program holds (M_PAD 1, 2, 4)
-GEMV_DEFAULT_ROWS = 2  # `KernelOptions.gemv_rows`' default: rows up to which the GEMV serves unless told otherwise
+GEMV_DEFAULT_ROWS = 2  # rows up to which `applies` and the `triton_gemm` operators take the GEMV unless told
 GEMV_MAX_N = 32768  # wider weights (the LM head) stay on the skinny GEMM, which streams them near roofline
 NORM_NONE, NORM_RMS, NORM_ADD_RMS = 0, 1, 2
 
@@ -166,6 +167,12 @@ _CONFIGS: dict[tuple[int, int, int, int, bool], tuple[int, int, int, int]] = {
     (3072, 1024, 2, 2, True): (4, 1024, 4, 1),  # gate_up M=2
     (1024, 3072, 1, 0, False): (2, 4096, 4, 1),  # down M=1
     (1024, 3072, 2, 0, False): (4, 4096, 4, 1),  # down M=2
+    # Qwen3-0.6B at 3-4 rows (M_PAD 4; the 4-row winners of the twenty-fourth session on an H100,
+    # docs/results/gemv_tune_m34_s24_call1.log), which the model's 3-4 row A/B ran with
+    (4096, 1024, 4, 2, False): (8, 1024, 4, 1),
+    (1024, 2048, 4, 0, False): (4, 2048, 4, 1),
+    (3072, 1024, 4, 2, True): (4, 1024, 4, 1),
+    (1024, 3072, 4, 0, False): (2, 4096, 4, 1),
     # Qwen3-1.7B at 2 rows: qkv, o_proj, gate_up, down (so for each preset below)
     (4096, 2048, 2, 2, False): (8, 2048, 4, 1),
     (2048, 2048, 2, 0, False): (4, 2048, 4, 1),

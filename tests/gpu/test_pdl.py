@@ -37,7 +37,7 @@ def test_kernel_ops_bind_the_options_for_this_device():
         ops = get_kernel_ops(dev, "triton", opts)
         mode = pdl.pdl_mode(dev, opts.pdl)
         assert ops.options == opts and ops.prologue_norm_max_tokens == (2 if opts.gemv else 0)
-        assert ops.linear.keywords == {"pdl": mode, "gemv": opts.gemv}
+        assert ops.linear.keywords == {"pdl": mode, "gemv": opts.gemv_max_rows()}
         assert ops.decode_attention.keywords == {"pdl": mode, "single_launch": opts.decode_single_launch}
         assert ops.rms_norm.keywords == {"pdl": mode}
 

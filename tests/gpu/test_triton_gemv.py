@@ -1,6 +1,6 @@
 """The decode GEMV (`modeling/ops/triton_gemv.py`) on the GPU: equals F.linear and the unfused norm / SiLU-gate
 operators (bf16 tolerance; the new residual stream bitwise), replays bitwise from a CUDA graph, drives the model's
-norm-first layout to the reference path's greedy tokens at batch 1 and 2, and its variants are compiled by the
+norm-first layout to the reference path's greedy tokens at batches 1-4, and its variants are compiled by the
 early warm-up so a rank's capture compiles none."""
 import numpy as np
 import pytest
@@ -21,19 +21,19 @@ def _inputs(m: int, n: int, k: int, gated: bool = False):
     return x, r, nw, w
 
 
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_gemv_matches_linear(m, n, k):
     from modeling.ops.triton_gemm import linear
     from modeling.ops.triton_gemv import applies
 
     x, _, _, w = _inputs(m, n, k)
-    assert applies(x, w)
-    torch.testing.assert_close(linear(x, w).float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
+    assert applies(x, w, 4) and applies(x, w) == (m <= 2)
+    torch.testing.assert_close(linear(x, w, gemv=4).float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_norm_linear_matches_the_unfused_operators(m, n, k, gated):
     from modeling.ops.triton_fused import add_rms_norm, rms_norm, silu_and_mul
@@ -43,10 +43,10 @@ def test_norm_linear_matches_the_unfused_operators(m, n, k, gated):
     normed, summed = add_rms_norm(x, r, nw, 1e-6)
     want = F.linear(normed.float(), w.float())
     want = silu_and_mul(want.bfloat16()).float() if gated else want
-    y, s = norm_linear(x, r, nw, 1e-6, w, gated=gated)
+    y, s = norm_linear(x, r, nw, 1e-6, w, gated=gated, gemv=4)
     assert torch.equal(s, summed)
     torch.testing.assert_close(y.float(), want, atol=3e-2, rtol=3e-2)
-    y, s = norm_linear(x, None, nw, 1e-6, w, gated=gated)
+    y, s = norm_linear(x, None, nw, 1e-6, w, gated=gated, gemv=4)
     want = F.linear(rms_norm(x, nw, 1e-6).float(), w.float())
     want = silu_and_mul(want.bfloat16()).float() if gated else want
     assert s is x
@@ -71,27 +71,28 @@ def test_gemv_graph_replays_bitwise_with_changing_inputs():
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4])
 def test_norm_first_layout_greedy_tokens_match_the_reference_path(batch):
-    """qwen3-0.6b greedy decode of `batch` sequences (the GEMV layout: 1-2 tokens per step) with Triton kernels
-    equals the torch reference operators' tokens for 32 steps."""
+    """qwen3-0.6b greedy decode of `batch` sequences (the GEMV layout, which serves this width up to 4 tokens per
+    step) with Triton kernels equals the torch reference operators' tokens for 32 steps."""
     from actors.rank import RuntimeConfig
     from modeling.generate import generate
     from modeling.loader import init_random
     from modeling.ops import get_kernel_ops
+    from modeling.ops.options import KernelOptions
     from modeling.qwen3 import Qwen3ForCausalLM
     from tests.gpu.helpers import random_tokens
 
     cfg = RuntimeConfig(model="qwen3-0.6b", device="cuda").model_config(torch.device("cuda"))
     outs = []
     for backend in ("triton", "torch"):
-        ops = get_kernel_ops("cuda", backend)
-        assert ops.prologue_norm_max_tokens == (2 if backend == "triton" else 0)
+        ops = get_kernel_ops("cuda", backend, KernelOptions().for_model(cfg.hidden_size))
+        assert ops.prologue_norm_max_tokens == (4 if backend == "triton" else 0)
         with torch.device("cuda"):
             m = Qwen3ForCausalLM(cfg, device="cuda", ops=ops)
         init_random(m, 0)
         rng = np.random.default_rng(5)
-        prompts = [random_tokens(rng, n, cfg.vocab_size) for n in (23, 71)[:batch]]
+        prompts = [random_tokens(rng, n, cfg.vocab_size) for n in (23, 71, 40, 9)[:batch]]
         outs.append(generate(m, prompts, max_new_tokens=32, block_size=64).tokens)
         del m
     assert outs[0] == outs[1]
@@ -113,7 +114,7 @@ def test_early_warm_up_compiles_every_gemv_variant_the_capture_uses():
     early = KernelWarmUp(cfg, 1, torch.device("cuda", 0))
     assert early.join() > 0 and early.error is None
     warmed = variants()
-    assert warmed == 10, warmed  # M_PAD 1 and 2 x (qkv rms-only, qkv add+rms, o_proj, gate_up gated, down)
+    assert warmed == 15, warmed  # M_PAD 1, 2 and 4 x (qkv rms-only, qkv add+rms, o_proj, gate_up gated, down)
     rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
     rt.load_model()
     rt.allocate_kv_cache()

@@ -130,7 +130,7 @@ def test_config_table_and_heuristic():
 
     for (n, k, mp, norm, gated), entry in gv._CONFIGS.items():
         cfg = gv.GemvConfig(*entry)
-        assert mp in (1, 2) and norm in (0, 1, 2) and cfg.block_k & (cfg.block_k - 1) == 0
+        assert mp in (1, 2, 4) and norm in (0, 1, 2) and cfg.block_k & (cfg.block_k - 1) == 0
         assert gv.config_for(n, k, mp, norm, gated) == cfg
         assert n * (2 if gated else 1) <= gv.GEMV_MAX_N  # an entry the GEMV can serve
     for k in (100, 1024, 3072, 8192, 16384):
@@ -157,9 +157,14 @@ def test_gemv_rows_option_parses_strictly_and_binds_zero_when_off():
     from actors.environment import options_from_environ
     from modeling.ops.options import GEMV_ENV, GEMV_ROWS_ENV, KernelOptions
 
-    assert options_from_environ({}).kernels.gemv_max_rows() == 2
+    auto = options_from_environ({}).kernels
+    assert auto.gemv_rows is None and auto.gemv_max_rows() == 2  # not yet resolved for a model
+    # by the model's width: 4 rows up to hidden 1024 (Qwen3-0.6B), 2 up to 2048, none (cuBLAS) wider
+    assert [auto.for_model(h).gemv_max_rows() for h in (1024, 2048, 4096)] == [4, 2, 0]
     assert options_from_environ({GEMV_ROWS_ENV: "4"}).kernels.gemv_max_rows() == 4
-    assert options_from_environ({GEMV_ROWS_ENV: "4", GEMV_ENV: "0"}).kernels.gemv_max_rows() == 0
+    told = options_from_environ({GEMV_ROWS_ENV: "3"}).kernels
+    assert told.for_model(1024).gemv_max_rows() == 3 and told.for_model(2048).gemv_max_rows() == 3
+    assert options_from_environ({GEMV_ROWS_ENV: "4", GEMV_ENV: "0"}).kernels.for_model(1024).gemv_max_rows() == 0
     for bad in ("0", "5", "two"):
         with pytest.raises(ValueError, match="GRAPHLINE_GEMV_ROWS"):
             options_from_environ({GEMV_ROWS_ENV: bad})

@@ -23,7 +23,8 @@ def test_defaults_without_any_variable():
 
 
 def test_every_variable_reaches_its_field():
-    env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_GEMV_ROWS": "3", "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0",
+    env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_GEMV_ROWS": "3",
+           "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0",
            "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_MOE_ROUTE_KERNEL": "0",
            "GRAPHLINE_TP_ALLREDUCE": "symm",
            "GRAPHLINE_TP_FUSED_KIND": "pull", "GRAPHLINE_TP_FUSED_NORM": "0",
@@ -122,7 +123,10 @@ def test_models_wider_than_the_gemv_limit_run_without_it():
     from modeling.ops.options import GEMV_MAX_HIDDEN
 
     on = KernelOptions()
-    assert on.for_model(GEMV_MAX_HIDDEN) is on and on.for_model(1024) is on
+    assert on.for_model(GEMV_MAX_HIDDEN) == dataclasses.replace(on, gemv_rows=2)
+    assert on.for_model(1024) == dataclasses.replace(on, gemv_rows=4)
+    told = KernelOptions(gemv_rows=3)
+    assert told.for_model(1024) is told and told.for_model(GEMV_MAX_HIDDEN) is told
     assert on.for_model(GEMV_MAX_HIDDEN + 1) == dataclasses.replace(on, gemv=False)
     off = KernelOptions(gemv=False, pdl="1")
     assert off.for_model(1024) is off and off.for_model(4096) is off
