@@ -35,7 +35,7 @@ OPS = {"qkv": (QKV, H, 2, False), "o_proj": (H, ATT, 0, False), "gate_up": (I, H
 MS = (1, 2)
 COPIES = 28  # weight copies a graph cycles through (fewer for large weights: at least COPY_BYTES in all)
 COPY_BYTES = 512 << 20
-Cfg = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+Cfg = tuple  # (BLOCK_N, BLOCK_K, num_warps, num_stages[, row_loop])
 
 
 def preset_ops(name: str) -> dict[str, tuple[int, int, int, bool]]:
@@ -64,8 +64,9 @@ def install_winners(path: str) -> int:
     return len(rows)
 
 
-def sweep_configs(n: int, k: int, m: int, gated: bool) -> list[Cfg]:
-    """Configs with at most 32K weight-times-row products per program per chunk (registers)."""
+def sweep_configs(n: int, k: int, m: int, gated: bool, row_loop: bool = False) -> list[Cfg]:
+    """Configs with at most 32K weight-times-row products per program per chunk (registers); row_loop: whole-row
+    configs in `GemvConfig.row_loop` form (a fifth element, True)."""
     from modeling.ops.triton_gemv import m_pad
 
     out = []
@@ -79,7 +80,7 @@ def sweep_configs(n: int, k: int, m: int, gated: bool) -> list[Cfg]:
                 continue
             for warps in ((4, 8) if m == 1 or k > 4096 else (4,)):
                 for stages in (((1, 3) if k <= 4096 else (1, 2, 4)) if k > bk else (1,)):
-                    out.append((bn, bk, warps, stages))
+                    out.append((bn, bk, warps, stages, True) if row_loop and bk >= k else (bn, bk, warps, stages))
     return out
 
 
@@ -118,7 +119,8 @@ def _weights(n: int, k: int, gated: bool, seed: int) -> list[torch.Tensor]:
     return [w0] + [w0.clone() for _ in range(copies_for(n, k, gated) - 1)]
 
 
-def tune_op(name: str, shape: tuple[int, int, int, bool], m: int, timer: GraphTimer, bw: float) -> dict:
+def tune_op(name: str, shape: tuple[int, int, int, bool], m: int, timer: GraphTimer, bw: float,
+            row_loop: bool = False) -> dict:
     from modeling.ops.triton_fused import add_rms_norm, silu_and_mul
     from modeling.ops.triton_gemm import linear
     from modeling.ops.triton_gemv import GemvConfig, gemv_with_config
@@ -139,7 +141,7 @@ def tune_op(name: str, shape: tuple[int, int, int, bool], m: int, timer: GraphTi
     base_us, ref, _ = timer.run(unfused, copies)
     ref_sum = add_rms_norm(x, res, nw, EPS)[1] if norm else None
     rows = []
-    for c in sweep_configs(n, k, m, gated):
+    for c in sweep_configs(n, k, m, gated, row_loop):
         cfg = GemvConfig(*c)
         kw = dict(residual=res if norm == 2 else None, norm_weight=nw if norm else None, eps=EPS, gated=gated)
         try:
@@ -223,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", default=None, help="presets whose projections to sweep instead (comma list)")
     ap.add_argument("--no-chain", action="store_true", help="skip the Qwen3-0.6B per-layer chain")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--row-loop", action="store_true", help="sweep whole-row configs in the row-at-a-time form")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=min(16, max(1, (os.cpu_count() or 2) - 1)))
     args = ap.parse_args(argv)
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     names = list(ops)
     ms = tuple(int(m) for m in args.ms.split(","))
     jobs = [(name, m, c, ops[name]) for name in names for m in ms
-            for c in sweep_configs(ops[name][0], ops[name][1], m, ops[name][3])]
+            for c in sweep_configs(ops[name][0], ops[name][1], m, ops[name][3], args.row_loop)]
     errors = precompile(jobs, args.jobs, dev.index)
     t_compile = time.perf_counter() - t0
     print(f"compiled {len(jobs)} (op, M, config) in {t_compile:.1f} s ({len(errors)} failed)", flush=True)
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     timer = GraphTimer(args.replays)
     print(f"{machine()}; copy bandwidth {bw / 1e12:.2f} TB/s; us per call inside a CUDA graph")
     print(f"{'op':>22} {'M':>3} {'unfused':>9} {'GEMV':>9} {'roof':>8}  best (BLOCK_N, BLOCK_K, warps, stages)")
-    rows = [tune_op(name, ops[name], m, timer, bw) for name in names for m in ms]
+    rows = [tune_op(name, ops[name], m, timer, bw, args.row_loop) for name in names for m in ms]
     best = {(r["op"], r["m"]): tuple(r["best"]["config"]) for r in rows if r["best"]}
     chains = [chain(m, best, timer) for m in ms] if set(names) == set(OPS) and not args.no_chain else []
     from modeling.ops.triton_gemv import m_pad

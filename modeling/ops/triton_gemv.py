@@ -53,6 +53,7 @@ class GemvConfig:
     block_k: int
     num_warps: int
     num_stages: int = 1
+    row_loop: bool = False  # whole-row programs (block_k >= K): one 2-D weight tile, the rows taken one by one
 
 
 @triton.jit
@@ -78,13 +79,44 @@ def _norm_scale(x, rstd, NW, offs_k, k_mask, DT: tl.constexpr):
     return (n * nw[None, :]).to(DT).to(tl.float32)
 
 
+@triton.jit
+def _row_gemv(X, R, RS, NW, Y, w, u, mi, M, K, offs_k, k_mask, offs_n, n_mask, stride_xm, stride_rm, stride_ym, eps,
+              store_rows, NORM: tl.constexpr, GATED: tl.constexpr):
+    """Row `mi` of the whole-row GEMV against the fp32 weight tile(s) w (u: the up half) `[BLOCK_N, BLOCK_K]`: the
+    prologue and epilogue of `_gemv_kernel`, one row at a time (rows >= M load and store nothing; rows below
+    store_rows store the new residual stream)."""
+    DT = X.dtype.element_ty
+    row_k = offs_k * 0 + mi
+    lm = k_mask & (row_k < M)
+    x = tl.load(X + mi * stride_xm + offs_k, mask=lm, other=0.0).to(tl.float32)
+    if NORM == 2:
+        s = (x + tl.load(R + mi * stride_rm + offs_k, mask=lm, other=0.0).to(tl.float32)).to(DT)
+        tl.store(RS + mi * stride_rm + offs_k, s, mask=lm & (row_k < store_rows))
+        x = s.to(tl.float32)
+    if NORM != 0:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+        nw = tl.load(NW + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        x = ((x * rstd).to(DT).to(tl.float32) * nw).to(DT).to(tl.float32)
+    acc = tl.sum(x[None, :] * w, axis=1)
+    y_mask = n_mask & (offs_n * 0 + mi < M)
+    if GATED:
+        g = acc.to(Y.dtype.element_ty).to(tl.float32)
+        up = tl.sum(x[None, :] * u, axis=1).to(Y.dtype.element_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+        tl.store(Y + mi * stride_ym + offs_n, (act * up).to(Y.dtype.element_ty), mask=y_mask)
+    else:
+        tl.store(Y + mi * stride_ym + offs_n, acc.to(Y.dtype.element_ty), mask=y_mask)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(X, R, RS, NW, W, Y, M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, eps,
                  NORM: tl.constexpr, GATED: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SINGLE: tl.constexpr, ROW_LOOP: tl.constexpr, PDL: tl.constexpr):
     """Y `[M, N]` = act(norm(X) @ W^T); W `[N, K]` (`[2N, K]` when GATED); R / RS `[M, K]` residual in / sum out
     (row stride stride_rm), NW `[K]` the norm weight. NORM: 0 none, 1 rms_norm(X), 2 rms_norm(X + R).
-    SINGLE (BLOCK_K >= K): the program's whole weight tile is loaded first (before the PDL wait), then x."""
+    SINGLE (BLOCK_K >= K): the program's whole weight tile is loaded first (before the PDL wait), then x; with
+    ROW_LOOP the rows are multiplied one at a time against that 2-D tile (`_row_gemv`) instead of as one
+    `[M_PAD, BLOCK_N, BLOCK_K]` broadcast."""
     pdl_launch_dependents(PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, M_PAD)
@@ -96,54 +128,66 @@ def _gemv_kernel(X, R, RS, NW, W, Y, M, N, K, stride_xm, stride_rm, stride_wn, s
     u_rows = W + (offs_n + N).to(tl.int64)[:, None] * stride_wn
     store_rows = tl.where(pid == 0, M, 0)  # program 0 stores the new residual stream
     DT = X.dtype.element_ty
-    if SINGLE:
+    if SINGLE and ROW_LOOP:
         k_mask = offs_kb < K
         w_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + offs_kb[None, :], mask=w_mask, other=0.0)
+        wf = tl.load(w_rows + offs_kb[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        uf = wf
         if GATED:
-            u = tl.load(u_rows + offs_kb[None, :], mask=w_mask, other=0.0)
+            uf = tl.load(u_rows + offs_kb[None, :], mask=w_mask, other=0.0).to(tl.float32)
         pdl_wait(PDL)
-        x = _x_chunk(X, R, RS, offs_m, m_mask, offs_kb, k_mask, stride_xm, stride_rm, store_rows, NORM)
-        if NORM != 0:
-            x = _norm_scale(x, tl.rsqrt(tl.sum(x * x, axis=1) / K + eps), NW, offs_kb, k_mask, DT)
-        x3 = x[:, None, :]
-        acc = tl.sum(x3 * w.to(tl.float32)[None, :, :], axis=2)
-        if GATED:
-            acc_u = tl.sum(x3 * u.to(tl.float32)[None, :, :], axis=2)
+        for mi in tl.static_range(M_PAD):
+            _row_gemv(X, R, RS, NW, Y, wf, uf, mi, M, K, offs_kb, k_mask, offs_n, n_mask, stride_xm, stride_rm,
+                      stride_ym, eps, store_rows, NORM, GATED)
     else:
-        pdl_wait(PDL)
-        if NORM != 0:  # first pass: the rows' sums of squares
-            ssq = tl.zeros([M_PAD], dtype=tl.float32)
+        if SINGLE:
+            k_mask = offs_kb < K
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + offs_kb[None, :], mask=w_mask, other=0.0)
+            if GATED:
+                u = tl.load(u_rows + offs_kb[None, :], mask=w_mask, other=0.0)
+            pdl_wait(PDL)
+            x = _x_chunk(X, R, RS, offs_m, m_mask, offs_kb, k_mask, stride_xm, stride_rm, store_rows, NORM)
+            if NORM != 0:
+                x = _norm_scale(x, tl.rsqrt(tl.sum(x * x, axis=1) / K + eps), NW, offs_kb, k_mask, DT)
+            x3 = x[:, None, :]
+            acc = tl.sum(x3 * w.to(tl.float32)[None, :, :], axis=2)
+            if GATED:
+                acc_u = tl.sum(x3 * u.to(tl.float32)[None, :, :], axis=2)
+        else:
+            pdl_wait(PDL)
+            if NORM != 0:  # first pass: the rows' sums of squares
+                ssq = tl.zeros([M_PAD], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    offs_k = k0 + offs_kb
+                    s = _x_chunk(X, R, RS, offs_m, m_mask, offs_k, offs_k < K, stride_xm, stride_rm, 0, NORM)
+                    ssq += tl.sum(s * s, axis=1)
+                rstd = tl.rsqrt(ssq / K + eps)
+            acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + offs_kb
-                s = _x_chunk(X, R, RS, offs_m, m_mask, offs_k, offs_k < K, stride_xm, stride_rm, 0, NORM)
-                ssq += tl.sum(s * s, axis=1)
-            rstd = tl.rsqrt(ssq / K + eps)
-        acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + offs_kb
-            k_mask = offs_k < K
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            if GATED:
-                u = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            x = _x_chunk(X, R, RS, offs_m, m_mask, offs_k, k_mask, stride_xm, stride_rm, store_rows, NORM)
-            if NORM != 0:
-                x = _norm_scale(x, rstd, NW, offs_k, k_mask, DT)
-            x3 = x[:, None, :]
-            acc += tl.sum(x3 * w[None, :, :], axis=2)
-            if GATED:
-                acc_u += tl.sum(x3 * u[None, :, :], axis=2)
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if GATED:
-        g = acc.to(Y.dtype.element_ty).to(tl.float32)
-        up = acc_u.to(Y.dtype.element_ty).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
-        tl.store(y_ptrs, (act * up).to(Y.dtype.element_ty), mask=y_mask)
-    else:
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=y_mask)
+                k_mask = offs_k < K
+                w_mask = n_mask[:, None] & k_mask[None, :]
+                w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+                if GATED:
+                    u = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+                x = _x_chunk(X, R, RS, offs_m, m_mask, offs_k, k_mask, stride_xm, stride_rm, store_rows, NORM)
+                if NORM != 0:
+                    x = _norm_scale(x, rstd, NW, offs_k, k_mask, DT)
+                x3 = x[:, None, :]
+                acc += tl.sum(x3 * w[None, :, :], axis=2)
+                if GATED:
+                    acc_u += tl.sum(x3 * u[None, :, :], axis=2)
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+        if GATED:
+            g = acc.to(Y.dtype.element_ty).to(tl.float32)
+            up = acc_u.to(Y.dtype.element_ty).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+            tl.store(y_ptrs, (act * up).to(Y.dtype.element_ty), mask=y_mask)
+        else:
+            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=y_mask)
 
 
 def m_pad(m: int) -> int:
@@ -242,6 +286,7 @@ def gemv_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig, *, 
         x, r, summed if summed is not None else x, norm_weight if norm_weight is not None else x, weight, y,
         m, n, k, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), eps,
         NORM=norm, GATED=gated, M_PAD=m_pad(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SINGLE=cfg.block_k >= k,
+        ROW_LOOP=cfg.row_loop,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **PDL_LAUNCH[pdl])
     return y, summed
 

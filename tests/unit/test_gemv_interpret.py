@@ -47,6 +47,17 @@ for n, k, bn, bk in json.loads(sys.argv[1]):
         y, s = gv.gemv_with_config(x, w[:n], cfg, norm_weight=nw, eps=1e-6)
         want = F.linear(rms_norm(x, nw, 1e-6).float(), w[:n].float())
         out["rms " + key] = {"err": (y.float() - want).abs().max().item(), "sum": s is None}
+        if bk >= k:  # whole rows: the row-at-a-time form of the same program (GemvConfig.row_loop)
+            rl = gv.GemvConfig(bn, bk, 4, 1, True)
+            errs, sums = [], []
+            for norm_w, res in ((None, None), (nw, None), (nw, r)):
+                for gated in (False, True):
+                    wt = w if gated else w[:n]
+                    y0, s0 = gv.gemv_with_config(x, wt, cfg, residual=res, norm_weight=norm_w, eps=1e-6, gated=gated)
+                    y1, s1 = gv.gemv_with_config(x, wt, rl, residual=res, norm_weight=norm_w, eps=1e-6, gated=gated)
+                    errs.append((y1.float() - y0.float()).abs().max().item())
+                    sums.append(s0 is None and s1 is None or torch.equal(s0, s1))
+            out["rowloop " + key] = {"err": max(errs), "sums_equal": all(sums)}
 # the operators the model calls: linear dispatches 1-2 rows here by default (up to `gemv` rows when told: the
 # KernelOptions.gemv_rows binding), norm_linear fuses, more rows fall back
 g = torch.Generator().manual_seed(1)
@@ -99,6 +110,14 @@ def test_interpreted_gemv_matches_torch(results, n, k, bn, bk, m):
     assert plain["shape"] == [m, n] and plain["sum"]
     assert plain["err"] < 2e-3  # fp16 output rounding of values up to ~2
     assert results["rms " + key]["err"] < 4e-3 and results["rms " + key]["sum"]
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k,bn,bk", [c for c in CASES if c[3] >= c[1]])
+def test_interpreted_row_loop_form_equals_the_broadcast_form(results, n, k, bn, bk, m):
+    r = results[f"rowloop {n},{k},{bn},{bk},{m}"]
+    assert r["sums_equal"]  # the new residual stream, bitwise
+    assert r["err"] < 2e-3  # the same products, summed in another order: within fp16 output rounding
 
 
 @pytest.mark.parametrize("gated", [False, True])
