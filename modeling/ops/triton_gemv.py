@@ -54,6 +54,7 @@ class GemvConfig:
     num_warps: int
     num_stages: int = 1
     row_loop: bool = False  # whole-row programs (block_k >= K): one 2-D weight tile, the rows taken one by one
+    # (faster at 1 row, not at 2 or 4: docs/benchmarks.md, twenty-fourth session)
 
 
 @triton.jit
@@ -195,21 +196,23 @@ def m_pad(m: int) -> int:
     return 1 if m == 1 else 2 if m == 2 else 4
 
 
-# (N, K, M_PAD, norm, gated) -> (BLOCK_N, BLOCK_K, num_warps, num_stages). N is the output width (the SiLU-gate's
-# width when gated). Measured by `python -m bench.gemv_tune` on one H200 (per call inside a CUDA graph over weight
+# (N, K, M_PAD, norm, gated) -> (BLOCK_N, BLOCK_K, num_warps, num_stages[, row_loop]). N is the output width (the
+# SiLU-gate's width when gated). Measured by `python -m bench.gemv_tune` on one H200 (per call inside a CUDA graph over weight
 # copies; the figures against the unfused kernels are in docs/benchmarks.md): Qwen3-0.6B at TP=1 (tenth session,
 # docs/results/gemv_tune_s10.log), and at 2 rows the TP=1 projections of Qwen3-1.7B, 8B, 14B and 30B-A3B (`--shapes`,
 # seventeenth session, docs/results/gemv_tune_s17.log). Their 1-row winners are left out: inside the model they did
-# not beat the heuristic (8B) or were slower (30B-A3B), see docs/benchmarks.md.
-_CONFIGS: dict[tuple[int, int, int, int, bool], tuple[int, int, int, int]] = {
+# not beat the heuristic (8B) or were slower (30B-A3B), see docs/benchmarks.md. The 1-row entries of Qwen3-0.6B and
+# 1.7B are the row-at-a-time form's winners of the twenty-fourth session on an H100 (`--row-loop`,
+# docs/results/gemv_tune_rowloop_s24_call3.log), which ran those models' batch-1 steps at 0.87x / 0.97x.
+_CONFIGS: dict[tuple[int, int, int, int, bool], tuple] = {
     # Qwen3-0.6B
-    (4096, 1024, 1, 2, False): (2, 1024, 4, 1),  # qkv M=1
+    (4096, 1024, 1, 2, False): (2, 1024, 4, 1, True),  # qkv M=1
     (4096, 1024, 2, 2, False): (16, 1024, 4, 1),  # qkv M=2
-    (1024, 2048, 1, 0, False): (4, 2048, 4, 1),  # o_proj M=1
+    (1024, 2048, 1, 0, False): (2, 2048, 8, 1, True),  # o_proj M=1
     (1024, 2048, 2, 0, False): (4, 2048, 4, 1),  # o_proj M=2
-    (3072, 1024, 1, 2, True): (4, 1024, 4, 1),  # gate_up M=1
+    (3072, 1024, 1, 2, True): (2, 1024, 4, 1, True),  # gate_up M=1
     (3072, 1024, 2, 2, True): (4, 1024, 4, 1),  # gate_up M=2
-    (1024, 3072, 1, 0, False): (2, 4096, 4, 1),  # down M=1
+    (1024, 3072, 1, 0, False): (1, 4096, 8, 1, True),  # down M=1
     (1024, 3072, 2, 0, False): (4, 4096, 4, 1),  # down M=2
     # Qwen3-0.6B at 3-4 rows (M_PAD 4; the 4-row winners of the twenty-fourth session on an H100,
     # docs/results/gemv_tune_m34_s24_call1.log), which the model's 3-4 row A/B ran with
@@ -217,6 +220,11 @@ _CONFIGS: dict[tuple[int, int, int, int, bool], tuple[int, int, int, int]] = {
     (1024, 2048, 4, 0, False): (4, 2048, 4, 1),
     (3072, 1024, 4, 2, True): (4, 1024, 4, 1),
     (1024, 3072, 4, 0, False): (2, 4096, 4, 1),
+    # Qwen3-1.7B at 1 row (down: K chunks, where the row-at-a-time form does not apply)
+    (4096, 2048, 1, 2, False): (2, 2048, 8, 1, True),
+    (2048, 2048, 1, 0, False): (1, 2048, 4, 1, True),
+    (6144, 2048, 1, 2, True): (1, 2048, 4, 1, True),
+    (2048, 6144, 1, 0, False): (2, 2048, 8, 2),
     # Qwen3-1.7B at 2 rows: qkv, o_proj, gate_up, down (so for each preset below)
     (4096, 2048, 2, 2, False): (8, 2048, 4, 1),
     (2048, 2048, 2, 0, False): (4, 2048, 4, 1),

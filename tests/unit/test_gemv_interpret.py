@@ -152,6 +152,7 @@ def test_config_table_and_heuristic():
         assert mp in (1, 2, 4) and norm in (0, 1, 2) and cfg.block_k & (cfg.block_k - 1) == 0
         assert gv.config_for(n, k, mp, norm, gated) == cfg
         assert n * (2 if gated else 1) <= gv.GEMV_MAX_N  # an entry the GEMV can serve
+        assert not cfg.row_loop or cfg.block_k >= k  # the row-at-a-time form exists for whole-row programs only
     for k in (100, 1024, 3072, 8192, 16384):
         cfg = gv.default_config(512, k, False)
         assert cfg.block_k >= k or (k > 8192 and cfg.block_k == 4096)
