@@ -247,21 +247,20 @@ _MAX_SINGLE_K = 8192  # up to here a program holds whole weight rows (one chunk)
 
 
 @functools.lru_cache(maxsize=None)
-def default_config(n: int, k: int, gated: bool, one_row: bool = False) -> GemvConfig:
+def default_config(n: int, k: int, gated: bool) -> GemvConfig:
     """Heuristic for shapes and row counts not in `_CONFIGS`, after the Qwen3-0.6B sweep's winners: whole rows in
-    one chunk, about 8K weight elements per program (4K per half when gated), 4 warps; for one row (`one_row`)
-    whole-row programs take the row-at-a-time form, which won at 1 row on every whole-row shape swept."""
+    one chunk, about 8K weight elements per program (4K per half when gated), 4 warps."""
     block_k = triton.next_power_of_2(k)
     if block_k > _MAX_SINGLE_K:
         block_k = 4096
     block_n = max(1, min(16, (4096 if gated else 8192) // block_k))
-    return GemvConfig(block_n, block_k, 4, row_loop=one_row and block_k >= k)
+    return GemvConfig(block_n, block_k, 4)
 
 
 def config_for(n: int, k: int, m: int, norm: int, gated: bool) -> GemvConfig:
     """The launch config for `m` rows of weight `[n, k]` (`[2n, k]` gated) with prologue `norm` (0, 1, 2)."""
     entry = _CONFIGS.get((n, k, m_pad(m), norm, gated))
-    return GemvConfig(*entry) if entry is not None else default_config(n, k, gated, m == 1)
+    return GemvConfig(*entry) if entry is not None else default_config(n, k, gated)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_DEFAULT_ROWS) -> bool:

@@ -158,8 +158,6 @@ def test_config_table_and_heuristic():
         assert cfg.block_k >= k or (k > 8192 and cfg.block_k == 4096)
         assert 1 <= cfg.block_n <= 16 and cfg.block_n & (cfg.block_n - 1) == 0
         assert gv.default_config(512, k, True).block_n <= cfg.block_n
-        assert not cfg.row_loop and gv.default_config(512, k, False, True).row_loop == (cfg.block_k >= k)
-    assert gv.config_for(512, 1000, 1, 1, False).row_loop and not gv.config_for(512, 1000, 2, 1, False).row_loop
 
 
 def test_gemv_switch_parses_strictly():
