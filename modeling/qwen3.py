@@ -51,8 +51,8 @@ class Qwen3DecoderLayer(nn.Module):
 
     def forward_norm_first(self, positions, pending, residual, kv_caches, attn_metadata):
         """The same layer with each residual add + norm riding on the projection AFTER it (`KernelOps.norm_linear`:
-        the GEMV's prologue at 1-2 tokens; TP = 1 only). pending: the previous layer's output, not yet added to
-        residual (None before the first layer, where residual is the embedding). Returns (this layer's output,
+        the GEMV's prologue at up to `prologue_norm_max_tokens` tokens; TP = 1 only). pending: the previous layer's
+        output, not yet added to residual (None before the first layer, where residual is the embedding). Returns (this layer's output,
         not yet added; the stream it is to be added to)."""
         attn = self.self_attn
         norm = self.input_layernorm
