@@ -18,8 +18,8 @@ import os
 from typing import Mapping, MutableMapping, NamedTuple, Optional
 
 from actors.options import DRIVER_POLL_ENV, STEP_PATH_ENV, STEP_PROFILE_ENV, STEP_TRACE_ENV, DriverOptions
-from modeling.ops.options import (COMPILE_THREADS_ENV, DECODE_SINGLE_LAUNCH_ENV, GEMV_ENV, GEMV_ROWS_ENV,
-                                  PDL_ENV, PROJECTION_MEASURE_ENV, MOE_ROUTE_KERNEL_ENV, KernelOptions)
+from modeling.ops.options import (COMPILE_THREADS_ENV, DECODE_PREFETCH_ENV, DECODE_SINGLE_LAUNCH_ENV, GEMV_ENV,
+                                  GEMV_ROWS_ENV, PDL_ENV, PROJECTION_MEASURE_ENV, MOE_ROUTE_KERNEL_ENV, KernelOptions)
 from parallel.options import (DEEPEP_MAX_TOKENS_ENV, TP_ALLREDUCE_ENV, TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV,
                               CommOptions)
 
@@ -27,8 +27,8 @@ LOG_DIR_ENV = "GRAPHLINE_LOG_DIR"
 ADMIN_TOKEN_ENV = "GRAPHLINE_ADMIN_TOKEN"
 
 
-OPTION_VARIABLES = (PDL_ENV, GEMV_ENV, GEMV_ROWS_ENV, DECODE_SINGLE_LAUNCH_ENV, COMPILE_THREADS_ENV,
-                    PROJECTION_MEASURE_ENV,                    MOE_ROUTE_KERNEL_ENV,
+OPTION_VARIABLES = (PDL_ENV, GEMV_ENV, GEMV_ROWS_ENV, DECODE_SINGLE_LAUNCH_ENV, DECODE_PREFETCH_ENV,
+                    COMPILE_THREADS_ENV, PROJECTION_MEASURE_ENV, MOE_ROUTE_KERNEL_ENV,
                     TP_ALLREDUCE_ENV, TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV, DEEPEP_MAX_TOKENS_ENV, STEP_PATH_ENV,
                     DRIVER_POLL_ENV, STEP_TRACE_ENV, STEP_PROFILE_ENV)
 
@@ -72,12 +72,15 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Environment
     A bad value raises a ValueError naming the variable and its choices."""
     threads = _int(environ, COMPILE_THREADS_ENV)
     gemv_rows = _int(environ, GEMV_ROWS_ENV)
+    prefetch = None if environ.get(DECODE_PREFETCH_ENV) is None else _flag(
+        environ, DECODE_PREFETCH_ENV, False, "decode attention loads its first KV tile before its PDL wait", "after it")
     kernels = KernelOptions(
         pdl=environ.get(PDL_ENV, KernelOptions.pdl),
         gemv=_flag(environ, GEMV_ENV, True, "the decode GEMV, the default", "off"),
         gemv_rows=gemv_rows,
         decode_single_launch=_flag(environ, DECODE_SINGLE_LAUNCH_ENV, True, "one launch, the default",
                                    "split-KV decode attention in two launches"),
+        decode_prefetch=prefetch,
         compile_threads=threads,
         measure_projections=_flag(environ, PROJECTION_MEASURE_ENV, True, "measure untuned projection shapes at "
                                   "start-up, the default", "the safe config for them"),

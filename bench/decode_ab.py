@@ -11,7 +11,8 @@ baseline's (switches that change the arithmetic may flip near-tied greedy choice
 
 Two assignments are not variables but tuning tables, installed while that variant's graphs are captured and taken
 out after: `gemm_table=PATH` (a `bench.gemm_tune` JSON's entries for the skinny GEMM) and `gemv_table=PATH` (a
-`bench.gemv_tune` JSON's winners for the decode GEMV). `--layers N` keeps the first N layers of the model.
+`bench.gemv_tune` JSON's winners for the decode GEMV); `decode_launch=WARPS,STAGES` sets the decode attention's
+warps and pipeline stages over `decode_config`'s choice. `--layers N` keeps the first N layers of the model.
 """
 from __future__ import annotations
 
@@ -49,13 +50,21 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return label, env
 
 
-TABLES = ("gemm_table", "gemv_table")
+TABLES = ("gemm_table", "gemv_table", "decode_launch")
 
 
 @contextlib.contextmanager
 def installed_tables(env: dict[str, str]) -> Iterator[None]:
-    """The variant's tuning tables (`TABLES`) in `triton_gemm` / `triton_gemv` for the duration; restored after."""
-    from modeling.ops import triton_gemm, triton_gemv
+    """The variant's tuning tables (`TABLES`) in `triton_gemm` / `triton_gemv`, and its decode attention launch
+    (`decode_launch=WARPS,STAGES` over `decode_config`'s choice) for the duration; restored after."""
+    import dataclasses
+
+    from modeling.ops import triton_decode, triton_gemm, triton_gemv
+
+    chosen = triton_decode.decode_config
+    if "decode_launch" in env:
+        warps, stages = (int(x) for x in env["decode_launch"].split(","))
+        triton_decode.decode_config = lambda *a: dataclasses.replace(chosen(*a), num_warps=warps, num_stages=stages)
 
     saved = (dict(triton_gemm._CONFIGS), dict(triton_gemm._GATED_CONFIGS), dict(triton_gemv._CONFIGS))
     try:
@@ -69,6 +78,7 @@ def installed_tables(env: dict[str, str]) -> Iterator[None]:
             install_winners(env["gemv_table"])
         yield
     finally:
+        triton_decode.decode_config = chosen
         for table, old in zip((triton_gemm._CONFIGS, triton_gemm._GATED_CONFIGS, triton_gemv._CONFIGS), saved):
             table.clear()
             table.update(old)

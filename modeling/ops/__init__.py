@@ -112,12 +112,13 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
     from modeling.ops.pdl import pdl_mode
 
     pdl, gemv, single = pdl_mode(dev, options.pdl), options.gemv_max_rows(), options.decode_single_launch
+    prefetch = options.decode_prefetch
     bind = functools.partial
     measure = (bind(triton_gemm_measure.measure_projection_fallbacks, gemv=gemv, pdl=pdl)
                if options.measure_projections else KernelOps.measure_projections)
     return KernelOps(
         name="triton", store_kv=triton_attention.store_kv, prefill_attention=triton_attention.prefill_attention,
-        decode_attention=bind(triton_attention.decode_attention, single_launch=single, pdl=pdl),
+        decode_attention=bind(triton_attention.decode_attention, single_launch=single, prefetch=prefetch, pdl=pdl),
         rms_norm=bind(triton_fused.rms_norm, pdl=pdl), add_rms_norm=bind(triton_fused.add_rms_norm, pdl=pdl),
         qk_norm_rope=triton_fused.qk_norm_rope, qk_norm_rope_store=bind(triton_fused.qk_norm_rope_store, pdl=pdl),
         silu_and_mul=bind(triton_fused.silu_and_mul, pdl=pdl),
@@ -127,7 +128,7 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         norm_linear=bind(triton_gemm.norm_linear, pdl=pdl, gemv=gemv), capturable=True,
         prologue_norm_max_tokens=gemv,
         warm_up_attention=bind(triton_attention.warm_up_attention, threads=options.compile_threads, pdl=pdl,
-                               single_launch=single),
+                               single_launch=single, prefetch=prefetch),
         moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts,
         moe_route=bind(triton_router.route_topk, pdl=pdl) if options.moe_route_kernel else None,
         measure_projections=measure,

@@ -13,6 +13,7 @@ PDL_ENV = "GRAPHLINE_PDL"
 GEMV_ENV = "GRAPHLINE_GEMV"
 GEMV_ROWS_ENV = "GRAPHLINE_GEMV_ROWS"
 DECODE_SINGLE_LAUNCH_ENV = "GRAPHLINE_DECODE_SINGLE_LAUNCH"
+DECODE_PREFETCH_ENV = "GRAPHLINE_DECODE_PREFETCH"
 COMPILE_THREADS_ENV = "GRAPHLINE_COMPILE_THREADS"
 PROJECTION_MEASURE_ENV = "GRAPHLINE_PROJECTION_MEASURE"
 MOE_ROUTE_KERNEL_ENV = "GRAPHLINE_MOE_ROUTE_KERNEL"
@@ -41,6 +42,9 @@ class KernelOptions:
     GEMM with the norm in their epilogue. None (the default): by the model's width (`for_model`, GEMV_AUTO_ROWS).
     `gemv_max_rows()` is what the kernels are bound with.
     decode_single_launch: split-KV decode attention combines its splits in the split kernel (False: two launches).
+    decode_prefetch: whether the split-KV decode attention loads its first KV tile (and the lengths and block-table
+    entries) before its PDL wait, overlapping the kernels ahead of it (`modeling.ops.triton_decode`). None (the
+    default): the launch config's choice (`DecodeConfig.prefetch`: one-sequence steps); True / False: always / never.
     compile_threads: threads compiling Triton variants at start-up; None: up to 8 of the rank's host cores.
     measure_projections: at warm-up, time cuBLAS against the safe skinny-GEMM config for every decode projection
     shape the tuning table lacks and keep the faster, cached on disk (`modeling.ops.projection_choice`); False:
@@ -53,6 +57,7 @@ class KernelOptions:
     gemv: bool = True
     gemv_rows: Optional[int] = None
     decode_single_launch: bool = True
+    decode_prefetch: Optional[bool] = None
     compile_threads: Optional[int] = None
     measure_projections: bool = True
     moe_route_kernel: bool = True
@@ -87,6 +92,9 @@ class KernelOptions:
                           ("moe_route_kernel", MOE_ROUTE_KERNEL_ENV)):
             if not isinstance(getattr(self, name), bool):
                 raise KernelOptionsError(f"{name} ({env}) must be a bool, got {getattr(self, name)!r}")
+        if self.decode_prefetch is not None and not isinstance(self.decode_prefetch, bool):
+            raise KernelOptionsError(f"decode_prefetch ({DECODE_PREFETCH_ENV}) must be None or a bool, got "
+                                     f"{self.decode_prefetch!r}")
         n = self.compile_threads
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise KernelOptionsError(f"{COMPILE_THREADS_ENV}={n!r} must be an integer >= 1")

@@ -10,7 +10,9 @@ so the launch and ramp-up of each kernel hidden under the tail of the previous o
 once every program of this one passed its wait, 2 (`"early"`) as soon as every program of this one is resident. Every
 kernel that takes it follows three rules:
 1. `pdl_launch_dependents(PDL)` first (the early trigger; a no-op in mode 1);
-2. before `pdl_wait(PDL)`, only loads of data no kernel of the step writes (weights, norm weights);
+2. before `pdl_wait(PDL)`, only loads of data no kernel of the step writes (weights, norm weights, the step's
+   attention lengths and block tables, which host copies write ahead of its first kernel, and KV-cache rows
+   older than the step's new tokens);
 3. `pdl_wait(PDL)` in every program before any other load, any store or atomic, and any early exit (in mode 1 it
    also triggers the next kernel). The wait returns once the previous kernel completed and its memory is
    visible; since that kernel waited the same way on its own predecessor, everything earlier in the stream is

@@ -18,7 +18,10 @@ the fixed order s = 0..S-1 (`_combine_splits`), either
   captured for the longest one pays no atomics for its empty splits; or
 - by a second launch, `_decode_reduce_kernel` on grid `(B, Hkv)` (the fallback
   when B * Hkv exceeds the counter slots, or with `single_launch=False`).
-Both give the same bits. S depends only on (B, Hkv, W, bs, SM count), never on
+Both give the same bits. With `DecodeConfig.prefetch` each program loads the length, its first tile's block-table
+entries and, when every token of that tile precedes the step's new one (the only cache row the step's kernels
+write), the tile's K and V before its PDL wait, then attends that tile first; the bits do not change.
+S depends only on (B, Hkv, W, bs, SM count), never on
 live lengths, and nothing here synchronises with the host: the call can be
 captured in a CUDA graph and replayed with other lengths and block tables.
 
@@ -39,7 +42,8 @@ import triton
 import triton.language as tl
 
 from modeling.ops.pdl import PDL_LAUNCH, pdl_launch_dependents, pdl_wait
-from modeling.ops.triton_decode_config import (COMBINE_CHUNK, LOG2E, MAX_SPLITS, TARGET_WAVES,  # noqa: F401
+from modeling.ops.triton_decode_config import (COMBINE_CHUNK, LOG2E, MAX_SPLITS, PREFETCH_MAX_BATCH,  # noqa: F401
+                                              TARGET_WAVES,
                                               _COUNTER_SLOTS, DecodeConfig, DecodeNotWarmedUpError, _counters,
                                               _sm_count, decode_config, decode_counters, device_sm_count)
 
@@ -91,8 +95,23 @@ def _combine_splits(PART_O, PART_LSE, OUT, b, kvh, n_active, stride_ob, stride_o
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
+@triton.jit
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    """One KV tile into the running softmax state: q `[BLOCK_G, BLOCK_D]`, k and v `[BLOCK_N, BLOCK_D]` (cache
+    dtype, zeros where masked), n_mask `[BLOCK_N]` the tile's live tokens; m_i / l_i `[BLOCK_G]` and acc
+    `[BLOCK_G, BLOCK_D]` fp32. Returns the new (m_i, l_i, acc)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # fp32 scalar argument
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
 # Per-step metadata (block-table width, where the lengths and tables live) must not pick a new compiled variant.
-@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["BLOCK_TABLES", "KV_LENS"])
+@triton.jit(do_not_specialize=["stride_bt", "table_width"], do_not_specialize_on_alignment=["BLOCK_TABLES", "KV_LENS"])
 def _decode_split_kernel(
     Q,
     K_CACHE,
@@ -113,6 +132,7 @@ def _decode_split_kernel(
     stride_vt,
     stride_vh,
     stride_bt,
+    table_width,
     stride_ob,
     stride_oh,
     GROUP: tl.constexpr,
@@ -120,6 +140,8 @@ def _decode_split_kernel(
     PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SINGLE_LAUNCH: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -130,15 +152,48 @@ def _decode_split_kernel(
     PDL: tl.constexpr,
 ):
     pdl_launch_dependents(PDL)
-    pdl_wait(PDL)  # before the early exit below too (`modeling.ops.pdl`, rule 3)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    kv_len = tl.load(KV_LENS + b)
-    n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-    t_begin = split * per_split
-    t_end = tl.minimum(t_begin + per_split, n_tiles)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    if BLOCK_D == HEAD_DIM:
+        d_mask = offs_d < BLOCK_D
+    else:
+        d_mask = offs_d < HEAD_DIM
+    table = BLOCK_TABLES + b.to(tl.int64) * stride_bt
+    k_base = K_CACHE + kvh * stride_kh
+    v_base = V_CACHE + kvh * stride_vh
+    if PREFETCH:
+        # Before the wait (`modeling.ops.pdl`, rule 2): the lengths and block tables (host copies ahead of the
+        # step's kernels) and the first tile's K and V when every token of it precedes the step's new one (the only
+        # cache row a kernel of this step writes, at kv_len - 1). The table read also stays inside the row.
+        kv_len = tl.load(KV_LENS + b)
+        n_tiles = tl.cdiv(kv_len, BLOCK_N)
+        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        t_begin = split * per_split
+        t_end = tl.minimum(t_begin + per_split, n_tiles)
+        tok0 = t_begin * BLOCK_N + offs_n
+        # scalar conditions enter the masks through their bounds (the interpreter masks with tensors only)
+        n_mask0 = (tok0 < tl.where(t_begin < t_end, kv_len, 0)) & (tok0 // PAGE < table_width)
+        page0 = tl.load(table + tok0 // PAGE, mask=n_mask0, other=0).to(tl.int64)
+        row0 = (tok0 % PAGE)[:, None]
+        kv_mask0 = n_mask0[:, None] & d_mask[None, :]
+        # early: every token of the tile precedes the new one, so its K and V load now
+        early = (offs_n < tl.where(t_begin * BLOCK_N + BLOCK_N < kv_len, BLOCK_N, 0))[:, None]
+        k0 = tl.load(k_base + page0[:, None] * stride_kb + row0 * stride_kt + offs_d[None, :], mask=kv_mask0 & early,
+                     other=0.0)
+        v0 = tl.load(v_base + page0[:, None] * stride_vb + row0 * stride_vt + offs_d[None, :], mask=kv_mask0 & early,
+                     other=0.0)
+        pdl_wait(PDL)  # before the early exit below too (rule 3)
+    else:
+        pdl_wait(PDL)  # before the early exit below too (`modeling.ops.pdl`, rule 3)
+        kv_len = tl.load(KV_LENS + b)
+        n_tiles = tl.cdiv(kv_len, BLOCK_N)
+        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        t_begin = split * per_split
+        t_end = tl.minimum(t_begin + per_split, n_tiles)
     n_active = _active_splits(kv_len, BLOCK_N, NUM_SPLITS)
     n_arrive = tl.maximum(n_active, 1)  # split 0 closes an empty sequence's count and writes its zeros
     if NUM_SPLITS > 1:
@@ -148,43 +203,38 @@ def _decode_split_kernel(
         elif split >= n_arrive:
             return  # owns no tile: writes nothing, and the last of the first n_arrive splits combines
 
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
-    if BLOCK_D == HEAD_DIM:
-        d_mask = offs_d < BLOCK_D
-    else:
-        d_mask = offs_d < HEAD_DIM
     q = tl.load(
         Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    table = BLOCK_TABLES + b.to(tl.int64) * stride_bt
-    k_base = K_CACHE + kvh * stride_kh
-    v_base = V_CACHE + kvh * stride_vh
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for t in range(t_begin, t_end):  # no trip for an empty split of the single launch
+    t_loop = t_begin
+    if PREFETCH:
+        if t_begin < t_end:  # the first tile, its K and V from before the wait unless it holds the new token
+            k_late = tl.load(k_base + page0[:, None] * stride_kb + row0 * stride_kt + offs_d[None, :],
+                             mask=kv_mask0 & ~early, other=0.0)
+            v_late = tl.load(v_base + page0[:, None] * stride_vb + row0 * stride_vt + offs_d[None, :],
+                             mask=kv_mask0 & ~early, other=0.0)
+            m_i, l_i, acc = _attend_tile(q, tl.where(early, k0, k_late), tl.where(early, v0, v_late), n_mask0,
+                                         m_i, l_i, acc, qk_scale, PRECISION)
+        t_loop = t_begin + 1
+    # no trip for an empty split of the single launch; NUM_STAGES > 1 software-pipelines the tiles' loads (a plain
+    # `range` is not pipelined here: the loop sits under the early exits' branches)
+    for t in tl.range(t_loop, t_end, num_stages=NUM_STAGES):
         tok = t * BLOCK_N + offs_n
         n_mask = tok < kv_len
         page = tl.load(table + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
         row = (tok % PAGE)[:, None]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + page[:, None] * stride_kb + row * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # fp32 scalar argument
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + page[:, None] * stride_vb + row * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, PRECISION)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -244,6 +294,7 @@ def decode_attention(
     *,
     config: DecodeConfig | None = None,
     single_launch: bool = True,
+    prefetch: bool | None = None,
     pdl: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence (`q`: `[B, Hq, D]`) over its whole cached context; returns `[B, Hq, D]`.
@@ -255,6 +306,8 @@ def decode_attention(
     the current stream; scratch is a per-call `torch.empty` (graph-pool memory under capture). The first call
     on a device allocates its arrival counters and must run outside CUDA graph capture; calls on one device
     must be stream-ordered (see the module docstring). `pdl`: the split kernel's PDL mode (`modeling.ops.pdl`).
+    `prefetch` (`KernelOptions.decode_prefetch`): None takes the config's choice (`DecodeConfig.prefetch`); True or
+    False forces the loads before the PDL wait on or off. Same bits either way.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -304,6 +357,7 @@ def decode_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
+        block_tables.shape[1],
         out.stride(0),
         out.stride(1),
         GROUP=group,
@@ -311,6 +365,8 @@ def decode_attention(
         PAGE=page,
         NUM_SPLITS=splits,
         SINGLE_LAUNCH=single_launch,
+        PREFETCH=cfg.prefetch if prefetch is None else bool(prefetch),
+        NUM_STAGES=cfg.num_stages,
         BLOCK_G=max(16, block_h),
         BLOCK_N=cfg.block_n,
         BLOCK_H=block_h,

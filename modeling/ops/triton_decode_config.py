@@ -12,6 +12,9 @@ import triton
 LOG2E = 1.4426950408889634
 TARGET_WAVES = 4  # aim for about this many programs per SM in the split kernel
 MAX_SPLITS = 64
+# Batches up to this take the prefetch before the PDL wait by default: it held the K and V tile in registers
+# through the wait and paid off only at one sequence (docs/benchmarks.md, twenty-fifth session).
+PREFETCH_MAX_BATCH = 1
 COMBINE_CHUNK = 8  # splits one combine step loads at once (16 raised ptxas spills of the split kernel, sm_90)
 _COUNTER_SLOTS = 1 << 16  # one per (sequence, KV head): B * Hkv <= 65536 (e.g. 256 sequences x 256 KV heads)
 
@@ -22,12 +25,16 @@ class DecodeNotWarmedUpError(RuntimeError):
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Static launch parameters of the decode kernels."""
+    """Static launch parameters of the decode kernels. num_stages: software-pipeline stages of the split kernel's
+    tile loop (1: none). prefetch: the split kernel loads the lengths, its first tile's block-table entries and
+    that tile's K and V before its PDL wait (when the tile ends before the step's new token), overlapping the kernels
+    ahead of it; the bits are the same either way."""
 
     block_n: int
     num_splits: int
     num_warps: int
     num_stages: int
+    prefetch: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,8 +66,8 @@ def decode_config(
     # ... and of the live block-table width of eager calls: a split beyond the tiles exits at once
     splits = min(triton.next_power_of_2(-(-TARGET_WAVES * sm_count // programs)), MAX_SPLITS,
                  triton.next_power_of_2(max_tiles))
-    num_stages = 3 if head_dim <= 128 and dtype != torch.float32 else 2
-    return DecodeConfig(block_n=block_n, num_splits=splits, num_warps=4, num_stages=num_stages)
+    return DecodeConfig(block_n=block_n, num_splits=splits, num_warps=4, num_stages=1,
+                        prefetch=batch <= PREFETCH_MAX_BATCH)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}

@@ -1,15 +1,18 @@
 """Programmatic dependent launch (`modeling.ops.pdl`): early by default on sm_90+, modes 0 and 1 on request
 (`KernelOptions.pdl`, bound into `KernelOps` by `get_kernel_ops`), and a long chain of dependent PDL kernels replayed
 from a CUDA graph gives bitwise the results of the same chain launched without PDL (a kernel reading its
-predecessor's output before `gdc_wait` would race and differ)."""
+predecessor's output before `gdc_wait` would race and differ), the decode attention's loads before its wait
+included."""
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="needs triton (GPU kernels)")
 
 from modeling.ops import pdl  # noqa: E402
+from modeling.ops.triton_decode import decode_attention
 from modeling.ops.triton_fused import add_rms_norm, rms_norm, silu_and_mul
 from modeling.ops.triton_gemm import linear, linear_add_rms_norm, norm_linear
+from modeling.ops.triton_rope import qk_norm_rope_store
 
 pytestmark = pytest.mark.gpu
 
@@ -32,13 +35,14 @@ def test_kernel_ops_bind_the_options_for_this_device():
     from modeling.ops.options import KernelOptions
 
     dev = torch.device("cuda", 0)
-    for opts in (KernelOptions(), KernelOptions(pdl="0", gemv=False, decode_single_launch=False),
+    for opts in (KernelOptions(), KernelOptions(pdl="0", gemv=False, decode_single_launch=False, decode_prefetch=False),
                  KernelOptions(pdl="1")):
         ops = get_kernel_ops(dev, "triton", opts)
         mode = pdl.pdl_mode(dev, opts.pdl)
         assert ops.options == opts and ops.prologue_norm_max_tokens == (2 if opts.gemv else 0)
         assert ops.linear.keywords == {"pdl": mode, "gemv": opts.gemv_max_rows()}
-        assert ops.decode_attention.keywords == {"pdl": mode, "single_launch": opts.decode_single_launch}
+        assert ops.decode_attention.keywords == {"pdl": mode, "single_launch": opts.decode_single_launch,
+                                                 "prefetch": opts.decode_prefetch}
         assert ops.rms_norm.keywords == {"pdl": mode}
 
 
@@ -88,3 +92,68 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl(m, mode):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _store_then_attend(layers, q_raw, k_raw, v_raw, weights, cos, sin, pos, slots, tables, lens, pdl_mode, prefetch):
+    """Per layer, as a decode step runs them: the fused q/k norm + rotary + KV store of the step's token, then the
+    split-KV decode attention over its own cache (which the store just wrote at kv_len - 1); returns every
+    layer's attention output."""
+    outs = []
+    for kc, vc in layers:
+        q = qk_norm_rope_store(q_raw, k_raw, v_raw, weights, weights, cos, sin, pos, 1e-6, kc, vc, slots,
+                               pdl=pdl_mode)
+        outs.append(decode_attention(q, kc, vc, tables, lens, 0.088, prefetch=prefetch, pdl=pdl_mode))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("mode", ["1", "early"])
+def test_decode_attention_loading_before_its_wait_sees_the_new_token(mode):
+    """The attention loads its lengths, tables and first KV tiles before its PDL wait. In a graph after the kernel
+    that stores the step's token, it must still read that token's K and V (not the stale rows, refilled with noise
+    before every replay) and give the bits of the chain without PDL and without the early loads."""
+    code = pdl.pdl_mode(torch.device("cuda", 0), mode)
+    if not code:
+        pytest.skip("PDL not available on this GPU / Triton")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    bf, hq, hkv, d, page, width, batch = torch.bfloat16, 16, 8, 128, 64, 80, 3  # up to 5120 tokens
+    layers = [(torch.randn(batch * width + 1, page, hkv, d, generator=g, device="cuda").to(bf),
+               torch.randn(batch * width + 1, page, hkv, d, generator=g, device="cuda").to(bf)) for _ in range(4)]
+    tables = (torch.randperm(batch * width, generator=g, device="cuda") + 1).to(torch.int32).view(batch, width)
+    q_raw = torch.randn(batch, hq, d, generator=g, device="cuda").to(bf)
+    k_raw = torch.randn(batch, hkv, d, generator=g, device="cuda").to(bf)
+    v_raw = torch.randn(batch, hkv, d, generator=g, device="cuda").to(bf)
+    weights = (torch.rand(d, generator=g, device="cuda") + 0.5).to(bf)
+    cos = torch.rand(width * page, d, generator=g, device="cuda")
+    sin = torch.rand(width * page, d, generator=g, device="cuda")
+    lens = torch.empty(batch, dtype=torch.int32, device="cuda")
+    pos = torch.empty(batch, dtype=torch.int64, device="cuda")
+    slots = torch.empty_like(pos)
+
+    def set_lengths(kv_lens):  # the new token at kv_len - 1; its cache rows refilled with noise first
+        lens.copy_(torch.tensor(kv_lens, dtype=torch.int32))
+        p = lens.long() - 1
+        pos.copy_(p)
+        slots.copy_(tables.long().gather(1, (p // page)[:, None])[:, 0] * page + p % page)
+        for kc, vc in layers:
+            kc.view(-1, hkv, d)[slots] = torch.randn(batch, hkv, d, generator=g, device="cuda").to(bf)
+            vc.view(-1, hkv, d)[slots] = torch.randn(batch, hkv, d, generator=g, device="cuda").to(bf)
+
+    args = (layers, q_raw, k_raw, v_raw, weights, cos, sin, pos, slots, tables, lens)
+    set_lengths([width * page, 1, 700])
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        _store_then_attend(*args, code, True)  # compiles the PDL variants outside the capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        got = _store_then_attend(*args, code, True)
+    # tiles ending right before the new token, the new token first in its tile, one page, 33 tiles, 2 tokens
+    for kv_lens in ([128 + 1, 64, 2050], [65, 4097, 2], [width * page, 63, 1000], [130, 129, 2561]):
+        set_lengths(kv_lens)
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        set_lengths(kv_lens)  # fresh noise in the new token's rows for the plain chain too (its store overwrites it)
+        want = _store_then_attend(*args, 0, False)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), kv_lens

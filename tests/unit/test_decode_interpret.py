@@ -5,8 +5,9 @@ process started with TRITON_INTERPRET=1 (Triton picks interpreted functions when
 this process only compares. Dtypes are fp32 and fp16: the interpreter's `tl.dot` multiplies bf16
 as its raw uint16 storage (triton 3.9). The interpreter runs programs one after another, so this
 checks the split arithmetic, the empty-split and padding handling, the last-arrival combine, the
-bitwise equality with the two-kernel path and the counter reset; the memory ordering between
-concurrent programs needs a GPU (tests/gpu/test_triton_kernels.py).
+bitwise equality with the two-kernel path and with the first KV tile loaded before the PDL wait or not (`prefetch`;
+the cases' splits start on tiles that end before the new token and on the one holding it), the counter reset;
+the memory ordering between concurrent programs needs a GPU (tests/gpu/test_triton_kernels.py).
 """
 import json
 
@@ -58,9 +59,11 @@ for name, (hq, hkv, d, bs, width, lens, configs) in json.loads(sys.argv[1]).item
             one = td.decode_attention(q, kc, vc, tables, kv, scale, config=cfg)
             counters = int(td.decode_counters(q.device).count_nonzero())
             two = td.decode_attention(q, kc, vc, tables, kv, scale, config=cfg, single_launch=False)
+            forced = [td.decode_attention(q, kc, vc, tables, kv, scale, config=cfg, prefetch=p) for p in (False, True)]
             out[f"{name},{dt},{json.dumps(c)}"] = {
                 "splits": used.num_splits, "dtype": str(one.dtype), "shape": list(one.shape),
                 "err": (one.float() - expected).abs().max().item(), "equal_two_kernel": torch.equal(one, two),
+                "equal_prefetch_forced": [torch.equal(one, other) for other in forced],
                 "pad_rows_zero": all(int(one[i].count_nonzero()) == 0 for i, n in enumerate(lens) if n == 0),
                 "counters_nonzero": counters}
 
@@ -97,6 +100,7 @@ def test_interpreted_single_launch_matches_reference_and_two_kernels(results, na
     assert r["dtype"] == f"torch.{dtype}" and r["shape"] == [len(lens), hq, d]
     assert r["err"] < (1e-5 if dtype == "float32" else 5e-3), r  # fp16: inputs and output rounding
     assert r["equal_two_kernel"], "single launch differs bitwise from split + reduce kernels"
+    assert r["equal_prefetch_forced"] == [True, True], "the loads before the PDL wait change the bits"
     assert r["pad_rows_zero"]
     assert r["counters_nonzero"] == 0
 
@@ -118,3 +122,11 @@ def test_counters_refuse_allocation_during_capture(monkeypatch):
     with pytest.raises(td.DecodeNotWarmedUpError):
         td.decode_counters(dev)
     assert dev not in td._counters
+
+
+def test_one_sequence_steps_load_their_first_tile_before_the_wait():
+    from modeling.ops import triton_decode as td
+
+    picks = {b: td.decode_config(b, 8, 640, 64, 128, torch.bfloat16, 132).prefetch for b in (1, 2, 4, 64, 256)}
+    assert picks == {1: True, 2: False, 4: False, 64: False, 256: False}
+    assert td.PREFETCH_MAX_BATCH == 1 and td.decode_config(1, 8, 640, 64, 128, torch.bfloat16, 132).num_stages == 1

@@ -24,7 +24,7 @@ def test_defaults_without_any_variable():
 
 def test_every_variable_reaches_its_field():
     env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_GEMV_ROWS": "3",
-           "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0",
+           "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0", "GRAPHLINE_DECODE_PREFETCH": "0",
            "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_MOE_ROUTE_KERNEL": "0",
            "GRAPHLINE_TP_ALLREDUCE": "symm",
            "GRAPHLINE_TP_FUSED_KIND": "pull", "GRAPHLINE_TP_FUSED_NORM": "0",
@@ -33,7 +33,8 @@ def test_every_variable_reaches_its_field():
            "GRAPHLINE_STEP_PROFILE": "/tmp/prof"}
     assert set(env) == set(OPTION_VARIABLES)
     k, c, d = options_from_environ(env)
-    assert k == KernelOptions(pdl="1", gemv=False, gemv_rows=3, decode_single_launch=False, compile_threads=2,
+    assert k == KernelOptions(pdl="1", gemv=False, gemv_rows=3, decode_single_launch=False, decode_prefetch=False,
+                              compile_threads=2,
                               measure_projections=False, moe_route_kernel=False)
     assert c == CommOptions(tp_allreduce="symm", tp_fused_kind="pull", tp_fused_norm=False,
                             deepep_max_tokens_per_rank=128)
@@ -43,6 +44,7 @@ def test_every_variable_reaches_its_field():
 @pytest.mark.parametrize("name,raw,match", [
     ("GRAPHLINE_PDL", "on", r"GRAPHLINE_PDL='on': use 0 \(off\), 1 .* or early"),
     ("GRAPHLINE_DECODE_SINGLE_LAUNCH", "yes", r"GRAPHLINE_DECODE_SINGLE_LAUNCH='yes': use 1 .* or 0"),
+    ("GRAPHLINE_DECODE_PREFETCH", "2", r"GRAPHLINE_DECODE_PREFETCH='2': use 1 \(decode attention .* or 0"),
     ("GRAPHLINE_PROJECTION_MEASURE", "no", r"GRAPHLINE_PROJECTION_MEASURE='no': use 1 \(measure .* or 0"),
     ("GRAPHLINE_STEP_PATH", "fast", r"GRAPHLINE_STEP_PATH must be one of .*'fast'"),
     ("GRAPHLINE_DRIVER_POLL_S", "soon", r"GRAPHLINE_DRIVER_POLL_S='soon'"),
@@ -83,9 +85,9 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.options == KernelOptions() and ops.prologue_norm_max_tokens == 2
     assert ops.linear.func is triton_gemm.linear and ops.linear.keywords == {"pdl": 2, "gemv": 2}
     assert ops.norm_linear.keywords == {"pdl": 2, "gemv": 2}
-    assert ops.decode_attention.keywords == {"pdl": 2, "single_launch": True}
+    assert ops.decode_attention.keywords == {"pdl": 2, "single_launch": True, "prefetch": None}
     assert ops.warm_up_attention.func is triton_attention.warm_up_attention
-    assert ops.warm_up_attention.keywords == {"threads": None, "pdl": 2, "single_launch": True}
+    assert ops.warm_up_attention.keywords == {"threads": None, "pdl": 2, "single_launch": True, "prefetch": None}
     assert ops.measure_projections.func is triton_gemm_measure.measure_projection_fallbacks
     assert ops.measure_projections.keywords == {"gemv": 2, "pdl": 2}
     rows4 = get_kernel_ops(dev, "triton", KernelOptions(gemv_rows=4))
@@ -94,13 +96,14 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.moe_route.func is triton_router.route_topk and ops.moe_route.keywords == {"pdl": 2}  # the default
     off = get_kernel_ops(dev, "triton", KernelOptions(moe_route_kernel=False))
     assert off.moe_route is None  # torch's routing
-    opts = KernelOptions(pdl="1", gemv=False, decode_single_launch=False, compile_threads=3, moe_route_kernel=True)
+    opts = KernelOptions(pdl="1", gemv=False, decode_single_launch=False, decode_prefetch=False, compile_threads=3,
+                         moe_route_kernel=True)
     ops = get_kernel_ops(dev, "triton", opts)
     assert ops.options == opts and ops.prologue_norm_max_tokens == 0
     assert ops.linear.keywords == {"pdl": 1, "gemv": 0}
     assert ops.silu_and_mul.keywords == ops.rms_norm.keywords == {"pdl": 1}
-    assert ops.decode_attention.keywords == {"pdl": 1, "single_launch": False}
-    assert ops.warm_up_attention.keywords == {"threads": 3, "pdl": 1, "single_launch": False}
+    assert ops.decode_attention.keywords == {"pdl": 1, "single_launch": False, "prefetch": False}
+    assert ops.warm_up_attention.keywords == {"threads": 3, "pdl": 1, "single_launch": False, "prefetch": False}
     assert ops.measure_projections.keywords == {"gemv": 0, "pdl": 1}
     assert ops.moe_route.keywords == {"pdl": 1}
     off = get_kernel_ops(dev, "triton", KernelOptions(measure_projections=False))
