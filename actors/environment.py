@@ -43,7 +43,7 @@ class EnvironmentOptions(NamedTuple):
     driver: DriverOptions
 
 
-def _flag(environ: Mapping[str, str], name: str, default: bool, on: str, off: str) -> bool:
+def _flag(environ: Mapping[str, str], name: str, default: Optional[bool], on: str, off: str) -> Optional[bool]:
     raw = environ.get(name)
     if raw is None:
         return default
@@ -72,15 +72,14 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Environment
     A bad value raises a ValueError naming the variable and its choices."""
     threads = _int(environ, COMPILE_THREADS_ENV)
     gemv_rows = _int(environ, GEMV_ROWS_ENV)
-    prefetch = None if environ.get(DECODE_PREFETCH_ENV) is None else _flag(
-        environ, DECODE_PREFETCH_ENV, False, "decode attention loads its first KV tile before its PDL wait", "after it")
     kernels = KernelOptions(
         pdl=environ.get(PDL_ENV, KernelOptions.pdl),
         gemv=_flag(environ, GEMV_ENV, True, "the decode GEMV, the default", "off"),
         gemv_rows=gemv_rows,
         decode_single_launch=_flag(environ, DECODE_SINGLE_LAUNCH_ENV, True, "one launch, the default",
                                    "split-KV decode attention in two launches"),
-        decode_prefetch=prefetch,
+        decode_prefetch=_flag(environ, DECODE_PREFETCH_ENV, None, "decode attention loads its first KV tile before "
+                              "its PDL wait", "after it"),
         compile_threads=threads,
         measure_projections=_flag(environ, PROJECTION_MEASURE_ENV, True, "measure untuned projection shapes at "
                                   "start-up, the default", "the safe config for them"),

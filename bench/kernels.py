@@ -22,9 +22,9 @@ Columns:
 - frac: roofline us / measured us (1.0 = at the copy-bandwidth roofline).
 With --sweep, a grid of decode configs (splits 1..128, BLOCK_N 32/64/128,
 stages 2..4) is also timed per case as the graph column is, to tune `decode_config`.
-With --variants, the default config is timed the same way at 4 and 8 warps, 1-3 pipeline stages and `prefetch` 0, 2
-(what the kernel loads before its PDL wait; launched without PDL here, so this shows what the early loads cost
-in registers, not the overlap they buy in a model: `bench.decode_ab` measures that).
+With --variants, the default config is timed the same way at 4 and 8 warps, 1-3 pipeline stages and `prefetch` off
+and on (p0 / p1: the first KV tile loaded after or before the PDL wait; launched without PDL here, so this shows what
+the early loads cost in registers, not the overlap they buy in a model: `bench.decode_ab` measures that).
 """
 from __future__ import annotations
 
@@ -161,12 +161,11 @@ def run_case(batch: int, context: int, bandwidth: float, sweep: bool, variants: 
     if variants:
         cells = []
         for warps, stages in ((4, 1), (4, 2), (4, 3), (8, 1), (8, 2), (8, 3)):
-            for level in (0, 2):
-                c = replace(cfg, num_warps=warps, num_stages=stages)
-                us = graph_time_us([lambda t=t, c=c, n=level: decode_attention(q, k_cache, v_cache, t, kv_lens, scale,
-                                                                               config=c, prefetch=n)
+            for early in (False, True):
+                c = replace(cfg, num_warps=warps, num_stages=stages, prefetch=early)
+                us = graph_time_us([lambda t=t, c=c: decode_attention(q, k_cache, v_cache, t, kv_lens, scale, config=c)
                                     for t in tables])
-                cells.append(f"w{warps} s{stages} p{level} {us:.1f}")
+                cells.append(f"w{warps} s{stages} p{int(early)} {us:.1f}")
         print(f"  variants b={batch} ctx={context} (splits {cfg.num_splits}): " + ", ".join(cells))
     if sweep:
         timings = {}
@@ -210,8 +209,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32,256")
     parser.add_argument("--contexts", default="1024,8192")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of decode configs per case")
-    parser.add_argument("--variants", action="store_true", help="also time the default config at 4 and 8 warps and "
-                        "each prefetch level")
+    parser.add_argument("--variants", action="store_true", help="also time the default config at 4 and 8 warps, 1-3 "
+                        "stages, the early loads off and on")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA GPU")

@@ -48,7 +48,7 @@ def attention_warm_up_calls(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_
     decode_counters(dev)  # the split-KV arrival counters, once, before any thread launches
 
     def decode(splits: int, early: bool) -> Callable[[], Any]:
-        cfg = dataclasses.replace(base, num_splits=splits, prefetch=early)
+        cfg = dataclasses.replace(base, num_splits=splits)
         return lambda: decode_attention(q, k_cache, v_cache, tables, ones, scale, config=cfg,
                                         single_launch=single_launch, prefetch=early, pdl=pdl)
 

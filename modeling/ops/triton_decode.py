@@ -165,15 +165,17 @@ def _decode_split_kernel(
     table = BLOCK_TABLES + b.to(tl.int64) * stride_bt
     k_base = K_CACHE + kvh * stride_kh
     v_base = V_CACHE + kvh * stride_vh
+    if not PREFETCH:
+        pdl_wait(PDL)  # before the early exit below too (`modeling.ops.pdl`, rule 3)
+    # With PREFETCH, before the wait (`modeling.ops.pdl`, rule 2): the lengths and block tables (host copies ahead of
+    # the step's kernels) and the first tile's K and V when every token of it precedes the step's new one (the only
+    # cache row a kernel of this step writes, at kv_len - 1). The table read also stays inside the row.
+    kv_len = tl.load(KV_LENS + b)
+    n_tiles = tl.cdiv(kv_len, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_begin = split * per_split
+    t_end = tl.minimum(t_begin + per_split, n_tiles)
     if PREFETCH:
-        # Before the wait (`modeling.ops.pdl`, rule 2): the lengths and block tables (host copies ahead of the
-        # step's kernels) and the first tile's K and V when every token of it precedes the step's new one (the only
-        # cache row a kernel of this step writes, at kv_len - 1). The table read also stays inside the row.
-        kv_len = tl.load(KV_LENS + b)
-        n_tiles = tl.cdiv(kv_len, BLOCK_N)
-        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-        t_begin = split * per_split
-        t_end = tl.minimum(t_begin + per_split, n_tiles)
         tok0 = t_begin * BLOCK_N + offs_n
         # scalar conditions enter the masks through their bounds (the interpreter masks with tensors only)
         n_mask0 = (tok0 < tl.where(t_begin < t_end, kv_len, 0)) & (tok0 // PAGE < table_width)
@@ -187,13 +189,6 @@ def _decode_split_kernel(
         v0 = tl.load(v_base + page0[:, None] * stride_vb + row0 * stride_vt + offs_d[None, :], mask=kv_mask0 & early,
                      other=0.0)
         pdl_wait(PDL)  # before the early exit below too (rule 3)
-    else:
-        pdl_wait(PDL)  # before the early exit below too (`modeling.ops.pdl`, rule 3)
-        kv_len = tl.load(KV_LENS + b)
-        n_tiles = tl.cdiv(kv_len, BLOCK_N)
-        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-        t_begin = split * per_split
-        t_end = tl.minimum(t_begin + per_split, n_tiles)
     n_active = _active_splits(kv_len, BLOCK_N, NUM_SPLITS)
     n_arrive = tl.maximum(n_active, 1)  # split 0 closes an empty sequence's count and writes its zeros
     if NUM_SPLITS > 1:
