@@ -11,8 +11,8 @@ baseline's (switches that change the arithmetic may flip near-tied greedy choice
 
 Two assignments are not variables but tuning tables, installed while that variant's graphs are captured and taken
 out after: `gemm_table=PATH` (a `bench.gemm_tune` JSON's entries for the skinny GEMM) and `gemv_table=PATH` (a
-`bench.gemv_tune` JSON's winners for the decode GEMV); `decode_launch=WARPS,STAGES[,BLOCK_N]` sets the decode
-attention's warps, pipeline stages (and tile) over `decode_config`'s choice. `--layers N` keeps the first N layers
+`bench.gemv_tune` JSON's winners for the decode GEMV); `decode_launch=WARPS,STAGES[,BLOCK_N[,SPLITS]]` sets the decode
+attention's warps, pipeline stages (and tile, and split count) over `decode_config`'s choice. `--layers N` keeps the first N layers
 of the model.
 """
 from __future__ import annotations
@@ -57,15 +57,15 @@ TABLES = ("gemm_table", "gemv_table", "decode_launch")
 @contextlib.contextmanager
 def installed_tables(env: dict[str, str]) -> Iterator[None]:
     """The variant's tuning tables (`TABLES`) in `triton_gemm` / `triton_gemv`, and its decode attention launch
-    (`decode_launch=WARPS,STAGES[,BLOCK_N]` over `decode_config`'s choice) for the duration; restored after."""
+    (`decode_launch=WARPS,STAGES[,BLOCK_N[,SPLITS]]` over `decode_config`'s choice) for the duration; restored after."""
     import dataclasses
 
     from modeling.ops import triton_decode, triton_gemm, triton_gemv
 
     chosen = triton_decode.decode_config
     if "decode_launch" in env:
-        warps, stages, *tile = (int(x) for x in env["decode_launch"].split(","))
-        over = {"num_warps": warps, "num_stages": stages, **({"block_n": tile[0]} if tile else {})}
+        warps, stages, *rest = (int(x) for x in env["decode_launch"].split(","))
+        over = {"num_warps": warps, "num_stages": stages, **dict(zip(("block_n", "num_splits"), rest))}
         triton_decode.decode_config = lambda *a: dataclasses.replace(chosen(*a), **over)
 
     saved = (dict(triton_gemm._CONFIGS), dict(triton_gemm._GATED_CONFIGS), dict(triton_gemv._CONFIGS))
