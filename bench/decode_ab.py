@@ -12,8 +12,8 @@ baseline's (switches that change the arithmetic may flip near-tied greedy choice
 Two assignments are not variables but tuning tables, installed while that variant's graphs are captured and taken
 out after: `gemm_table=PATH` (a `bench.gemm_tune` JSON's entries for the skinny GEMM) and `gemv_table=PATH` (a
 `bench.gemv_tune` JSON's winners for the decode GEMV); `decode_launch=WARPS,STAGES[,BLOCK_N[,SPLITS]]` sets the
-decode attention's warps, pipeline stages (and tile, and split count) over `decode_config`'s choice (stages apply
-where the loads follow the PDL wait, `DecodeConfig.num_stages`). `--layers N` keeps the first N layers of the model.
+decode attention's warps, pipeline stages (and tile, and split count) over `decode_config`'s choice. `--layers N`
+keeps the first N layers of the model.
 """
 from __future__ import annotations
 

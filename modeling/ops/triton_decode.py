@@ -302,8 +302,7 @@ def decode_attention(
     on a device allocates its arrival counters and must run outside CUDA graph capture; calls on one device
     must be stream-ordered (see the module docstring). `pdl`: the split kernel's PDL mode (`modeling.ops.pdl`).
     `prefetch` (`KernelOptions.decode_prefetch`): None takes the config's choice (`DecodeConfig.prefetch`); True or
-    False forces the loads before the PDL wait on or off (and with them the tile loop's pipeline stages off or on,
-    `DecodeConfig.num_stages`). Same bits either way.
+    False forces the loads before the PDL wait on or off. Same bits either way.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -323,8 +322,6 @@ def decode_attention(
     if batch == 0:
         return out
     splits = cfg.num_splits
-    early = cfg.prefetch if prefetch is None else bool(prefetch)
-    stages = 1 if early else cfg.num_stages  # `DecodeConfig.num_stages`: the early loads run an unpipelined loop
     single_launch = single_launch and splits > 1 and batch * num_kv_heads <= counters.numel()
     if splits > 1:
         part_o = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -363,8 +360,8 @@ def decode_attention(
         PAGE=page,
         NUM_SPLITS=splits,
         SINGLE_LAUNCH=single_launch,
-        PREFETCH=early,
-        NUM_STAGES=stages,
+        PREFETCH=cfg.prefetch if prefetch is None else bool(prefetch),
+        NUM_STAGES=cfg.num_stages,
         BLOCK_G=max(16, block_h),
         BLOCK_N=cfg.block_n,
         BLOCK_H=block_h,
@@ -373,7 +370,7 @@ def decode_attention(
         BLOCK_D=block_d,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
-        num_stages=stages,
+        num_stages=cfg.num_stages,
         **PDL_LAUNCH[pdl],
     )
     if splits > 1 and not single_launch:

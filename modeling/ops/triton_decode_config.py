@@ -26,10 +26,9 @@ class DecodeNotWarmedUpError(RuntimeError):
 @dataclass(frozen=True)
 class DecodeConfig:
     """Static launch parameters of the decode kernels. num_stages: software-pipeline stages of the split kernel's
-    tile loop (1: none) when its loads follow the PDL wait; with the early loads the loop runs unpipelined (the
-    early tile already holds the registers a second stage's buffers would take). prefetch: the split kernel loads
-    the lengths, its first tile's block-table entries and that tile's K and V before its PDL wait (when the tile ends
-    before the step's new token), overlapping the kernels ahead of it; the bits are the same either way."""
+    tile loop (1: none). prefetch: the split kernel loads the lengths, its first tile's block-table entries and
+    that tile's K and V before its PDL wait (when the tile ends before the step's new token), overlapping the kernels
+    ahead of it; the bits are the same either way."""
 
     block_n: int
     num_splits: int
@@ -67,8 +66,7 @@ def decode_config(
     # ... and of the live block-table width of eager calls: a split beyond the tiles exits at once
     splits = min(triton.next_power_of_2(-(-TARGET_WAVES * sm_count // programs)), MAX_SPLITS,
                  triton.next_power_of_2(max_tiles))
-    # two stages keep a second 64-token tile in flight: it pays where programs loop over many tiles (long contexts)
-    return DecodeConfig(block_n=block_n, num_splits=splits, num_warps=4, num_stages=2 if block_n == 64 else 1,
+    return DecodeConfig(block_n=block_n, num_splits=splits, num_warps=4, num_stages=1,
                         prefetch=batch <= PREFETCH_MAX_BATCH)
 
 

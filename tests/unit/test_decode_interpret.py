@@ -129,25 +129,4 @@ def test_one_sequence_steps_load_their_first_tile_before_the_wait():
 
     picks = {b: td.decode_config(b, 8, 640, 64, 128, torch.bfloat16, 132).prefetch for b in (1, 2, 4, 64, 256)}
     assert picks == {1: True, 2: False, 4: False, 64: False, 256: False}
-    assert td.PREFETCH_MAX_BATCH == 1
-
-
-def test_loads_after_the_wait_pipeline_64_token_tiles_and_early_loads_do_not(monkeypatch):
-    from modeling.ops import triton_decode as td
-
-    stages = {b: td.decode_config(b, 8, 640, 64, 128, torch.bfloat16, 132).num_stages for b in (1, 2, 64, 256)}
-    assert stages == {1: 2, 2: 2, 64: 2, 256: 2}  # the config's; the launch drops it to 1 with the early loads
-    assert td.decode_config(2, 8, 640, 64, 128, torch.float32, 132).num_stages == 1  # 32-token tiles: not measured
-    launched = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launched.append((kw["PREFETCH"], kw["NUM_STAGES"], kw["num_stages"]))
-
-    q, kc, vc = torch.zeros(1, 2, 128), torch.zeros(2, 64, 1, 128), torch.zeros(2, 64, 1, 128)
-    tables, lens = torch.ones(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-    cfg = td.DecodeConfig(block_n=64, num_splits=4, num_warps=4, num_stages=2, prefetch=True)
-    monkeypatch.setattr(td, "_decode_split_kernel", Recorder())  # records the launch's constants, runs nothing
-    for forced in (None, True, False):
-        td.decode_attention(q, kc, vc, tables, lens, 1.0, config=cfg, prefetch=forced)
-    assert launched == [(True, 1, 1), (True, 1, 1), (False, 2, 2)]
+    assert td.PREFETCH_MAX_BATCH == 1 and td.decode_config(1, 8, 640, 64, 128, torch.bfloat16, 132).num_stages == 1
