@@ -96,6 +96,13 @@ def _combine_splits(PART_O, PART_LSE, OUT, b, kvh, n_active, stride_ob, stride_o
 
 
 @triton.jit
+def _load_kv_tile(base, page, row, offs_d, stride_b, stride_t, mask):
+    """A `[BLOCK_N, BLOCK_D]` tile of one KV head's cache: token i at `row[i]` of cache block `page[i]` (int64
+    `[BLOCK_N]` and `[BLOCK_N, 1]`), zeros where `mask` is false."""
+    return tl.load(base + page[:, None] * stride_b + row * stride_t + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
     """One KV tile into the running softmax state: q `[BLOCK_G, BLOCK_D]`, k and v `[BLOCK_N, BLOCK_D]` (cache
     dtype, zeros where masked), n_mask `[BLOCK_N]` the tile's live tokens; m_i / l_i `[BLOCK_G]` and acc
@@ -184,10 +191,8 @@ def _decode_split_kernel(
         kv_mask0 = n_mask0[:, None] & d_mask[None, :]
         # early: every token of the tile precedes the new one, so its K and V load now
         early = (offs_n < tl.where(t_begin * BLOCK_N + BLOCK_N < kv_len, BLOCK_N, 0))[:, None]
-        k0 = tl.load(k_base + page0[:, None] * stride_kb + row0 * stride_kt + offs_d[None, :], mask=kv_mask0 & early,
-                     other=0.0)
-        v0 = tl.load(v_base + page0[:, None] * stride_vb + row0 * stride_vt + offs_d[None, :], mask=kv_mask0 & early,
-                     other=0.0)
+        k0 = _load_kv_tile(k_base, page0, row0, offs_d, stride_kb, stride_kt, kv_mask0 & early)
+        v0 = _load_kv_tile(v_base, page0, row0, offs_d, stride_vb, stride_vt, kv_mask0 & early)
         pdl_wait(PDL)  # before the early exit below too (rule 3)
     n_active = _active_splits(kv_len, BLOCK_N, NUM_SPLITS)
     n_arrive = tl.maximum(n_active, 1)  # split 0 closes an empty sequence's count and writes its zeros
@@ -212,10 +217,8 @@ def _decode_split_kernel(
     t_loop = t_begin
     if PREFETCH:
         if t_begin < t_end:  # the first tile, its K and V from before the wait unless it holds the new token
-            k_late = tl.load(k_base + page0[:, None] * stride_kb + row0 * stride_kt + offs_d[None, :],
-                             mask=kv_mask0 & ~early, other=0.0)
-            v_late = tl.load(v_base + page0[:, None] * stride_vb + row0 * stride_vt + offs_d[None, :],
-                             mask=kv_mask0 & ~early, other=0.0)
+            k_late = _load_kv_tile(k_base, page0, row0, offs_d, stride_kb, stride_kt, kv_mask0 & ~early)
+            v_late = _load_kv_tile(v_base, page0, row0, offs_d, stride_vb, stride_vt, kv_mask0 & ~early)
             m_i, l_i, acc = _attend_tile(q, tl.where(early, k0, k_late), tl.where(early, v0, v_late), n_mask0,
                                          m_i, l_i, acc, qk_scale, PRECISION)
         t_loop = t_begin + 1
@@ -227,8 +230,8 @@ def _decode_split_kernel(
         page = tl.load(table + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
         row = (tok % PAGE)[:, None]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + page[:, None] * stride_kb + row * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + page[:, None] * stride_vb + row * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _load_kv_tile(k_base, page, row, offs_d, stride_kb, stride_kt, kv_mask)
+        v = _load_kv_tile(v_base, page, row, offs_d, stride_vb, stride_vt, kv_mask)
         m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, PRECISION)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
