@@ -19,7 +19,8 @@ from typing import Mapping, MutableMapping, NamedTuple, Optional
 
 from actors.options import DRIVER_POLL_ENV, STEP_PATH_ENV, STEP_PROFILE_ENV, STEP_TRACE_ENV, DriverOptions
 from modeling.ops.options import (COMPILE_THREADS_ENV, DECODE_PREFETCH_ENV, DECODE_SINGLE_LAUNCH_ENV, GEMV_ENV,
-                                  GEMV_ROWS_ENV, PDL_ENV, PROJECTION_MEASURE_ENV, MOE_ROUTE_KERNEL_ENV, KernelOptions)
+                                  GEMV_ROWS_ENV, PDL_ENV, PROJECTION_MEASURE_ENV, MOE_PDL_ENV, MOE_ROUTE_KERNEL_ENV,
+                                  MOE_ROUTER_GEMV_ENV, KernelOptions)
 from parallel.options import (DEEPEP_MAX_TOKENS_ENV, TP_ALLREDUCE_ENV, TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV,
                               CommOptions)
 
@@ -28,7 +29,7 @@ ADMIN_TOKEN_ENV = "GRAPHLINE_ADMIN_TOKEN"
 
 
 OPTION_VARIABLES = (PDL_ENV, GEMV_ENV, GEMV_ROWS_ENV, DECODE_SINGLE_LAUNCH_ENV, DECODE_PREFETCH_ENV,
-                    COMPILE_THREADS_ENV, PROJECTION_MEASURE_ENV, MOE_ROUTE_KERNEL_ENV,
+                    COMPILE_THREADS_ENV, PROJECTION_MEASURE_ENV, MOE_ROUTE_KERNEL_ENV, MOE_PDL_ENV, MOE_ROUTER_GEMV_ENV,
                     TP_ALLREDUCE_ENV, TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV, DEEPEP_MAX_TOKENS_ENV, STEP_PATH_ENV,
                     DRIVER_POLL_ENV, STEP_TRACE_ENV, STEP_PROFILE_ENV)
 
@@ -84,7 +85,10 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Environment
         measure_projections=_flag(environ, PROJECTION_MEASURE_ENV, True, "measure untuned projection shapes at "
                                   "start-up, the default", "the safe config for them"),
         moe_route_kernel=_flag(environ, MOE_ROUTE_KERNEL_ENV, True, "route MoE tokens in one Triton launch, the "
-                               "default", "torch's routing"))
+                               "default", "torch's routing"),
+        moe_pdl=_flag(environ, MOE_PDL_ENV, True, "routed-expert kernels launch with PDL, the default", "without"),
+        moe_router_gemv=_flag(environ, MOE_ROUTER_GEMV_ENV, True, "the MoE router projection on the decode GEMV "
+                              "where it serves, the default", "cuBLAS"))
     cap = _int(environ, DEEPEP_MAX_TOKENS_ENV)
     comm = CommOptions(
         tp_allreduce=environ.get(TP_ALLREDUCE_ENV, "").strip().lower() or CommOptions.tp_allreduce,

@@ -101,6 +101,7 @@ class SparseMoeBlock(nn.Module):
         self.routed_kernel = ops.moe_routed if ops is not None else None
         self.packed_kernel = ops.moe_packed if ops is not None else None
         self.route_kernel = ops.moe_route if ops is not None else None
+        self.router_linear = (ops.moe_router_linear if ops is not None else None) or torch.nn.functional.linear
 
     # ---- weight loading: HF per-expert tensors (gate/up/down) or fused [E, ...] tensors
     def load_expert(self, expert: int, which: str, full: torch.Tensor) -> bool:
@@ -159,7 +160,7 @@ class SparseMoeBlock(nn.Module):
         return fn(hidden, ids, weights, self.w13, self.w2, self.first_expert)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._experts(hidden, self.gate(hidden))
+        return self._experts(hidden, self.router_linear(hidden, self.gate.weight))
 
 
 # The output feeds only the next captured piece (residual add + norm), so its bridge storage is recycled after it.

@@ -131,8 +131,10 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, PrefillGraphBuffersMixin, nn.Mod
         k_cache, v_cache = kv_caches[0]
         launches = self.kernels.warm_up_attention(k_cache, v_cache, attn.num_heads, attn.scale)
         mlp = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, Qwen3MLP)), None)
+        moe = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)), None)
         calls = decode_projection_warm_up_calls(attn.qkv_proj, attn.o_proj, mlp, self.layers[0].input_layernorm,
-                                                self.ctx.tp_size, self.kernels)
+                                                self.ctx.tp_size, self.kernels,
+                                                router_weight=None if moe is None else moe.gate.weight)
         launches += run_projection_warm_up(calls, self.device, self.kernels.options.compile_threads)
         self.kernels.measure_projections(projection_shapes(self), self.device, self.config.dtype,
                                          forms=self.projection_forms())
@@ -190,10 +192,12 @@ class Qwen3ForCausalLM(DecodeGraphBuffersMixin, PrefillGraphBuffersMixin, nn.Mod
 
 
 def decode_projection_warm_up_calls(qkv_proj: QKVParallelLinear, o_proj: RowParallelLinear, mlp: Qwen3MLP | None,
-                                    norm: RMSNorm, tp_size: int, ops: KernelOps) -> list[Callable[[], Any]]:
+                                    norm: RMSNorm, tp_size: int, ops: KernelOps,
+                                    router_weight: torch.Tensor | None = None) -> list[Callable[[], Any]]:
     """One call per projection kernel variant a decode graph of 1..`ops.prologue_norm_max_tokens` tokens launches
     through these modules (the norm-first layout at TP = 1, with the first layer's norm-only prologue; the plain
-    projections under TP), so a cold Triton cache compiles them side by side instead of one by one inside the
+    projections under TP; a MoE router `[E, H]` through `ops.moe_router_linear` where the backend has it), so a cold
+    Triton cache compiles them side by side instead of one by one inside the
     capture. Triton specialises on dtypes, constants and divisibility, not on values: the modules' weights may be
     uninitialised. Each call allocates its inputs and discards its outputs: call outside capture, on any thread
     bound to the weights' device (`modeling.ops.warm_up.run_side_by_side`). Empty for the torch backend."""
@@ -220,6 +224,8 @@ def decode_projection_warm_up_calls(qkv_proj: QKVParallelLinear, o_proj: RowPara
                 calls += [lambda r=rows: ops.linear(r(hidden), mlp.gate_up_proj.weight),
                           lambda r=rows: ops.silu_mul_linear(r(2 * mlp.down_proj.weight.shape[1]),
                                                              mlp.down_proj.weight)]
+        if router_weight is not None and ops.moe_router_linear is not None:
+            calls.append(lambda r=rows: ops.moe_router_linear(r(hidden), router_weight))
     return calls
 
 
@@ -234,7 +240,9 @@ def config_projection_warm_up_calls(cfg: ModelConfig, ctx: ParallelContext, ops:
     dense = any(not cfg.layer_is_moe(i) for i in range(cfg.num_layers))
     mlp = Qwen3MLP(cfg.hidden_size, cfg.intermediate_size, ctx, cfg.dtype, ops, device) if dense else None
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops, device)
-    return decode_projection_warm_up_calls(qkv, o_proj, mlp, norm, ctx.tp_size, ops)
+    sparse = any(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
+    router = torch.empty(cfg.num_experts, cfg.hidden_size, dtype=cfg.dtype, device=device) if sparse else None
+    return decode_projection_warm_up_calls(qkv, o_proj, mlp, norm, ctx.tp_size, ops, router_weight=router)
 
 
 def run_projection_warm_up(calls: list[Callable[[], Any]], device: torch.device, threads: int | None = None) -> int:

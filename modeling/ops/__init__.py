@@ -52,6 +52,9 @@ class KernelOps:
     # (router_logits [N, E], top_k, renormalize) -> (weights fp32, ids int64), one launch (`triton_router.route_topk`),
     # or None: the MoE block routes with the torch `modeling.moe.route`.
     moe_route: Callable | None = None
+    # (hidden [T, H], router weight [E, H]) -> router logits [T, E] (`triton_gemm.router_linear`: the decode GEMV at
+    # few rows), or None: `F.linear`.
+    moe_router_linear: Callable | None = None
     # (shapes [(N, K)], device, dtype, forms={(N, K): form}) -> {(N, K, row class): Choice}: choose the decode
     # projections' fallbacks outside capture (`triton_gemm_measure`), each measured in the form the model runs it;
     # nothing to choose for the torch backend or with the option off.
@@ -113,6 +116,7 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
 
     pdl, gemv, single = pdl_mode(dev, options.pdl), options.gemv_max_rows(), options.decode_single_launch
     prefetch = options.decode_prefetch
+    moe_pdl = pdl if options.moe_pdl else 0
     bind = functools.partial
     measure = (bind(triton_gemm_measure.measure_projection_fallbacks, gemv=gemv, pdl=pdl)
                if options.measure_projections else KernelOps.measure_projections)
@@ -129,7 +133,9 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         prologue_norm_max_tokens=gemv,
         warm_up_attention=bind(triton_attention.warm_up_attention, threads=options.compile_threads, pdl=pdl,
                                single_launch=single, prefetch=prefetch),
-        moe_routed=triton_moe.routed_experts, moe_packed=triton_moe.packed_experts,
+        moe_routed=bind(triton_moe.routed_experts, pdl=moe_pdl),
+        moe_packed=bind(triton_moe.packed_experts, pdl=moe_pdl),
         moe_route=bind(triton_router.route_topk, pdl=pdl) if options.moe_route_kernel else None,
+        moe_router_linear=bind(triton_gemm.router_linear, pdl=pdl, gemv=gemv) if options.moe_router_gemv else None,
         measure_projections=measure,
         options=options)

@@ -17,6 +17,8 @@ DECODE_PREFETCH_ENV = "GRAPHLINE_DECODE_PREFETCH"
 COMPILE_THREADS_ENV = "GRAPHLINE_COMPILE_THREADS"
 PROJECTION_MEASURE_ENV = "GRAPHLINE_PROJECTION_MEASURE"
 MOE_ROUTE_KERNEL_ENV = "GRAPHLINE_MOE_ROUTE_KERNEL"
+MOE_PDL_ENV = "GRAPHLINE_MOE_PDL"
+MOE_ROUTER_GEMV_ENV = "GRAPHLINE_MOE_ROUTER_GEMV"
 PDL_CHOICES = ("0", "1", "early")
 GEMV_ROW_CHOICES = (1, 2, 3, 4)  # the decode GEMV kernel holds up to 4 rows (`triton_gemv`)
 # The decode GEMV serves models up to this hidden size. Above it (Qwen3-8B, 14B) its 1- and 2-row steps measured
@@ -51,7 +53,12 @@ class KernelOptions:
     neither measure nor read the cache, untuned shapes take the safe config.
     moe_route_kernel: MoE routing (softmax, top-k, renormalisation) in one Triton launch (`triton_router`) instead of
     torch's five kernels (the default; its teacher-forced agreement equals torch routing's over six prompt seeds,
-    `bench.moe_router_agreement`, docs/benchmarks.md, twentieth session)."""
+    `bench.moe_router_agreement`, docs/benchmarks.md, twentieth session).
+    moe_pdl: the routed-expert kernels (`triton_moe`: grouping, grouped GEMMs, combine) launch with the `pdl` mode
+    (the default) instead of without PDL: same bits, only launches overlap.
+    moe_router_gemv: the MoE router's projection takes the decode GEMV where it serves (up to `gemv_max_rows()`
+    rows; its weights stream before the PDL wait) instead of cuBLAS (the default; other row counts take cuBLAS
+    either way)."""
 
     pdl: str = "early"
     gemv: bool = True
@@ -61,6 +68,8 @@ class KernelOptions:
     compile_threads: Optional[int] = None
     measure_projections: bool = True
     moe_route_kernel: bool = True
+    moe_pdl: bool = True
+    moe_router_gemv: bool = True
 
     def for_model(self, hidden_size: int) -> "KernelOptions":
         """The options a model of `hidden_size` runs with: the decode GEMV only up to GEMV_MAX_HIDDEN, serving the
@@ -89,7 +98,8 @@ class KernelOptions:
                                      "(the default)")
         for name, env in (("gemv", GEMV_ENV), ("decode_single_launch", DECODE_SINGLE_LAUNCH_ENV),
                           ("measure_projections", PROJECTION_MEASURE_ENV),
-                          ("moe_route_kernel", MOE_ROUTE_KERNEL_ENV)):
+                          ("moe_route_kernel", MOE_ROUTE_KERNEL_ENV), ("moe_pdl", MOE_PDL_ENV),
+                          ("moe_router_gemv", MOE_ROUTER_GEMV_ENV)):
             if not isinstance(getattr(self, name), bool):
                 raise KernelOptionsError(f"{name} ({env}) must be a bool, got {getattr(self, name)!r}")
         if self.decode_prefetch is not None and not isinstance(self.decode_prefetch, bool):

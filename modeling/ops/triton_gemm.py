@@ -322,6 +322,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     return linear_with_config(x if x.stride(1) == 1 else x.contiguous(), weight, cfg, out_dtype, pdl=pdl)
 
 
+def router_linear(x: torch.Tensor, weight: torch.Tensor, *, pdl: int = 0,
+                  gemv: int = triton_gemv.GEMV_DEFAULT_ROWS) -> torch.Tensor:
+    """The MoE router's logits `F.linear(x, weight)`, x `[T, H]`, weight `[E, H]` -> `[T, E]` in x's dtype: the
+    GEMV where it applies (up to `gemv` rows; it loads its weight rows before its PDL wait), else `F.linear`
+    (cuBLAS). The router's shape is no dense projection's, so it has no tuning-table entry or measured fallback
+    for the skinny GEMM."""
+    if gemv and triton_gemv.applies(x, weight, gemv):
+        return triton_gemv.gemv(x, weight, pdl=pdl)
+    return F.linear(x, weight)
+
+
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, *, pdl: int = 0,
                     gemv: int = triton_gemv.GEMV_DEFAULT_ROWS) -> torch.Tensor:
     """`linear(silu_and_mul(x), weight)` for x `[M, 2K]` (gate then up), weight `[N, K]`: one kernel (the SiLU-gate

@@ -22,6 +22,10 @@ Kernels (all on the current stream; grids depend on shapes only, nothing is read
    local pairs, in slot order (deterministic, no atomics).
 The row-tile grid is the worst case over every routing, min(P, cdiv(P, BLOCK_M) + E_local) for P rows, so one
 launch shape (and one captured graph) serves every expert load. Weights are read only for experts with rows.
+Every launch takes the PDL mode `pdl` (`modeling.ops.pdl`; `KernelOps` binds `KernelOptions.moe_pdl`): each
+kernel triggers its dependents first and waits before its first load, since all it reads (ids, counts, rows, and
+through them which expert weights) comes from the step's earlier kernels; so only the launch and ramp-up of each
+kernel overlap the one before it.
 
 Numerics follow `modeling.ops.moe_ref` (fp32 accumulation; gate and up rounded to the activation dtype, silu
 rounded, times up rounded, the down projection rounded, the weighted sum in fp32 rounded once). bf16, fp16 and
@@ -34,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from modeling.ops.pdl import PDL_LAUNCH, pdl_launch_dependents, pdl_wait
 
 _BLOCK_P = 128  # pairs per grouping program
 _SCAN_C = 32  # chunk rows per step of the grouping scan
@@ -85,7 +91,10 @@ def _local_ids(IDS, offs_p, P, first_expert, e_local):
 
 
 @triton.jit
-def _hist_kernel(IDS, CHUNK_CNT, P, first_expert, e_local, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+def _hist_kernel(IDS, CHUNK_CNT, P, first_expert, e_local, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     c = tl.program_id(0)
     offs_p = c * BLOCK_P + tl.arange(0, BLOCK_P)
     local, _ = _local_ids(IDS, offs_p, P, first_expert, e_local)
@@ -96,7 +105,10 @@ def _hist_kernel(IDS, CHUNK_CNT, P, first_expert, e_local, BLOCK_P: tl.constexpr
 
 @triton.jit
 def _scatter_kernel(IDS, CHUNK_CNT, SORTED, COUNTS, P, num_chunks, first_expert, e_local,
-                    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, SCAN_C: tl.constexpr, ONE_CHUNK: tl.constexpr):
+                    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, SCAN_C: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     c = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     offs_p = c * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -148,7 +160,10 @@ def _tile(COUNTS, tile, e_local, pack_stride, BLOCK_M: tl.constexpr, BLOCK_E: tl
 @triton.jit
 def _gemm13_kernel(X, SORTED, COUNTS, W13, ACT, e_local, pack_stride, I, K, stride_xm, stride_we, stride_wn,
                    stride_am, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # the counts, rows and expert ids all come from this step's kernels: nothing loads before it
     expert, row0, row_end = _tile(COUNTS, tl.program_id(0), e_local, pack_stride, BLOCK_M, BLOCK_E, PACKED)
     if expert >= e_local:
         return
@@ -183,7 +198,9 @@ def _gemm13_kernel(X, SORTED, COUNTS, W13, ACT, e_local, pack_stride, I, K, stri
 @triton.jit
 def _gemm2_kernel(ACT, SORTED, COUNTS, W2, Y, e_local, pack_stride, N, K, stride_am, stride_we, stride_wn, stride_ym,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  PACKED: tl.constexpr, PRECISION: tl.constexpr):
+                  PACKED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     expert, row0, row_end = _tile(COUNTS, tl.program_id(0), e_local, pack_stride, BLOCK_M, BLOCK_E, PACKED)
     if expert >= e_local:
         return
@@ -209,7 +226,10 @@ def _gemm2_kernel(ACT, SORTED, COUNTS, W2, Y, e_local, pack_stride, N, K, stride
 
 
 @triton.jit
-def _combine_kernel(Y, IDS, W, OUT, first_expert, e_local, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_kernel(Y, IDS, W, OUT, first_expert, e_local, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     n = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
@@ -249,7 +269,7 @@ def _block_e(e_local: int) -> int:
 
 
 def group_by_expert(ids: torch.Tensor, e_local: int, first_expert: int,
-                    block_p: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    block_p: int | None = None, *, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """ids int64 `[N, k]` (global expert ids, -1 = none) -> (sorted_pairs int32 `[N * k]`, counts int32
     `[e_local]`): the flat pair indices (n * k + j) routed to local experts, grouped by expert in pair order
     (entries past sum(counts) are unspecified), and the pairs per local expert. One launch up to `block_p` pairs
@@ -266,16 +286,16 @@ def group_by_expert(ids: torch.Tensor, e_local: int, first_expert: int,
     if chunks > 1:
         chunk_cnt = torch.empty((chunks, block_e), dtype=torch.int32, device=ids.device)
         _hist_kernel[(chunks,)](ids, chunk_cnt, p, first_expert, e_local, BLOCK_P=block_p, BLOCK_E=block_e,
-                                num_warps=warps)
+                                num_warps=warps, **PDL_LAUNCH[pdl])
     _scatter_kernel[(chunks,)](ids, chunk_cnt, sorted_pairs, counts, p, chunks, first_expert, e_local,
                                BLOCK_P=block_p, BLOCK_E=block_e, SCAN_C=_SCAN_C, ONE_CHUNK=chunks == 1,
-                               num_warps=warps)
+                               num_warps=warps, **PDL_LAUNCH[pdl])
     return sorted_pairs[:p], counts
 
 
 def grouped_swiglu(x: torch.Tensor, sorted_rows: torch.Tensor | None, counts: torch.Tensor, w13: torch.Tensor,
                    w2: torch.Tensor, rows: int, *, top_k: int = 1, pack_stride: int = 0,
-                   configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None) -> torch.Tensor:
+                   configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None, pdl: int = 0) -> torch.Tensor:
     """w2[e] @ (silu(w13[e, :I] @ x_r) * (w13[e, I:] @ x_r)) for every grouped row r of every local expert e.
 
     Routed (sorted_rows = `group_by_expert`'s pairs): row r is pair sorted_rows[r] of x `[N, H]` (token
@@ -297,16 +317,17 @@ def grouped_swiglu(x: torch.Tensor, sorted_rows: torch.Tensor | None, counts: to
     _gemm13_kernel[(max_tiles(rows, e_local, c1.block_m), triton.cdiv(inter, c1.block_n))](
         x, srt, counts, w13, act, e_local, pack_stride, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
         act.stride(0), TOP_K=top_k, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_K=c1.block_k, BLOCK_E=block_e,
-        PACKED=packed, PRECISION=prec, num_warps=c1.num_warps, num_stages=c1.num_stages)
+        PACKED=packed, PRECISION=prec, num_warps=c1.num_warps, num_stages=c1.num_stages, **PDL_LAUNCH[pdl])
     _gemm2_kernel[(max_tiles(rows, e_local, c2.block_m), triton.cdiv(h, c2.block_n))](
         act, srt, counts, w2, y, e_local, pack_stride, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
         y.stride(0), BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_K=c2.block_k, BLOCK_E=block_e, PACKED=packed,
-        PRECISION=prec, num_warps=c2.num_warps, num_stages=c2.num_stages)
+        PRECISION=prec, num_warps=c2.num_warps, num_stages=c2.num_stages, **PDL_LAUNCH[pdl])
     return y
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   first_expert: int = 0, *, configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None) -> torch.Tensor:
+                   first_expert: int = 0, *, configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None,
+                   pdl: int = 0) -> torch.Tensor:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) over the local experts: x `[N, H]`, ids int64 `[N, k]`
     (global ids, -1 = none), weights fp32 `[N, k]`, w13 `[E_local, 2I, H]`, w2 `[E_local, H, I]` in x's dtype;
     returns `[N, H]` in x's dtype (0 for a token with no local expert). Five launches, capturable."""
@@ -320,15 +341,16 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     if n == 0:
         return out
     ids, weights = ids.contiguous(), weights.contiguous()
-    sorted_pairs, counts = group_by_expert(ids, e_local, first_expert)
-    y = grouped_swiglu(x, sorted_pairs, counts, w13, w2, n * k, top_k=k, configs=configs)
+    sorted_pairs, counts = group_by_expert(ids, e_local, first_expert, pdl=pdl)
+    y = grouped_swiglu(x, sorted_pairs, counts, w13, w2, n * k, top_k=k, configs=configs, pdl=pdl)
     block_h = min(1024, triton.next_power_of_2(h))
     _combine_kernel[(n, triton.cdiv(h, block_h))](y, ids, weights, out, first_expert, e_local, h, TOP_K=k,
-                                                  BLOCK_H=block_h, num_warps=4)
+                                                  BLOCK_H=block_h, num_warps=4, **PDL_LAUNCH[pdl])
     return out
 
 
-def packed_experts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def packed_experts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                   pdl: int = 0) -> torch.Tensor:
     """DeepEP low-latency layout: x `[E_local, cap, H]`, counts int `[E_local]` (rows of expert e: x[e, :counts[e]])
     -> `[E_local, cap, H]`, expert e's output in its rows (rows at or past counts[e] unspecified). Two launches."""
     if x.dim() != 3 or counts.shape != (x.shape[0],) or x.shape[0] != w13.shape[0]:
@@ -336,5 +358,5 @@ def packed_experts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2:
     e, cap, h = x.shape
     if x.stride(2) != 1 or x.stride(0) != cap * x.stride(1):
         x = x.contiguous()
-    y = grouped_swiglu(x.view(e * cap, h), None, counts.to(torch.int32), w13, w2, e * cap, pack_stride=cap)
+    y = grouped_swiglu(x.view(e * cap, h), None, counts.to(torch.int32), w13, w2, e * cap, pack_stride=cap, pdl=pdl)
     return y.view(e, cap, h)

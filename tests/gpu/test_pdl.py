@@ -2,7 +2,7 @@
 (`KernelOptions.pdl`, bound into `KernelOps` by `get_kernel_ops`), and a long chain of dependent PDL kernels replayed
 from a CUDA graph gives bitwise the results of the same chain launched without PDL (a kernel reading its
 predecessor's output before `gdc_wait` would race and differ), the decode attention's loads before its wait
-included."""
+and the MoE block's router, top-k and routed-expert kernels included."""
 import pytest
 import torch
 
@@ -44,6 +44,7 @@ def test_kernel_ops_bind_the_options_for_this_device():
         assert ops.decode_attention.keywords == {"pdl": mode, "single_launch": opts.decode_single_launch,
                                                  "prefetch": opts.decode_prefetch}
         assert ops.rms_norm.keywords == {"pdl": mode}
+        assert ops.moe_routed.keywords == ops.moe_packed.keywords == {"pdl": mode}
 
 
 def _chain(x, ws, norm_w, steps, pdl_mode=0):
@@ -157,3 +158,51 @@ def test_decode_attention_loading_before_its_wait_sees_the_new_token(mode):
         want = _store_then_attend(*args, 0, False)
         torch.cuda.synchronize()
         assert torch.equal(got, want), kv_lens
+
+
+def _moe_chain(x, gate_w, w13, w2, norm_w, layers, pdl_mode):
+    """`layers` MoE blocks as a decode step runs them: the router on the GEMV (or cuBLAS past its rows), the
+    one-launch top-k, the routed experts (grouping, grouped GEMMs, combine), then the residual add + RMSNorm."""
+    from modeling.ops.triton_gemm import router_linear
+    from modeling.ops.triton_moe import routed_experts
+    from modeling.ops.triton_router import route_topk
+
+    h, res = x, torch.zeros_like(x)
+    for _ in range(layers):
+        weights, ids = route_topk(router_linear(h, gate_w, pdl=pdl_mode), 4, True, pdl=pdl_mode)
+        y = routed_experts(h, ids, weights, w13, w2, pdl=pdl_mode)
+        h, res = add_rms_norm(y, res, norm_w, 1e-6, pdl=pdl_mode)
+    return h, res
+
+
+@pytest.mark.parametrize("mode", ["1", "early"])
+@pytest.mark.parametrize("m", [1, 2, 8, 64])
+def test_moe_chain_in_a_graph_equals_the_chain_without_pdl(m, mode):
+    """The routed-expert kernels under PDL (`KernelOptions.moe_pdl`) wait before every load: replayed from a graph
+    with new inputs, a 12-layer chain of router GEMV, top-k, grouping (two launches at 64 tokens x top-4), grouped
+    GEMMs and combine gives the bits of the same chain without PDL."""
+    code = pdl.pdl_mode(torch.device("cuda", 0), mode)
+    if not code:
+        pytest.skip("PDL not available on this GPU / Triton")
+    g = torch.Generator(device="cuda").manual_seed(13)
+    hid, inter, experts, bf = 512, 256, 32, torch.bfloat16
+    gate_w = (torch.randn(experts, hid, generator=g, device="cuda") / 8).to(bf)
+    w13 = (torch.randn(experts, 2 * inter, hid, generator=g, device="cuda") / 22).to(bf)
+    w2 = (torch.randn(experts, hid, inter, generator=g, device="cuda") / 16).to(bf)
+    norm_w = (torch.rand(hid, generator=g, device="cuda") + 0.5).to(bf)
+    x = torch.randn(m, hid, generator=g, device="cuda").to(bf)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        _moe_chain(x, gate_w, w13, w2, norm_w, 12, code)  # compiles the PDL variants outside the capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        got = _moe_chain(x, gate_w, w13, w2, norm_w, 12, code)
+    for _ in range(4):
+        x.copy_(torch.randn(m, hid, generator=g, device="cuda").to(bf))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = _moe_chain(x, gate_w, w13, w2, norm_w, 12, 0)
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

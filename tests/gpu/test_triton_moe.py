@@ -161,6 +161,35 @@ def test_router_kernel_eager_and_replayed_equals_route(n, dtype, renormalize):
     assert gids[0].tolist() == list(range(k))
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 64])
+def test_router_projection_takes_the_gemv_up_to_its_rows_and_cublas_beyond(n):
+    """The backend's `moe_router_linear` (`triton_gemm.router_linear`, `KernelOptions.moe_router_gemv`) on the
+    Qwen3-30B-A3B router shape (E=128, H=2048): the decode GEMV at 1-2 rows (the model's rows at hidden 2048), within
+    bf16 rounding of cuBLAS, and cuBLAS itself, bit for bit, beyond; eager equals a replayed capture bitwise."""
+    import torch.nn.functional as F
+
+    from modeling.ops import get_kernel_ops
+    from modeling.ops.options import KernelOptions
+
+    ops = get_kernel_ops("cuda", options=KernelOptions().for_model(2048))
+    g = torch.Generator(device="cuda").manual_seed(n)
+    w = (torch.randn(128, 2048, device="cuda", generator=g) / 45).to(torch.bfloat16)
+    x = torch.randn(n, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    got = ops.moe_router_linear(x, w)
+    want = F.linear(x, w)
+    if n <= ops.options.gemv_max_rows():
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    else:
+        assert torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = ops.moe_router_linear(x, w)
+    x.copy_(torch.randn(n, 2048, device="cuda", generator=g).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, ops.moe_router_linear(x, w))
+
+
 @pytest.mark.parametrize("n", [1, 8, 256, 512])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_ep_layout_only_local_experts_count(dtype, n):

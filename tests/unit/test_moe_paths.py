@@ -158,6 +158,24 @@ def test_a_packed_dispatch_goes_to_the_packed_kernel_with_the_expert_view():
     assert torch.equal(y.view(e_local, 4, -1)[:, 3:], torch.zeros(e_local, 1, block.hidden))
 
 
+def test_the_block_projects_its_router_through_the_backends_router_projection():
+    """`KernelOps.moe_router_linear` (the GEMV at few rows on the Triton backend) computes the block's router
+    logits; without one (the torch backend) the block takes `F.linear`, as `nn.Linear` would."""
+    seen = []
+
+    def router_linear(x, weight):
+        seen.append((x.shape[0], weight is block.gate.weight))
+        return torch.nn.functional.linear(x, weight)
+
+    block = _block(1, ops=dataclasses.replace(get_kernel_ops("cpu"), moe_router_linear=router_linear))
+    plain = _block(1, ops=get_kernel_ops("cpu"))
+    assert plain.router_linear is torch.nn.functional.linear
+    x = torch.randn(3, block.hidden)
+    with torch.inference_mode():
+        assert torch.equal(block(x), plain(x))
+    assert seen == [(3, True)]
+
+
 def test_cpu_backend_has_no_routed_kernel():
     ops = get_kernel_ops("cpu")
     assert ops.moe_routed is None and ops.moe_packed is None
