@@ -162,6 +162,11 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._experts(hidden, self.router_linear(hidden, self.gate.weight))
 
+    def forward_routed(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """`forward` with the router logits `[T, E]` already computed from hidden `[T, H]` (by a projection that
+        carried the norm before it: `KernelOps.norm_linear_normed`)."""
+        return self._experts(hidden, router_logits)
+
 
 # The output feeds only the next captured piece (residual add + norm), so its bridge storage is recycled after it.
 _moe_boundary = eager_boundary(reuse_bridge_after_next_step=True)(SparseMoeBlock.experts)

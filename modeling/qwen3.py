@@ -66,6 +66,10 @@ class Qwen3DecoderLayer(nn.Module):
             act, residual = self.ops.norm_linear(y, residual, norm.weight, norm.eps, self.mlp.gate_up_proj.weight,
                                                  gated=True)
             return self.mlp.down_proj(act), residual
+        if self.ops.options.moe_router_gemv:  # the router's GEMV carries the add + norm and keeps the normed rows
+            logits, hidden, residual = self.ops.norm_linear_normed(y, residual, norm.weight, norm.eps,
+                                                                   self.mlp.gate.weight)
+            return self.mlp.forward_routed(hidden, logits), residual
         hidden, residual = norm(y, residual)
         return self.mlp(hidden), residual
 
@@ -224,8 +228,12 @@ def decode_projection_warm_up_calls(qkv_proj: QKVParallelLinear, o_proj: RowPara
                 calls += [lambda r=rows: ops.linear(r(hidden), mlp.gate_up_proj.weight),
                           lambda r=rows: ops.silu_mul_linear(r(2 * mlp.down_proj.weight.shape[1]),
                                                              mlp.down_proj.weight)]
-        if router_weight is not None and ops.moe_router_linear is not None:
-            calls.append(lambda r=rows: ops.moe_router_linear(r(hidden), router_weight))
+        if router_weight is not None and ops.options.moe_router_gemv:  # as `forward_norm_first` / the MoE block
+            if tp_size == 1:
+                calls.append(lambda r=rows: ops.norm_linear_normed(r(hidden), r(hidden), weight, norm.eps,
+                                                                   router_weight))
+            elif ops.moe_router_linear is not None:
+                calls.append(lambda r=rows: ops.moe_router_linear(r(hidden), router_weight))
     return calls
 
 

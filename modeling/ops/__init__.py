@@ -38,6 +38,10 @@ class KernelOps:
     # the first output is silu_and_mul'ed. One kernel where the backend can (the GEMV up to
     # `prologue_norm_max_tokens` rows).
     norm_linear: Callable
+    # (x, residual | None, norm_weight, eps, w) -> (linear(normed, w), normed, x + residual), normed = the RMSNorm of
+    # x + residual: `norm_linear` (ungated) that keeps the normed rows for another consumer (a MoE block's experts
+    # after its router). One GEMV launch where the backend can, else the norm and `F.linear`.
+    norm_linear_normed: Callable
     capturable: bool
     # Up to this many tokens the model runs the norm before each projection inside it (`norm_linear`: the residual
     # add + RMSNorm in the GEMV's prologue) instead of after the projection before it (`linear_add_rms_norm`).
@@ -62,13 +66,15 @@ class KernelOps:
 
 
 def _collect(name: str, attention, fused, linear: Callable, silu_mul_linear: Callable, linear_add_rms_norm: Callable,
-             norm_linear: Callable, capturable: bool, prologue_norm_max_tokens: int) -> KernelOps:
+             norm_linear: Callable, norm_linear_normed: Callable, capturable: bool,
+             prologue_norm_max_tokens: int) -> KernelOps:
     return KernelOps(name=name, store_kv=attention.store_kv, prefill_attention=attention.prefill_attention,
                      decode_attention=attention.decode_attention, rms_norm=fused.rms_norm,
                      add_rms_norm=fused.add_rms_norm, qk_norm_rope=fused.qk_norm_rope,
                      qk_norm_rope_store=fused.qk_norm_rope_store, silu_and_mul=fused.silu_and_mul, linear=linear,
                      silu_mul_linear=silu_mul_linear, linear_add_rms_norm=linear_add_rms_norm,
-                     norm_linear=norm_linear, capturable=capturable, prologue_norm_max_tokens=prologue_norm_max_tokens,
+                     norm_linear=norm_linear, norm_linear_normed=norm_linear_normed, capturable=capturable,
+                     prologue_norm_max_tokens=prologue_norm_max_tokens,
                      warm_up_attention=getattr(attention, "warm_up_attention", KernelOps.warm_up_attention))
 
 
@@ -90,6 +96,14 @@ def _torch_norm_linear(x, residual, norm_weight, eps, weight, *, gated=False):
     return (fused_ref.silu_and_mul(y) if gated else y), summed
 
 
+def _torch_norm_linear_normed(x, residual, norm_weight, eps, weight):
+    if residual is None:
+        normed, summed = fused_ref.rms_norm(x, norm_weight, eps), x
+    else:
+        normed, summed = fused_ref.add_rms_norm(x, residual, norm_weight, eps)
+    return F.linear(normed, weight), normed, summed
+
+
 def get_kernel_ops(device: torch.device | str, prefer: str = "auto",
                    options: Optional[KernelOptions] = None) -> KernelOps:
     """prefer: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton". `options`: the rank's kernel options
@@ -101,7 +115,8 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto",
     if prefer == "torch" or (prefer == "auto" and dev.type != "cuda"):
         # The reference ops loop over sequences on the host: usable in graphs only on the full-graph-free paths.
         ops = _collect("torch", attention_ref, fused_ref, F.linear,
-                       _torch_silu_mul_linear, _torch_linear_add_rms_norm, _torch_norm_linear, capturable=False,
+                       _torch_silu_mul_linear, _torch_linear_add_rms_norm, _torch_norm_linear,
+                       _torch_norm_linear_normed, capturable=False,
                        prologue_norm_max_tokens=0)
         return replace(ops, options=options)
     if dev.type != "cuda":
@@ -129,7 +144,8 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         linear=bind(triton_gemm.linear, pdl=pdl, gemv=gemv),
         silu_mul_linear=bind(triton_gemm.silu_mul_linear, pdl=pdl, gemv=gemv),
         linear_add_rms_norm=bind(triton_gemm.linear_add_rms_norm, pdl=pdl, gemv=gemv),
-        norm_linear=bind(triton_gemm.norm_linear, pdl=pdl, gemv=gemv), capturable=True,
+        norm_linear=bind(triton_gemm.norm_linear, pdl=pdl, gemv=gemv),
+        norm_linear_normed=bind(triton_gemm.norm_linear_normed, pdl=pdl, gemv=gemv), capturable=True,
         prologue_norm_max_tokens=gemv,
         warm_up_attention=bind(triton_attention.warm_up_attention, threads=options.compile_threads, pdl=pdl,
                                single_launch=single, prefetch=prefetch),

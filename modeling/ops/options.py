@@ -58,7 +58,8 @@ class KernelOptions:
     (the default) instead of without PDL: same bits, only launches overlap.
     moe_router_gemv: the MoE router's projection takes the decode GEMV where it serves (up to `gemv_max_rows()`
     rows; its weights stream before the PDL wait) instead of cuBLAS (the default; other row counts take cuBLAS
-    either way)."""
+    either way); in the norm-first layout it also carries the post-attention residual add + RMSNorm in its prologue
+    and keeps the normed rows for the experts (`KernelOps.norm_linear_normed`), one launch fewer a MoE layer."""
 
     pdl: str = "early"
     gemv: bool = True

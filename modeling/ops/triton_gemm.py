@@ -390,3 +390,21 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         normed, summed = add_rms_norm(x, residual, norm_weight, eps, pdl=pdl)
     y = linear(normed, weight, pdl=pdl, gemv=gemv)
     return (silu_and_mul(y, pdl=pdl) if gated else y), summed
+
+
+def norm_linear_normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, *, pdl: int = 0,
+                       gemv: int = triton_gemv.GEMV_DEFAULT_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(linear(normed, weight), normed, x + residual) with normed = rms_norm(x + residual) * norm_weight: `norm_linear`
+    (ungated) that also returns the normed rows, for a consumer besides the projection (the MoE experts after their
+    router). One GEMV launch where `triton_gemv.applies` (up to `gemv` rows), else the norm kernel and `F.linear`
+    (cuBLAS: the projections that take this are routers, which have no skinny-GEMM table entry)."""
+    k = x.shape[-1]
+    if (gemv and triton_gemv.applies(x, weight, gemv) and norm_weight.shape == (k,) and norm_weight.dtype == x.dtype
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
+        return triton_gemv.norm_gemv_normed(x, residual, norm_weight, eps, weight, pdl=pdl)
+    if residual is None:
+        normed, summed = rms_norm(x, norm_weight, eps, pdl=pdl), x
+    else:
+        normed, summed = add_rms_norm(x, residual, norm_weight, eps, pdl=pdl)
+    return F.linear(normed, weight), normed, summed

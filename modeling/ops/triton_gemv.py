@@ -81,11 +81,20 @@ def _norm_scale(x, rstd, NW, offs_k, k_mask, DT: tl.constexpr):
 
 
 @triton.jit
-def _row_gemv(X, R, RS, NW, Y, w, u, mi, M, K, offs_k, k_mask, offs_n, n_mask, stride_xm, stride_rm, stride_ym, eps,
-              store_rows, NORM: tl.constexpr, GATED: tl.constexpr):
+def _store_normed(NO, x, offs_m, offs_k, k_mask, store_rows, K, KEEP_NORMED: tl.constexpr):
+    """With KEEP_NORMED, the normed rows x (fp32 `[M_PAD, BLOCK_K]`, already rounded to NO's dtype) below
+    store_rows to NO `[M, K]` (contiguous)."""
+    if KEEP_NORMED:
+        mask = (offs_m < store_rows)[:, None] & k_mask[None, :]
+        tl.store(NO + offs_m[:, None] * K + offs_k[None, :], x.to(NO.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_gemv(X, R, RS, NW, NO, Y, w, u, mi, M, K, offs_k, k_mask, offs_n, n_mask, stride_xm, stride_rm, stride_ym,
+              eps, store_rows, NORM: tl.constexpr, GATED: tl.constexpr, KEEP_NORMED: tl.constexpr):
     """Row `mi` of the whole-row GEMV against the fp32 weight tile(s) w (u: the up half) `[BLOCK_N, BLOCK_K]`: the
     prologue and epilogue of `_gemv_kernel`, one row at a time (rows >= M load and store nothing; rows below
-    store_rows store the new residual stream)."""
+    store_rows store the new residual stream, and with KEEP_NORMED the normed row to NO)."""
     DT = X.dtype.element_ty
     row_k = offs_k * 0 + mi
     lm = k_mask & (row_k < M)
@@ -98,6 +107,8 @@ def _row_gemv(X, R, RS, NW, Y, w, u, mi, M, K, offs_k, k_mask, offs_n, n_mask, s
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
         nw = tl.load(NW + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         x = ((x * rstd).to(DT).to(tl.float32) * nw).to(DT).to(tl.float32)
+        if KEEP_NORMED:
+            tl.store(NO + mi * K + offs_k, x.to(NO.dtype.element_ty), mask=lm & (row_k < store_rows))
     acc = tl.sum(x[None, :] * w, axis=1)
     y_mask = n_mask & (offs_n * 0 + mi < M)
     if GATED:
@@ -110,11 +121,13 @@ def _row_gemv(X, R, RS, NW, Y, w, u, mi, M, K, offs_k, k_mask, offs_n, n_mask, s
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(X, R, RS, NW, W, Y, M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, eps,
+def _gemv_kernel(X, R, RS, NW, NO, W, Y, M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, eps,
                  NORM: tl.constexpr, GATED: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SINGLE: tl.constexpr, ROW_LOOP: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SINGLE: tl.constexpr, ROW_LOOP: tl.constexpr, KEEP_NORMED: tl.constexpr,
+                 PDL: tl.constexpr):
     """Y `[M, N]` = act(norm(X) @ W^T); W `[N, K]` (`[2N, K]` when GATED); R / RS `[M, K]` residual in / sum out
-    (row stride stride_rm), NW `[K]` the norm weight. NORM: 0 none, 1 rms_norm(X), 2 rms_norm(X + R).
+    (row stride stride_rm), NW `[K]` the norm weight. NORM: 0 none, 1 rms_norm(X), 2 rms_norm(X + R); with
+    KEEP_NORMED (NORM 1-2) program 0 also stores the normed rows to NO `[M, K]` (contiguous).
     SINGLE (BLOCK_K >= K): the program's whole weight tile is loaded first (before the PDL wait), then x; with
     ROW_LOOP the rows are multiplied one at a time against that 2-D tile (`_row_gemv`) instead of as one
     `[M_PAD, BLOCK_N, BLOCK_K]` broadcast."""
@@ -127,7 +140,7 @@ def _gemv_kernel(X, R, RS, NW, W, Y, M, N, K, stride_xm, stride_rm, stride_wn, s
     n_mask = offs_n < N
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
     u_rows = W + (offs_n + N).to(tl.int64)[:, None] * stride_wn
-    store_rows = tl.where(pid == 0, M, 0)  # program 0 stores the new residual stream
+    store_rows = tl.where(pid == 0, M, 0)  # program 0 stores the new residual stream (and the normed rows)
     DT = X.dtype.element_ty
     if SINGLE and ROW_LOOP:
         k_mask = offs_kb < K
@@ -138,8 +151,8 @@ def _gemv_kernel(X, R, RS, NW, W, Y, M, N, K, stride_xm, stride_rm, stride_wn, s
             uf = tl.load(u_rows + offs_kb[None, :], mask=w_mask, other=0.0).to(tl.float32)
         pdl_wait(PDL)
         for mi in tl.static_range(M_PAD):
-            _row_gemv(X, R, RS, NW, Y, wf, uf, mi, M, K, offs_kb, k_mask, offs_n, n_mask, stride_xm, stride_rm,
-                      stride_ym, eps, store_rows, NORM, GATED)
+            _row_gemv(X, R, RS, NW, NO, Y, wf, uf, mi, M, K, offs_kb, k_mask, offs_n, n_mask, stride_xm, stride_rm,
+                      stride_ym, eps, store_rows, NORM, GATED, KEEP_NORMED)
     else:
         if SINGLE:
             k_mask = offs_kb < K
@@ -151,6 +164,7 @@ def _gemv_kernel(X, R, RS, NW, W, Y, M, N, K, stride_xm, stride_rm, stride_wn, s
             x = _x_chunk(X, R, RS, offs_m, m_mask, offs_kb, k_mask, stride_xm, stride_rm, store_rows, NORM)
             if NORM != 0:
                 x = _norm_scale(x, tl.rsqrt(tl.sum(x * x, axis=1) / K + eps), NW, offs_kb, k_mask, DT)
+                _store_normed(NO, x, offs_m, offs_kb, k_mask, store_rows, K, KEEP_NORMED)
             x3 = x[:, None, :]
             acc = tl.sum(x3 * w.to(tl.float32)[None, :, :], axis=2)
             if GATED:
@@ -176,6 +190,7 @@ def _gemv_kernel(X, R, RS, NW, W, Y, M, N, K, stride_xm, stride_rm, stride_wn, s
                 x = _x_chunk(X, R, RS, offs_m, m_mask, offs_k, k_mask, stride_xm, stride_rm, store_rows, NORM)
                 if NORM != 0:
                     x = _norm_scale(x, rstd, NW, offs_k, k_mask, DT)
+                    _store_normed(NO, x, offs_m, offs_k, k_mask, store_rows, K, KEEP_NORMED)
                 x3 = x[:, None, :]
                 acc += tl.sum(x3 * w[None, :, :], axis=2)
                 if GATED:
@@ -277,11 +292,13 @@ def applies(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_DEFAULT_
 
 def gemv_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig, *, residual: torch.Tensor | None = None,
                      norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-                     out: torch.Tensor | None = None, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     out: torch.Tensor | None = None, normed_out: torch.Tensor | None = None,
+                     pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One `_gemv_kernel` launch. x `[M<=4, K]` (unit last stride), weight `[N, K]` (`[2N, K]` gated, unit last
     stride), residual `[M, K]` contiguous, norm_weight `[K]` contiguous, all one dtype on one CUDA device (CPU under
     the interpreter). norm_weight given: x is normed first (with residual: x + residual, whose rounded sum is
-    returned as a new `[M, K]` tensor). Returns (y `[M, N]` in x's dtype, the sum or None); launched on the current
+    returned as a new `[M, K]` tensor), and `normed_out` (contiguous `[M, K]` in x's dtype) receives the normed
+    rows if given. Returns (y `[M, N]` in x's dtype, the sum or None); launched on the current
     stream with PDL mode `pdl` (`modeling.ops.pdl`); outputs are new tensors (graph-pool memory under capture)
     unless `out` is given."""
     m, k = x.shape
@@ -290,11 +307,14 @@ def gemv_with_config(x: torch.Tensor, weight: torch.Tensor, cfg: GemvConfig, *, 
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if norm == NORM_ADD_RMS else None
     r = residual if residual is not None else x
+    if normed_out is not None and (norm == NORM_NONE or normed_out.shape != (m, k) or not normed_out.is_contiguous()):
+        raise ValueError(f"normed_out {tuple(normed_out.shape)} needs a norm and a contiguous [{m}, {k}] tensor")
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, r, summed if summed is not None else x, norm_weight if norm_weight is not None else x, weight, y,
+        x, r, summed if summed is not None else x, norm_weight if norm_weight is not None else x,
+        normed_out if normed_out is not None else x, weight, y,
         m, n, k, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), eps,
         NORM=norm, GATED=gated, M_PAD=m_pad(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SINGLE=cfg.block_k >= k,
-        ROW_LOOP=cfg.row_loop,
+        ROW_LOOP=cfg.row_loop, KEEP_NORMED=normed_out is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **PDL_LAUNCH[pdl])
     return y, summed
 
@@ -318,3 +338,16 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     y, summed = gemv_with_config(x, weight, cfg, residual=None if residual is None else residual.contiguous(),
                                  norm_weight=norm_weight.contiguous(), eps=eps, gated=gated, pdl=pdl)
     return y, (x if summed is None else summed)
+
+
+def norm_gemv_normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor, *, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`norm_gemv` (ungated) that also returns the normed rows: (y `[M, N]`, normed `[M, K]`, x + residual) in one
+    launch, for a consumer of the normed rows besides this projection (the MoE experts after their router)."""
+    m, k = x.shape
+    norm = NORM_RMS if residual is None else NORM_ADD_RMS
+    cfg = config_for(weight.shape[0], k, m, norm, False)
+    normed = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    y, summed = gemv_with_config(x, weight, cfg, residual=None if residual is None else residual.contiguous(),
+                                 norm_weight=norm_weight.contiguous(), eps=eps, normed_out=normed, pdl=pdl)
+    return y, normed, (x if summed is None else summed)

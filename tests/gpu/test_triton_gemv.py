@@ -53,6 +53,30 @@ def test_norm_linear_matches_the_unfused_operators(m, n, k, gated):
     torch.testing.assert_close(y.float(), want, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k", [(128, 2048), (100, 300), (512, 9000)])  # the 30B-A3B router; uneven; 3 chunks
+def test_norm_linear_normed_keeps_the_normed_rows(m, n, k):
+    """`norm_linear_normed` (the MoE router with the post-attention add + norm in its prologue): the normed rows
+    it keeps are the add_rms_norm kernel's to within one bf16 rounding, the stream bitwise, the logits within bf16
+    tolerance; a replayed capture equals the eager call bitwise."""
+    from modeling.ops.triton_fused import add_rms_norm
+    from modeling.ops.triton_gemm import norm_linear_normed
+
+    x, r, nw, w = _inputs(m, n, k)
+    normed, summed = add_rms_norm(x, r, nw, 1e-6)
+    y, kept, s = norm_linear_normed(x, r, nw, 1e-6, w, gemv=2)
+    assert torch.equal(s, summed)
+    torch.testing.assert_close(kept.float(), normed.float(), atol=2e-2, rtol=8e-3)
+    torch.testing.assert_close(y.float(), F.linear(normed.float(), w.float()), atol=3e-2, rtol=3e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gy, gkept, gs = norm_linear_normed(x, r, nw, 1e-6, w, gemv=2)
+    x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9)))
+    graph.replay()
+    ey, ekept, es = norm_linear_normed(x, r, nw, 1e-6, w, gemv=2)
+    assert torch.equal(gy, ey) and torch.equal(gkept, ekept) and torch.equal(gs, es)
+
+
 def test_gemv_graph_replays_bitwise_with_changing_inputs():
     from modeling.ops.triton_gemm import linear, norm_linear
 

@@ -58,6 +58,19 @@ for n, k, bn, bk in json.loads(sys.argv[1]):
                     errs.append((y1.float() - y0.float()).abs().max().item())
                     sums.append(s0 is None and s1 is None or torch.equal(s0, s1))
             out["rowloop " + key] = {"err": max(errs), "sums_equal": all(sums)}
+        # the normed rows kept (KEEP_NORMED) by every form, with and without the residual add; the projection and
+        # the stream unchanged by keeping them
+        forms = [cfg] + ([gv.GemvConfig(bn, bk, 4, 1, True)] if bk >= k else [])
+        kept = []
+        for c in forms:
+            for res, (want_normed, _) in ((r, add_rms_norm(x, r, nw, 1e-6)), (None, (rms_norm(x, nw, 1e-6), None))):
+                keep = torch.full((m, k), float("nan"), dtype=torch.half)
+                y0, s0 = gv.gemv_with_config(x, w[:n], c, residual=res, norm_weight=nw, eps=1e-6)
+                y1, s1 = gv.gemv_with_config(x, w[:n], c, residual=res, norm_weight=nw, eps=1e-6, normed_out=keep)
+                kept.append({"normed_err": (keep.float() - want_normed.float()).abs().max().item(),
+                             "y_equal": torch.equal(y0, y1),
+                             "sum_equal": s0 is None and s1 is None or torch.equal(s0, s1)})
+        out["keep " + key] = kept
 # the operators the model calls: linear dispatches 1-2 rows here by default (up to `gemv` rows when told: the
 # KernelOptions.gemv_rows binding), norm_linear fuses, more rows fall back
 g = torch.Generator().manual_seed(1)
@@ -88,6 +101,23 @@ normed, summed = add_rms_norm(x, r, nw, 1e-6)
 out["gemv off"] = {"linear_err": (y.float() - F.linear(x.float(), w.float())).abs().max().item(),
                    "norm_err": (a.float() - F.linear(normed, w).float()).abs().max().item(),
                    "stream_equal": torch.equal(s, summed)}
+# norm_linear_normed: the GEMV with the normed rows kept up to `gemv` rows, the norm kernel and F.linear beyond
+for m, rows in ((1, 2), (2, 2), (3, 2), (3, 4)):
+    x, r = torch.randn(m, 128, generator=g).half(), torch.randn(m, 128, generator=g).half()
+    normed, summed = add_rms_norm(x, r, nw, 1e-6)
+    y, kept, s = triton_gemm.norm_linear_normed(x, r, nw, 1e-6, w, gemv=rows)
+    y0, kept0, s0 = triton_gemm.norm_linear_normed(x, None, nw, 1e-6, w, gemv=rows)
+    out[f"normed {m} {rows}"] = {
+        "y_err": (y.float() - F.linear(normed, w).float()).abs().max().item(),
+        "normed_err": (kept.float() - normed.float()).abs().max().item(), "sum_equal": torch.equal(s, summed),
+        "rms_normed_err": (kept0.float() - rms_norm(x, nw, 1e-6).float()).abs().max().item(), "stream_is_x": s0 is x,
+        "y_shape": list(y.shape)}
+try:
+    gv.gemv_with_config(x, w, gv.GemvConfig(8, 128, 4), normed_out=torch.empty(3, 128).half())
+    out["keep_without_norm"] = "no error"
+except ValueError as e:
+    out["keep_without_norm"] = str(e)
+x, r = torch.randn(1, 128, generator=g).half(), torch.randn(1, 128, generator=g).half()
 try:
     triton_gemm.norm_linear(x, r, nw, 1e-6, w[:95], gated=True)
     out["odd_gated"] = "no error"
@@ -195,3 +225,21 @@ def test_gemv_rows_option_parses_strictly_and_binds_zero_when_off():
 def test_gemv_off_takes_the_other_kernels(results):
     r = results["gemv off"]
     assert r["linear_err"] < 2e-3 and r["norm_err"] < 4e-3 and r["stream_equal"]
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k,bn,bk", CASES)
+def test_interpreted_gemv_keeps_the_normed_rows(results, n, k, bn, bk, m):
+    """KEEP_NORMED (`norm_gemv_normed`, the MoE router's prologue): program 0 stores the normed rows, equal to the
+    norm kernels' to within one fp16 rounding (the sum of squares is ordered differently); the projection and the
+    stream keep their bits."""
+    for r in results[f"keep {n},{k},{bn},{bk},{m}"]:
+        assert r["normed_err"] < 4e-3 and r["y_equal"] and r["sum_equal"], r
+
+
+@pytest.mark.parametrize("m,rows", [(1, 2), (2, 2), (3, 2), (3, 4)])
+def test_interpreted_norm_linear_normed_dispatches_and_falls_back(results, m, rows):
+    r = results[f"normed {m} {rows}"]
+    assert r["y_shape"] == [m, 96] and r["sum_equal"] and r["stream_is_x"]
+    assert r["y_err"] < 4e-3 and r["normed_err"] < 4e-3 and r["rms_normed_err"] < 4e-3
+    assert "normed_out" in results["keep_without_norm"]

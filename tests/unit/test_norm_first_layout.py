@@ -31,7 +31,12 @@ def _model(preset: str, norm_first: bool, calls: list | None = None) -> Qwen3For
             calls.append(kwargs.get("gated", False))
             return _fn(*args, **kwargs)
 
-        ops = dataclasses.replace(ops, prologue_norm_max_tokens=1 << 20, norm_linear=counted)
+        def counted_normed(*args, _fn=ops.norm_linear_normed):
+            calls.append("router")
+            return _fn(*args)
+
+        ops = dataclasses.replace(ops, prologue_norm_max_tokens=1 << 20, norm_linear=counted,
+                                  norm_linear_normed=counted_normed)
     m = Qwen3ForCausalLM(get_preset(preset), ops=ops)
     init_random(m, seed=5)
     return m
@@ -60,8 +65,9 @@ def test_norm_first_layout_gives_the_same_bits(preset):
     hidden, got = _run(_model(preset, True, calls), 6)
     layers = get_preset(preset).num_layers
     dense = sum(not get_preset(preset).layer_is_moe(i) for i in range(layers))
-    assert len(calls) == 7 * (layers + dense)  # per forward: every layer's qkv, every dense layer's gate_up
-    assert sum(calls) == 7 * dense
+    # per forward: every layer's qkv, every dense layer's gate_up, every MoE layer's router (keeping the normed rows)
+    assert len(calls) == 7 * (2 * layers)
+    assert calls.count(True) == 7 * dense and calls.count("router") == 7 * (layers - dense)
     assert torch.equal(hidden, base_hidden)
     assert len(got) == len(base) == 7
     for a, b in zip(got, base):
@@ -99,14 +105,23 @@ def test_projection_warm_up_calls_cover_each_decode_projection(preset, tp_size, 
         fn = getattr(ops, name)
         return lambda *a, **k: seen.append((name, a[0].shape[0])) or fn(*a, **k)
 
+    ops = dataclasses.replace(ops, moe_router_linear=torch.nn.functional.linear)  # a backend with a router GEMV
     ops = dataclasses.replace(ops, prologue_norm_max_tokens=2, linear=counted("linear"),
-                              norm_linear=counted("norm_linear"), silu_mul_linear=counted("silu_mul_linear"))
+                              norm_linear=counted("norm_linear"), silu_mul_linear=counted("silu_mul_linear"),
+                              norm_linear_normed=counted("norm_linear_normed"),
+                              moe_router_linear=counted("moe_router_linear"))
     calls = config_projection_warm_up_calls(cfg, ParallelContext(tp_rank=tp_size - 1, tp_size=tp_size), ops,
                                             torch.device("cpu"))
     dense = any(not cfg.layer_is_moe(i) for i in range(cfg.num_layers))
-    assert len(calls) == 2 * (per_token if dense else 3 if tp_size == 1 else 2)
+    sparse = any(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
+    assert len(calls) == 2 * ((per_token if dense else 3 if tp_size == 1 else 2) + sparse)
     for call in calls:
         call()
     assert sorted({t for _, t in seen}) == [1, 2] and len(seen) == len(calls)
     names = {"linear", "norm_linear"} if tp_size == 1 else {"linear", "silu_mul_linear"} if dense else {"linear"}
+    if sparse:  # the router: its add + norm prologue keeping the normed rows at TP = 1, the plain GEMV under TP
+        names.add("norm_linear_normed" if tp_size == 1 else "moe_router_linear")
     assert {name for name, _ in seen} == names
+    off = dataclasses.replace(ops, options=dataclasses.replace(ops.options, moe_router_gemv=False))
+    assert len(config_projection_warm_up_calls(cfg, ParallelContext(), off, torch.device("cpu"))) == \
+        2 * ((5 if dense else 3) + 0)
