@@ -112,17 +112,20 @@ def _time_steps(rt: RankRuntime, sb, n: int) -> list[float]:
 @torch.inference_mode()
 def compare(variants: list[tuple[str, dict[str, str]]], model: str = "qwen3-0.6b", batches: tuple[int, ...] = (1,),
             context: int = 128, blocks: int = 2048, rounds: int = 10, steps: int = 100,
-            on_tokens_differ: Callable[[str, int], None] | None = None) -> dict:
+            on_tokens_differ: Callable[[str, int], None] | None = None, random_tokens: bool = False) -> dict:
     """Build one runtime per variant, time the decode step side by side; returns the JSON-ready result.
     `on_tokens_differ(label, batch)` is called where a variant's tokens differ from the baseline's (default:
-    recorded only)."""
+    recorded only). random_tokens: each sequence's input token drawn at random (seeded), so that a MoE model's
+    tokens route to different experts; default: token 7 everywhere, which routes every sequence alike."""
     labels = [label for label, _ in variants]
     sides = {label: _runtime(model, blocks, env, max(batches), context) for label, env in variants}
     base = labels[0]
-    res: dict = {"machine": machine(), "model": model, "context": context,
+    res: dict = {"machine": machine(), "model": model, "context": context, "random_tokens": random_tokens,
                  "variants": {label: env for label, env in variants}, "batches": {}}
     for b in batches:
-        sbs = {k: _decode_batch(rt, b, context) for k, rt in sides.items()}
+        vocab = sides[base].model.config.vocab_size
+        tokens = np.random.default_rng(b).integers(0, vocab, b) if random_tokens else None
+        sbs = {k: _decode_batch(rt, b, context, tokens) for k, rt in sides.items()}
         toks = {k: np.asarray(rt.execute(sbs[k])) for k, rt in sides.items()}
         same = {k: bool(np.array_equal(toks[base], toks[k])) for k in labels[1:]}
         for k, ok in same.items():
@@ -153,6 +156,8 @@ def add_step_args(ap: argparse.ArgumentParser, batches: str) -> None:
     ap.add_argument("--blocks", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=100, help="steps per round and side")
+    ap.add_argument("--random-tokens", action="store_true",
+                    help="a random input token per sequence (MoE: tokens route to different experts), not 7 for all")
     ap.add_argument("--out", default=None)
 
 
@@ -162,7 +167,7 @@ def run(args: argparse.Namespace, variants: list[tuple[str, dict[str, str]]],
     from bench.model_sweep import preset_with_layers
 
     res = compare(variants, preset_with_layers(args.model, args.layers), tuple(int(b) for b in args.batches.split(",")),
-                  args.context, args.blocks, args.rounds, args.steps, on_tokens_differ)
+                  args.context, args.blocks, args.rounds, args.steps, on_tokens_differ, args.random_tokens)
     if args.out:
         write_json(args.out, res)
     return res

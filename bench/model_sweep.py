@@ -74,17 +74,19 @@ def _moe_blocks(rt: RankRuntime) -> list[SparseMoeBlock]:
 def _experts_used(rt: RankRuntime, step) -> list[int]:
     """Distinct experts each MoE layer's router sends this step's tokens to (one eager forward, hooked)."""
     used: list[int] = []
-    hooks = []
-    for block in _moe_blocks(rt):
-        def hook(mod, inp, out, block=block):
-            _, ids = route(out, block.top_k, block.renormalize)
+    blocks = _moe_blocks(rt)
+    originals = [block._experts for block in blocks]
+    for block, experts in zip(blocks, originals):  # every router's logits reach `_experts` (forward, forward_routed)
+        def counted(hidden, logits, block=block, experts=experts):
+            _, ids = route(logits, block.top_k, block.renormalize)
             used.append(int(torch.unique(ids).numel()))
-        hooks.append(block.gate.register_forward_hook(hook))
+            return experts(hidden, logits)
+        block._experts = counted
     try:
         rt.model(step.input_ids, step.position_ids, step.kv_caches, step.attn_metadata)
     finally:
-        for h in hooks:
-            h.remove()
+        for block, experts in zip(blocks, originals):
+            block._experts = experts
     return used
 
 

@@ -13,3 +13,30 @@ def test_engine_runs_report_every_batch_and_prompt_length():
         assert r["steps"] == 11 - 11 // 4
     assert [(r["tokens"], r["repeats"]) for r in runs["ttft"]] == [(40, 2), (90, 2)]
     assert all(r["ttft_s"] > 0 for r in runs["ttft"])
+
+
+def test_experts_used_counts_every_moe_layers_routing():
+    """`_experts_used` (the MoE rows' bytes roofline) sees each MoE layer's router logits through the block's
+    expert entry, whichever way the model computes them, and leaves the block as it found it."""
+    import torch
+
+    from actors.rank import RankRuntime, RuntimeConfig
+    from bench.graph_bench import _decode_step
+    from bench.model_sweep import _experts_used, _moe_blocks
+    from modeling.config import get_preset
+    from parallel.context import ParallelContext
+
+    rt = RankRuntime(RuntimeConfig(model="qwen3-moe-tiny", device="cpu", num_kv_blocks=64), ParallelContext(),
+                     torch.device("cpu"))
+    rt.load_model()
+    rt.allocate_kv_cache()
+    cfg = get_preset("qwen3-moe-tiny")
+    before = [b._experts for b in _moe_blocks(rt)]
+    with torch.inference_mode():
+        one = _experts_used(rt, _decode_step(rt, 1, 8))
+        many = _experts_used(rt, _decode_step(rt, 6, 8, tokens=torch.arange(6).numpy() * 11))
+    moe_layers = sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
+    assert len(one) == len(many) == moe_layers > 0
+    assert all(u == cfg.num_experts_per_tok for u in one)  # one token: its top-k, all distinct
+    assert all(cfg.num_experts_per_tok <= u <= cfg.num_experts for u in many)
+    assert [b._experts for b in _moe_blocks(rt)] == before
