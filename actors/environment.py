@@ -20,7 +20,7 @@ from typing import Mapping, MutableMapping, NamedTuple, Optional
 from actors.options import DRIVER_POLL_ENV, STEP_PATH_ENV, STEP_PROFILE_ENV, STEP_TRACE_ENV, DriverOptions
 from modeling.ops.options import (COMPILE_THREADS_ENV, DECODE_PREFETCH_ENV, DECODE_SINGLE_LAUNCH_ENV, GEMV_ENV,
                                   GEMV_ROWS_ENV, PDL_ENV, PROJECTION_MEASURE_ENV, MOE_PDL_ENV, MOE_ROUTE_KERNEL_ENV,
-                                  MOE_ROUTE_GROUP_ENV, MOE_ROUTER_GEMV_ENV, KernelOptions)
+                                  MOE_ROUTER_GEMV_ENV, KernelOptions)
 from parallel.options import (DEEPEP_MAX_TOKENS_ENV, TP_ALLREDUCE_ENV, TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV,
                               CommOptions)
 
@@ -30,7 +30,6 @@ ADMIN_TOKEN_ENV = "GRAPHLINE_ADMIN_TOKEN"
 
 OPTION_VARIABLES = (PDL_ENV, GEMV_ENV, GEMV_ROWS_ENV, DECODE_SINGLE_LAUNCH_ENV, DECODE_PREFETCH_ENV,
                     COMPILE_THREADS_ENV, PROJECTION_MEASURE_ENV, MOE_ROUTE_KERNEL_ENV, MOE_PDL_ENV, MOE_ROUTER_GEMV_ENV,
-                    MOE_ROUTE_GROUP_ENV,
                     TP_ALLREDUCE_ENV, TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV, DEEPEP_MAX_TOKENS_ENV, STEP_PATH_ENV,
                     DRIVER_POLL_ENV, STEP_TRACE_ENV, STEP_PROFILE_ENV)
 
@@ -89,9 +88,7 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Environment
                                "default", "torch's routing"),
         moe_pdl=_flag(environ, MOE_PDL_ENV, True, "routed-expert kernels launch with PDL, the default", "without"),
         moe_router_gemv=_flag(environ, MOE_ROUTER_GEMV_ENV, True, "the MoE router projection on the decode GEMV "
-                              "where it serves, the default", "cuBLAS"),
-        moe_route_group=_flag(environ, MOE_ROUTE_GROUP_ENV, True, "MoE routing and expert grouping in one launch at "
-                              "small steps, the default", "two launches"))
+                              "where it serves, the default", "cuBLAS"))
     cap = _int(environ, DEEPEP_MAX_TOKENS_ENV)
     comm = CommOptions(
         tp_allreduce=environ.get(TP_ALLREDUCE_ENV, "").strip().lower() or CommOptions.tp_allreduce,

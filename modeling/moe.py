@@ -102,7 +102,6 @@ class SparseMoeBlock(nn.Module):
         self.packed_kernel = ops.moe_packed if ops is not None else None
         self.route_kernel = ops.moe_route if ops is not None else None
         self.router_linear = (ops.moe_router_linear if ops is not None else None) or torch.nn.functional.linear
-        self.route_experts = ops.moe_route_experts if ops is not None and self.dispatcher is None else None
 
     # ---- weight loading: HF per-expert tensors (gate/up/down) or fused [E, ...] tensors
     def load_expert(self, expert: int, which: str, full: torch.Tensor) -> bool:
@@ -132,9 +131,6 @@ class SparseMoeBlock(nn.Module):
 
     def experts(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Route, dispatch (EP), run the local experts, combine. `[T, H]`, `[T, E]` -> `[T, H]`."""
-        if self.route_experts is not None:  # no dispatcher: routing and grouping together (`moe_route_experts`)
-            out = self.route_experts(hidden, router_logits, self.top_k, self.renormalize, self.w13, self.w2)
-            return comm.all_reduce(out, self.ctx.tp_group) if self.ctx.tp_size > 1 else out
         if self.route_kernel is not None:
             weights, ids = self.route_kernel(router_logits, self.top_k, self.renormalize)
         else:

@@ -59,10 +59,6 @@ class KernelOps:
     # (hidden [T, H], router weight [E, H]) -> router logits [T, E] (`triton_gemm.router_linear`: the decode GEMV at
     # few rows), or None: `F.linear`.
     moe_router_linear: Callable | None = None
-    # (x [N, H], router_logits [N, E], top_k, renormalize, w13, w2) -> [N, H]: route, group and run every (local) expert
-    # without a dispatcher, the routing and grouping in one launch at small steps (`triton_moe_route.
-    # route_and_run_experts`), or None: `moe_route` then `moe_routed`.
-    moe_route_experts: Callable | None = None
     # (shapes [(N, K)], device, dtype, forms={(N, K): form}) -> {(N, K, row class): Choice}: choose the decode
     # projections' fallbacks outside capture (`triton_gemm_measure`), each measured in the form the model runs it;
     # nothing to choose for the torch backend or with the option off.
@@ -130,7 +126,7 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto",
 
 def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
     from modeling.ops import (triton_attention, triton_fused, triton_gemm, triton_gemm_measure, triton_moe,
-                               triton_moe_route, triton_router)
+                               triton_router)
     from modeling.ops.pdl import pdl_mode
 
     pdl, gemv, single = pdl_mode(dev, options.pdl), options.gemv_max_rows(), options.decode_single_launch
@@ -157,7 +153,5 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         moe_packed=bind(triton_moe.packed_experts, pdl=moe_pdl),
         moe_route=bind(triton_router.route_topk, pdl=pdl) if options.moe_route_kernel else None,
         moe_router_linear=bind(triton_gemm.router_linear, pdl=pdl, gemv=gemv) if options.moe_router_gemv else None,
-        moe_route_experts=(bind(triton_moe_route.route_and_run_experts, pdl=moe_pdl)
-                           if options.moe_route_kernel and options.moe_route_group else None),
         measure_projections=measure,
         options=options)

@@ -19,7 +19,6 @@ PROJECTION_MEASURE_ENV = "GRAPHLINE_PROJECTION_MEASURE"
 MOE_ROUTE_KERNEL_ENV = "GRAPHLINE_MOE_ROUTE_KERNEL"
 MOE_PDL_ENV = "GRAPHLINE_MOE_PDL"
 MOE_ROUTER_GEMV_ENV = "GRAPHLINE_MOE_ROUTER_GEMV"
-MOE_ROUTE_GROUP_ENV = "GRAPHLINE_MOE_ROUTE_GROUP"
 PDL_CHOICES = ("0", "1", "early")
 GEMV_ROW_CHOICES = (1, 2, 3, 4)  # the decode GEMV kernel holds up to 4 rows (`triton_gemv`)
 # The decode GEMV serves models up to this hidden size. Above it (Qwen3-8B, 14B) its 1- and 2-row steps measured
@@ -60,10 +59,7 @@ class KernelOptions:
     moe_router_gemv: the MoE router's projection takes the decode GEMV where it serves (up to `gemv_max_rows()`
     rows; its weights stream before the PDL wait) instead of cuBLAS (the default; other row counts take cuBLAS
     either way); in the norm-first layout it also carries the post-attention residual add + RMSNorm in its prologue
-    and keeps the normed rows for the experts (`KernelOps.norm_linear_normed`), one launch fewer a MoE layer.
-    moe_route_group: with `moe_route_kernel`, a MoE block without a token dispatcher routes its tokens and groups
-    them by expert in one launch where one program holds the step (`triton_moe_route`: up to 8 tokens of 128
-    experts), one launch fewer a MoE layer (the default); False: the router kernel, then the grouping."""
+    and keeps the normed rows for the experts (`KernelOps.norm_linear_normed`), one launch fewer a MoE layer."""
 
     pdl: str = "early"
     gemv: bool = True
@@ -75,7 +71,6 @@ class KernelOptions:
     moe_route_kernel: bool = True
     moe_pdl: bool = True
     moe_router_gemv: bool = True
-    moe_route_group: bool = True
 
     def for_model(self, hidden_size: int) -> "KernelOptions":
         """The options a model of `hidden_size` runs with: the decode GEMV only up to GEMV_MAX_HIDDEN, serving the
@@ -105,7 +100,7 @@ class KernelOptions:
         for name, env in (("gemv", GEMV_ENV), ("decode_single_launch", DECODE_SINGLE_LAUNCH_ENV),
                           ("measure_projections", PROJECTION_MEASURE_ENV),
                           ("moe_route_kernel", MOE_ROUTE_KERNEL_ENV), ("moe_pdl", MOE_PDL_ENV),
-                          ("moe_router_gemv", MOE_ROUTER_GEMV_ENV), ("moe_route_group", MOE_ROUTE_GROUP_ENV)):
+                          ("moe_router_gemv", MOE_ROUTER_GEMV_ENV)):
             if not isinstance(getattr(self, name), bool):
                 raise KernelOptionsError(f"{name} ({env}) must be a bool, got {getattr(self, name)!r}")
         if self.decode_prefetch is not None and not isinstance(self.decode_prefetch, bool):

@@ -128,16 +128,10 @@ def _scatter_kernel(IDS, CHUNK_CNT, SORTED, COUNTS, P, num_chunks, first_expert,
             before += tl.sum(tl.where(offs_c[:, None] < c, tab, 0), axis=0)
     if c == 0:
         tl.store(COUNTS + offs_e, total, mask=offs_e < e_local)
-    _store_sorted(SORTED, onehot, tl.cumsum(total, axis=0) - total + before, offs_p, valid)
-
-
-@triton.jit
-def _store_sorted(SORTED, onehot, start, pairs, valid):
-    """SORTED[pos] = pair for the valid pairs of one chunk: onehot int32 `[P, BLOCK_E]` (pair x local expert, in
-    pair order), start `[BLOCK_E]` the first sorted slot of this chunk's pairs per expert."""
+    start = tl.cumsum(total, axis=0) - total + before  # first sorted slot of this chunk's pairs, per expert
     rank = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert inside this chunk
     pos = tl.sum(tl.where(onehot != 0, start[None, :] + rank, 0), axis=1)
-    tl.store(SORTED + pos, pairs, mask=valid)
+    tl.store(SORTED + pos, offs_p, mask=valid)
 
 
 # ------------------------------------------------------------------------------------------------ grouped GEMMs
@@ -348,22 +342,9 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         return out
     ids, weights = ids.contiguous(), weights.contiguous()
     sorted_pairs, counts = group_by_expert(ids, e_local, first_expert, pdl=pdl)
-    return grouped_experts(x, ids, weights, sorted_pairs, counts, w13, w2, first_expert, configs=configs, pdl=pdl,
-                           out=out)
-
-
-def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sorted_pairs: torch.Tensor,
-                    counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, first_expert: int = 0, *,
-                    configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None, pdl: int = 0,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """`routed_experts` after its grouping: the grouped GEMMs and the combine over `group_by_expert`'s
-    (sorted_pairs, counts) of these contiguous ids and weights. Three launches."""
-    n, k = ids.shape
-    h = x.shape[1]
-    out = out if out is not None else torch.empty((n, h), dtype=x.dtype, device=x.device)
     y = grouped_swiglu(x, sorted_pairs, counts, w13, w2, n * k, top_k=k, configs=configs, pdl=pdl)
     block_h = min(1024, triton.next_power_of_2(h))
-    _combine_kernel[(n, triton.cdiv(h, block_h))](y, ids, weights, out, first_expert, counts.shape[0], h, TOP_K=k,
+    _combine_kernel[(n, triton.cdiv(h, block_h))](y, ids, weights, out, first_expert, e_local, h, TOP_K=k,
                                                   BLOCK_H=block_h, num_warps=4, **PDL_LAUNCH[pdl])
     return out
 

@@ -43,15 +43,17 @@ def _largest_keys(keys, K_PAD: tl.constexpr):
     return out
 
 
-@triton.jit
-def _route_rows(L, W, I, rows, N, E, stride_l, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                RENORM: tl.constexpr):
-    """Rows `rows` (int64 `[R]`) of L `[N, E]` -> W `[N, K]` fp32 probabilities, I `[N, K]` int64 ids (contiguous);
-    rows past N recompute row N - 1 and store nothing. Returns the ids `[R, K_PAD]` and whether each entry is a
-    stored (row < N, slot < K) one."""
+@triton.jit(do_not_specialize=["N"])
+def _route_kernel(L, W, I, N, E, stride_l, K: tl.constexpr, R: tl.constexpr, E_PAD: tl.constexpr,
+                  K_PAD: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+    """Rows [R * program_id, + R) of L `[N, E]` -> W `[N, K]` fp32 probabilities, I `[N, K]` int64 ids (contiguous).
+    Rows past N recompute row N - 1 and store nothing."""
+    pdl_launch_dependents(PDL)
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     live = rows < N
     offs = tl.arange(0, E_PAD)
     valid = offs < E
+    pdl_wait(PDL)
     src = tl.minimum(rows, N - 1)[:, None] * stride_l + offs[None, :]
     x = tl.load(L + src, mask=valid[None, :], other=float("-inf")).to(tl.float32)
     e = tl.exp(x - tl.max(x, axis=1)[:, None])
@@ -68,17 +70,6 @@ def _route_rows(L, W, I, rows, N, E, stride_l, K: tl.constexpr, E_PAD: tl.conste
     dst = rows[:, None] * K + j
     tl.store(W + dst, w, mask=live[:, None] & keep)
     tl.store(I + dst, ids, mask=live[:, None] & keep)
-    return ids, live[:, None] & keep
-
-
-@triton.jit(do_not_specialize=["N"])
-def _route_kernel(L, W, I, N, E, stride_l, K: tl.constexpr, R: tl.constexpr, E_PAD: tl.constexpr,
-                  K_PAD: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
-    """Rows [R * program_id, + R) of L `[N, E]` -> W `[N, K]` fp32 probabilities, I `[N, K]` int64 ids (contiguous)."""
-    pdl_launch_dependents(PDL)
-    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    pdl_wait(PDL)
-    _route_rows(L, W, I, rows, N, E, stride_l, K, E_PAD, K_PAD, RENORM)
 
 
 def rows_per_program(n: int, e_pad: int) -> int:
@@ -102,12 +93,6 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
     rows = rows_per_program(n, e_pad)
     _route_kernel[(triton.cdiv(n, rows),)](
         router_logits, weights, ids, n, e, router_logits.stride(0), K=top_k, R=rows, E_PAD=e_pad,
-        K_PAD=triton.next_power_of_2(top_k), RENORM=bool(renormalize), num_warps=route_warps(rows, e_pad),
+        K_PAD=triton.next_power_of_2(top_k), RENORM=bool(renormalize), num_warps=max(1, min(4, rows * e_pad // 256)),
         **PDL_LAUNCH[pdl])
     return weights, ids
-
-
-def route_warps(rows: int, e_pad: int) -> int:
-    """Warps of a routing program of `rows` rows over E_PAD experts (a kernel that routes alike takes the same,
-    so that its reductions run in the same order)."""
-    return max(1, min(4, rows * e_pad // 256))

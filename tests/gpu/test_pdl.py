@@ -160,35 +160,27 @@ def test_decode_attention_loading_before_its_wait_sees_the_new_token(mode):
         assert torch.equal(got, want), kv_lens
 
 
-def _moe_chain(x, gate_w, w13, w2, norm_w, layers, pdl_mode, fused=False):
+def _moe_chain(x, gate_w, w13, w2, norm_w, layers, pdl_mode):
     """`layers` MoE blocks as a decode step runs them: the router on the GEMV (or cuBLAS past its rows), the
-    one-launch top-k, the routed experts (grouping, grouped GEMMs, combine), then the residual add + RMSNorm.
-    fused: the routing and grouping in one launch where it applies (`triton_moe_route`)."""
+    one-launch top-k, the routed experts (grouping, grouped GEMMs, combine), then the residual add + RMSNorm."""
     from modeling.ops.triton_gemm import router_linear
     from modeling.ops.triton_moe import routed_experts
-    from modeling.ops.triton_moe_route import route_and_run_experts
     from modeling.ops.triton_router import route_topk
 
     h, res = x, torch.zeros_like(x)
     for _ in range(layers):
-        logits = router_linear(h, gate_w, pdl=pdl_mode)
-        if fused:
-            y = route_and_run_experts(h, logits, 4, True, w13, w2, pdl=pdl_mode)
-        else:
-            weights, ids = route_topk(logits, 4, True, pdl=pdl_mode)
-            y = routed_experts(h, ids, weights, w13, w2, pdl=pdl_mode)
+        weights, ids = route_topk(router_linear(h, gate_w, pdl=pdl_mode), 4, True, pdl=pdl_mode)
+        y = routed_experts(h, ids, weights, w13, w2, pdl=pdl_mode)
         h, res = add_rms_norm(y, res, norm_w, 1e-6, pdl=pdl_mode)
     return h, res
 
 
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("mode", ["1", "early"])
 @pytest.mark.parametrize("m", [1, 2, 8, 64])
-def test_moe_chain_in_a_graph_equals_the_chain_without_pdl(m, mode, fused):
+def test_moe_chain_in_a_graph_equals_the_chain_without_pdl(m, mode):
     """The routed-expert kernels under PDL (`KernelOptions.moe_pdl`) wait before every load: replayed from a graph
     with new inputs, a 12-layer chain of router GEMV, top-k, grouping (two launches at 64 tokens x top-4), grouped
-    GEMMs and combine gives the bits of the same chain without PDL (fused: the routing and grouping in one launch up
-    to 8 tokens, `triton_moe_route`, against the two launches without PDL)."""
+    GEMMs and combine gives the bits of the same chain without PDL."""
     code = pdl.pdl_mode(torch.device("cuda", 0), mode)
     if not code:
         pytest.skip("PDL not available on this GPU / Triton")
@@ -202,11 +194,11 @@ def test_moe_chain_in_a_graph_equals_the_chain_without_pdl(m, mode, fused):
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        _moe_chain(x, gate_w, w13, w2, norm_w, 12, code, fused)  # compiles the PDL variants outside the capture
+        _moe_chain(x, gate_w, w13, w2, norm_w, 12, code)  # compiles the PDL variants outside the capture
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        got = _moe_chain(x, gate_w, w13, w2, norm_w, 12, code, fused)
+        got = _moe_chain(x, gate_w, w13, w2, norm_w, 12, code)
     for _ in range(4):
         x.copy_(torch.randn(m, hid, generator=g, device="cuda").to(bf))
         graph.replay()

@@ -161,40 +161,6 @@ def test_router_kernel_eager_and_replayed_equals_route(n, dtype, renormalize):
     assert gids[0].tolist() == list(range(k))
 
 
-@pytest.mark.parametrize("n", [1, 2, 8, 16, 64])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_routing_and_grouping_in_one_launch_equals_the_two_launches(n, dtype):
-    """`triton_moe_route.route_and_run_experts` (the backend's `moe_route_experts`, `KernelOptions.moe_route_group`)
-    on the Qwen3-30B-A3B layer (E=128, top-8): one launch routes and groups up to 8 tokens, two beyond; either way
-    bitwise the router kernel's routing and the routed experts over it, eager and replayed from a graph with new
-    logits and inputs."""
-    from modeling.ops.triton_moe import routed_experts
-    from modeling.ops.triton_moe_route import fused_route_group_applies, route_and_run_experts
-    from modeling.ops.triton_router import route_topk
-
-    shape = SHAPES["qwen3-30b-a3b"]
-    e, k = shape[2], shape[3]
-    assert fused_route_group_applies(n, e, k) == (n <= 8)
-    w13, w2 = _weights(shape, dtype, seed=4)
-    x, _, _ = _inputs(shape, n, dtype)
-    logits = _router_logits(n, e, dtype, seed=0)
-
-    def two_launches():
-        weights, ids = route_topk(logits, k, True)
-        return routed_experts(x, ids, weights, w13, w2)
-
-    assert torch.equal(route_and_run_experts(x, logits, k, True, w13, w2), two_launches())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = route_and_run_experts(x, logits, k, True, w13, w2)
-    for seed in (1, 2):
-        logits.copy_(_router_logits(n, e, dtype, seed))
-        x.copy_(_inputs(shape, n, dtype, seed=seed)[0])
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, two_launches())
-
-
 @pytest.mark.parametrize("n", [1, 2, 3, 64])
 def test_router_projection_takes_the_gemv_up_to_its_rows_and_cublas_beyond(n):
     """The backend's `moe_router_linear` (`triton_gemm.router_linear`, `KernelOptions.moe_router_gemv`) on the

@@ -176,32 +176,6 @@ def test_the_block_projects_its_router_through_the_backends_router_projection():
     assert seen == [(3, True)]
 
 
-def test_a_block_without_a_dispatcher_routes_and_runs_its_experts_in_one_call():
-    """`KernelOps.moe_route_experts` (the routing and grouping in one launch at small steps on the Triton backend)
-    takes the router logits straight to the experts when the block has no dispatcher; an EP block keeps route,
-    dispatch, local experts."""
-    seen = []
-
-    def route_experts(x, logits, top_k, renormalize, w13, w2):
-        seen.append((x.shape[0], logits.shape, top_k, renormalize))
-        weights, ids = moe.route(logits, top_k, renormalize)
-        return moe_ref.experts_static(x, ids, weights, w13, w2, 0)
-
-    ops = dataclasses.replace(get_kernel_ops("cpu"), moe_route_experts=route_experts)
-    cfg = get_preset("qwen3-moe-tiny")
-    alone = moe.SparseMoeBlock(cfg, ParallelContext(), ops=ops)
-    plain = moe.SparseMoeBlock(cfg, ParallelContext(), ops=get_kernel_ops("cpu"))
-    g = torch.Generator().manual_seed(3)
-    for a, b in zip((alone.gate.weight, alone.w13, alone.w2), (plain.gate.weight, plain.w13, plain.w2)):
-        a.data.copy_(torch.randn(a.shape, generator=g) * 0.1)
-        b.data.copy_(a.data)
-    x = torch.randn(5, cfg.hidden_size, generator=g)
-    with torch.inference_mode():
-        torch.testing.assert_close(alone(x), plain(x), atol=1e-6, rtol=1e-6)
-    assert seen == [(5, (5, cfg.num_experts), cfg.num_experts_per_tok, cfg.norm_topk_prob)]
-    assert _block(2, ops=ops).route_experts is None  # EP: the dispatcher moves tokens between route and experts
-
-
 def test_cpu_backend_has_no_routed_kernel():
     ops = get_kernel_ops("cpu")
     assert ops.moe_routed is None and ops.moe_packed is None

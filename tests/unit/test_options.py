@@ -26,7 +26,7 @@ def test_every_variable_reaches_its_field():
     env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_GEMV_ROWS": "3",
            "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0", "GRAPHLINE_DECODE_PREFETCH": "0",
            "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_MOE_ROUTE_KERNEL": "0",
-           "GRAPHLINE_MOE_PDL": "0", "GRAPHLINE_MOE_ROUTER_GEMV": "0", "GRAPHLINE_MOE_ROUTE_GROUP": "0",
+           "GRAPHLINE_MOE_PDL": "0", "GRAPHLINE_MOE_ROUTER_GEMV": "0",
            "GRAPHLINE_TP_ALLREDUCE": "symm",
            "GRAPHLINE_TP_FUSED_KIND": "pull", "GRAPHLINE_TP_FUSED_NORM": "0",
            "GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK": "128",
@@ -37,7 +37,7 @@ def test_every_variable_reaches_its_field():
     assert k == KernelOptions(pdl="1", gemv=False, gemv_rows=3, decode_single_launch=False, decode_prefetch=False,
                               compile_threads=2,
                               measure_projections=False, moe_route_kernel=False, moe_pdl=False,
-                              moe_router_gemv=False, moe_route_group=False)
+                              moe_router_gemv=False)
     assert c == CommOptions(tp_allreduce="symm", tp_fused_kind="pull", tp_fused_norm=False,
                             deepep_max_tokens_per_rank=128)
     assert d == DriverOptions(step_path="plain", poll_s=0.001, step_trace=True, step_profile="/tmp/prof")
@@ -77,7 +77,7 @@ def test_options_are_frozen_and_checked():
 def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     pytest.importorskip("triton", reason="the Triton backend's modules need triton")
     from modeling.ops import (KernelOps, get_kernel_ops, pdl, triton_attention, triton_gemm, triton_gemm_measure,
-                              triton_moe, triton_moe_route, triton_router)
+                              triton_moe, triton_router)
 
     monkeypatch.setattr(pdl, "_INTERPRETED", False)
     monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: True)
@@ -100,10 +100,6 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.moe_routed.keywords == ops.moe_packed.keywords == {"pdl": 2}
     assert ops.moe_router_linear.func is triton_gemm.router_linear
     assert ops.moe_router_linear.keywords == {"pdl": 2, "gemv": 2}
-    assert ops.moe_route_experts.func is triton_moe_route.route_and_run_experts
-    assert ops.moe_route_experts.keywords == {"pdl": 2}
-    for opts in (KernelOptions(moe_route_group=False), KernelOptions(moe_route_kernel=False)):  # needs both
-        assert get_kernel_ops(dev, "triton", opts).moe_route_experts is None
     off = get_kernel_ops(dev, "triton", KernelOptions(moe_route_kernel=False, moe_pdl=False, moe_router_gemv=False))
     assert off.moe_route is None and off.moe_router_linear is None  # torch's routing, cuBLAS's router projection
     assert off.moe_routed.keywords == off.moe_packed.keywords == {"pdl": 0}  # the experts without PDL
