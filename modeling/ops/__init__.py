@@ -87,20 +87,20 @@ def _torch_linear_add_rms_norm(x, weight, residual, norm_weight, eps, *, gated=F
     return fused_ref.add_rms_norm(y, residual, norm_weight, eps)
 
 
-def _torch_norm_linear(x, residual, norm_weight, eps, weight, *, gated=False):
+def _torch_norm_rows(x, residual, norm_weight, eps):
     if residual is None:
-        normed, summed = fused_ref.rms_norm(x, norm_weight, eps), x
-    else:
-        normed, summed = fused_ref.add_rms_norm(x, residual, norm_weight, eps)
+        return fused_ref.rms_norm(x, norm_weight, eps), x
+    return fused_ref.add_rms_norm(x, residual, norm_weight, eps)
+
+
+def _torch_norm_linear(x, residual, norm_weight, eps, weight, *, gated=False):
+    normed, summed = _torch_norm_rows(x, residual, norm_weight, eps)
     y = F.linear(normed, weight)
     return (fused_ref.silu_and_mul(y) if gated else y), summed
 
 
 def _torch_norm_linear_normed(x, residual, norm_weight, eps, weight):
-    if residual is None:
-        normed, summed = fused_ref.rms_norm(x, norm_weight, eps), x
-    else:
-        normed, summed = fused_ref.add_rms_norm(x, residual, norm_weight, eps)
+    normed, summed = _torch_norm_rows(x, residual, norm_weight, eps)
     return F.linear(normed, weight), normed, summed
 
 

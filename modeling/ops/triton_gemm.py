@@ -378,18 +378,31 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     (gate then up) and the first output is silu_and_mul of the projection, `[M, N]`. One GEMV launch where
     `triton_gemv.applies` (up to `gemv` rows), residual `[M, K]` and norm_weight `[K]` matching x's dtype; else the
     norm, linear and silu_and_mul kernels. Rounded like the unfused operators; fp32 sums may be ordered differently."""
-    k = x.shape[-1]
     if gated and weight.shape[0] % 2:
         raise ValueError(f"norm_linear: gated weight {tuple(weight.shape)} needs an even number of rows (gate, up)")
-    if (gemv and triton_gemv.applies(x, weight, gemv) and norm_weight.shape == (k,) and norm_weight.dtype == x.dtype
-            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
+    if _gemv_takes_norm(x, residual, norm_weight, weight, gemv):
         return triton_gemv.norm_gemv(x, residual, norm_weight, eps, weight, gated, pdl=pdl)
-    if residual is None:
-        normed, summed = rms_norm(x, norm_weight, eps, pdl=pdl), x
-    else:
-        normed, summed = add_rms_norm(x, residual, norm_weight, eps, pdl=pdl)
+    normed, summed = _norm_rows(x, residual, norm_weight, eps, pdl)
     y = linear(normed, weight, pdl=pdl, gemv=gemv)
     return (silu_and_mul(y, pdl=pdl) if gated else y), summed
+
+
+def _gemv_takes_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
+                     gemv: int) -> bool:
+    """Whether one GEMV launch serves the norm before this projection: `triton_gemv.applies` (up to `gemv` rows),
+    residual `[M, K]` and norm_weight `[K]` matching x's dtype."""
+    k = x.shape[-1]
+    return bool(gemv and triton_gemv.applies(x, weight, gemv) and norm_weight.shape == (k,)
+                and norm_weight.dtype == x.dtype
+                and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
+
+
+def _norm_rows(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+               pdl: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, stream) by the norm kernels: rms_norm(x) and x itself, or add_rms_norm(x, residual)."""
+    if residual is None:
+        return rms_norm(x, norm_weight, eps, pdl=pdl), x
+    return add_rms_norm(x, residual, norm_weight, eps, pdl=pdl)
 
 
 def norm_linear_normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -399,12 +412,9 @@ def norm_linear_normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     (ungated) that also returns the normed rows, for a consumer besides the projection (the MoE experts after their
     router). One GEMV launch where `triton_gemv.applies` (up to `gemv` rows), else the norm kernel and `F.linear`
     (cuBLAS: the projections that take this are routers, which have no skinny-GEMM table entry)."""
-    k = x.shape[-1]
-    if (gemv and triton_gemv.applies(x, weight, gemv) and norm_weight.shape == (k,) and norm_weight.dtype == x.dtype
-            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
-        return triton_gemv.norm_gemv_normed(x, residual, norm_weight, eps, weight, pdl=pdl)
-    if residual is None:
-        normed, summed = rms_norm(x, norm_weight, eps, pdl=pdl), x
-    else:
-        normed, summed = add_rms_norm(x, residual, norm_weight, eps, pdl=pdl)
+    if _gemv_takes_norm(x, residual, norm_weight, weight, gemv):
+        normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        y, summed = triton_gemv.norm_gemv(x, residual, norm_weight, eps, weight, pdl=pdl, normed_out=normed)
+        return y, normed, summed
+    normed, summed = _norm_rows(x, residual, norm_weight, eps, pdl)
     return F.linear(normed, weight), normed, summed

@@ -326,28 +326,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, pdl: int = 0) -> torch.Tensor
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-              weight: torch.Tensor, gated: bool = False, *, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+              weight: torch.Tensor, gated: bool = False, *, pdl: int = 0,
+              normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual) * norm_weight, weight), x + residual) in one launch (residual None: the
     norm of x, and x itself as the stream). gated: weight is `[2N, K]` (gate then up rows) and the first output
     is silu(gate) * up `[M, N]`. Requires `applies(x, weight)`, residual `[M, K]` and norm_weight `[K]` in x's
-    dtype."""
+    dtype. normed_out (contiguous `[M, K]` in x's dtype): also receives the normed rows (`KEEP_NORMED`)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     norm = NORM_RMS if residual is None else NORM_ADD_RMS
     cfg = config_for(n, k, m, norm, gated)
     y, summed = gemv_with_config(x, weight, cfg, residual=None if residual is None else residual.contiguous(),
-                                 norm_weight=norm_weight.contiguous(), eps=eps, gated=gated, pdl=pdl)
+                                 norm_weight=norm_weight.contiguous(), eps=eps, gated=gated,
+                                 normed_out=normed_out, pdl=pdl)
     return y, (x if summed is None else summed)
-
-
-def norm_gemv_normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                     weight: torch.Tensor, *, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`norm_gemv` (ungated) that also returns the normed rows: (y `[M, N]`, normed `[M, K]`, x + residual) in one
-    launch, for a consumer of the normed rows besides this projection (the MoE experts after their router)."""
-    m, k = x.shape
-    norm = NORM_RMS if residual is None else NORM_ADD_RMS
-    cfg = config_for(weight.shape[0], k, m, norm, False)
-    normed = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    y, summed = gemv_with_config(x, weight, cfg, residual=None if residual is None else residual.contiguous(),
-                                 norm_weight=norm_weight.contiguous(), eps=eps, normed_out=normed, pdl=pdl)
-    return y, normed, (x if summed is None else summed)

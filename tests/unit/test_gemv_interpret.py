@@ -230,9 +230,9 @@ def test_gemv_off_takes_the_other_kernels(results):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n,k,bn,bk", CASES)
 def test_interpreted_gemv_keeps_the_normed_rows(results, n, k, bn, bk, m):
-    """KEEP_NORMED (`norm_gemv_normed`, the MoE router's prologue): program 0 stores the normed rows, equal to the
-    norm kernels' to within one fp16 rounding (the sum of squares is ordered differently); the projection and the
-    stream keep their bits."""
+    """KEEP_NORMED (`norm_gemv`'s `normed_out`, the MoE router's prologue): program 0 stores the normed rows,
+    equal to the norm kernels' to within one fp16 rounding (the sum of squares is ordered differently); the
+    projection and the stream keep their bits."""
     for r in results[f"keep {n},{k},{bn},{bk},{m}"]:
         assert r["normed_err"] < 4e-3 and r["y_equal"] and r["sum_equal"], r
 
