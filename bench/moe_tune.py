@@ -3,8 +3,8 @@
     python -m bench.moe_tune --shape 2048,768,128,8 --tokens 1,8,64,256 --out artifacts/moe_tune.json
     python -m bench.moe_tune --tokens 512,2048 --block-ms 64,128 --warps 4,8 --block-ks 32,64 --block-ns 64,128
 
-`--block-ms` / `--warps` / `--block-ns` / `--block-ks` widen the sweep (default: the default config's row tile,
-4 warps, and the decode sizes' N and K tiles); each w13 candidate runs with the default w2 config.
+`--block-ms` / `--warps` / `--block-ns` / `--block-ks` / `--stages` widen the sweep (default: the default config's
+row tile, 4 warps, the decode sizes' N and K tiles, 3 and 4 stages); each w13 candidate runs with the default w2 config.
 
 Per token count: `routed_experts` inside one CUDA graph over `--copies` weight copies (so L2 does not hold the
 experts), microseconds per call, first sweeping the w13 (gate-up) GEMM's config with the w2 GEMM's default, then
@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--warps", default="4")
     ap.add_argument("--block-ns", default="", help="N tiles (default 16,32,64 for w13 and 32,64,128 for w2)")
     ap.add_argument("--block-ks", default="64,128,256")
+    ap.add_argument("--stages", default="3,4", help="pipeline stages to sweep")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from modeling.ops.triton_moe import MoeGemmConfig, gemm_config, routed_experts
@@ -65,13 +66,14 @@ def main() -> None:
         base = run(d13, d2)
         ints = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
         bms, warps, bks = ints(args.block_ms) or (d13.block_m,), ints(args.warps), ints(args.block_ks)
+        stages = ints(args.stages)
         bns13, bns2 = (ints(args.block_ns),) * 2 if args.block_ns else ((16, 32, 64), (32, 64, 128))
         c13s = [MoeGemmConfig(bm, bn, bk, nw, st)
-                for bm, bn, bk, nw, st in itertools.product(bms, bns13, bks, warps, (3, 4))]
+                for bm, bn, bk, nw, st in itertools.product(bms, bns13, bks, warps, stages)]
         t13 = sorted(((run(c, d2), c) for c in c13s), key=lambda r: r[0])
         best13 = t13[0][1]
         c2s = [MoeGemmConfig(best13.block_m, bn, bk, nw, st)
-               for bn, bk, nw, st in itertools.product(bns2, bks, warps, (3, 4))]
+               for bn, bk, nw, st in itertools.product(bns2, bks, warps, stages)]
         t2 = sorted(((run(best13, c), c) for c in c2s), key=lambda r: r[0])
         row = {"tokens": n, "default_us": base, "default": [d13, d2], "best_us": t2[0][0], "best": [best13, t2[0][1]],
                "w13_top": t13[:5], "w2_top": t2[:5]}

@@ -4,6 +4,7 @@ device kernel table for a decode graph replay and a piecewise prefill replay, an
 profiles of the rank's decode path and the piecewise replay (Python functions by own time).
 
     python -m bench.profile_step --model qwen3-0.6b --batch 1 --tokens 512
+    python -m bench.profile_step --model qwen3-30b-a3b --layers 8 --batch 1 --tokens 2048
 """
 from __future__ import annotations
 
@@ -93,9 +94,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers of the model")
     args = ap.parse_args()
     graph = GraphRunnerConfig(max_decode_batch=max(8, args.batch), pcg_max_tokens=args.tokens, pcg_token_stride=512)
-    cfg = RuntimeConfig(model=args.model, device="cuda", num_kv_blocks=1024, max_model_len=8192, graph=graph)
+    from bench.model_sweep import preset_with_layers
+
+    cfg = RuntimeConfig(model=preset_with_layers(args.model, args.layers), device="cuda", num_kv_blocks=1024,
+                        max_model_len=8192, graph=graph)
     rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
     rt.load_model()
     rt.allocate_kv_cache()
