@@ -2,13 +2,15 @@
 
     python -m bench.moe_tune --shape 2048,768,128,8 --tokens 1,8,64,256 --out artifacts/moe_tune.json
     python -m bench.moe_tune --tokens 512,2048 --block-ms 64,128 --warps 4,8 --block-ks 32,64 --block-ns 64,128
+    python -m bench.moe_tune --pairs --tokens 1,2 --block-ns 16,32,64 --block-ks 64,128,256 --warps 2,4
 
 `--block-ms` / `--warps` / `--block-ns` / `--block-ks` / `--stages` widen the sweep (default: the default config's
 row tile, 4 warps, the decode sizes' N and K tiles, 3 and 4 stages); each w13 candidate runs with the default w2 config.
 
 Per token count: `routed_experts` inside one CUDA graph over `--copies` weight copies (so L2 does not hold the
 experts), microseconds per call, first sweeping the w13 (gate-up) GEMM's config with the w2 GEMM's default, then
-the w2 config with the best w13 one; every config is checked against the default's output (atol = rtol = 2e-2).
+the w2 config with the best w13 one; every config is checked against the grouped default's output (atol = rtol =
+2e-2). `--pairs`: the same sweep over `triton_moe_pairs.pair_experts`'s two kernels (row tile fixed at 16).
 """
 from __future__ import annotations
 
@@ -36,9 +38,12 @@ def main() -> None:
     ap.add_argument("--block-ns", default="", help="N tiles (default 16,32,64 for w13 and 32,64,128 for w2)")
     ap.add_argument("--block-ks", default="64,128,256")
     ap.add_argument("--stages", default="3,4", help="pipeline stages to sweep")
+    ap.add_argument("--pairs", action="store_true",
+                    help="sweep the pair-by-pair kernels (`triton_moe_pairs`, 16-row tiles), not the grouped ones")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from modeling.ops.triton_moe import MoeGemmConfig, gemm_config, routed_experts
+    from modeling.ops.triton_moe_pairs import pair_configs, pair_experts
 
     h, i, e, k = (int(v) for v in args.shape.split(","))
     dev = torch.device("cuda", 0)
@@ -51,11 +56,14 @@ def main() -> None:
         w, ids = torch.softmax(torch.randn(n, e, device=dev), -1).topk(k, -1)
         w = (w / w.sum(-1, keepdim=True)).float()
         d13, d2 = gemm_config(n * k, e, True, torch.bfloat16), gemm_config(n * k, e, False, torch.bfloat16)
+        experts = routed_experts
+        if args.pairs:
+            (d13, d2), experts = pair_configs(n, torch.bfloat16), pair_experts
         ref = routed_experts(x, ids, w, w13s[0], w2s[0]).float()
 
         def run(c13, c2):
             def call(j):
-                return routed_experts(x, ids, w, w13s[j], w2s[j], configs=(c13, c2))
+                return experts(x, ids, w, w13s[j], w2s[j], configs=(c13, c2))
             try:
                 ok = bool(torch.allclose(call(0).float(), ref, atol=2e-2, rtol=2e-2))
                 return _time(call, args.copies) if ok else float("inf")

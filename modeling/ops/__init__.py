@@ -49,7 +49,8 @@ class KernelOps:
     # (k_cache, v_cache, num_q_heads, scale) -> launches: compile every attention variant serving can pick
     warm_up_attention: Callable = lambda k_cache, v_cache, num_q_heads, scale: 0
     options: KernelOptions = field(default_factory=KernelOptions)  # what the functions were bound with
-    # Routed-expert MoE (`triton_moe.routed_experts` / `packed_experts` signatures; capturable at every size), or
+    # Routed-expert MoE (`triton_moe.routed_experts` / `packed_experts` signatures; capturable at every size; the
+    # Triton backend's routed one is `triton_moe_pairs.routed_experts_by_size`), or
     # None where the backend has none (the MoE block then takes the torch paths of `moe_ref`).
     moe_routed: Callable | None = None
     moe_packed: Callable | None = None
@@ -126,7 +127,7 @@ def get_kernel_ops(device: torch.device | str, prefer: str = "auto",
 
 def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
     from modeling.ops import (triton_attention, triton_fused, triton_gemm, triton_gemm_measure, triton_moe,
-                               triton_router)
+                               triton_moe_pairs, triton_router)
     from modeling.ops.pdl import pdl_mode
 
     pdl, gemv, single = pdl_mode(dev, options.pdl), options.gemv_max_rows(), options.decode_single_launch
@@ -149,7 +150,7 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         prologue_norm_max_tokens=gemv,
         warm_up_attention=bind(triton_attention.warm_up_attention, threads=options.compile_threads, pdl=pdl,
                                single_launch=single, prefetch=prefetch),
-        moe_routed=bind(triton_moe.routed_experts, pdl=moe_pdl),
+        moe_routed=bind(triton_moe_pairs.routed_experts_by_size, pairs_max=options.moe_pairs_max, pdl=moe_pdl),
         moe_packed=bind(triton_moe.packed_experts, pdl=moe_pdl),
         moe_route=bind(triton_router.route_topk, pdl=pdl) if options.moe_route_kernel else None,
         moe_router_linear=bind(triton_gemm.router_linear, pdl=pdl, gemv=gemv) if options.moe_router_gemv else None,

@@ -19,6 +19,7 @@ PROJECTION_MEASURE_ENV = "GRAPHLINE_PROJECTION_MEASURE"
 MOE_ROUTE_KERNEL_ENV = "GRAPHLINE_MOE_ROUTE_KERNEL"
 MOE_PDL_ENV = "GRAPHLINE_MOE_PDL"
 MOE_ROUTER_GEMV_ENV = "GRAPHLINE_MOE_ROUTER_GEMV"
+MOE_PAIRS_MAX_ENV = "GRAPHLINE_MOE_PAIRS_MAX"
 PDL_CHOICES = ("0", "1", "early")
 GEMV_ROW_CHOICES = (1, 2, 3, 4)  # the decode GEMV kernel holds up to 4 rows (`triton_gemv`)
 # The decode GEMV serves models up to this hidden size. Above it (Qwen3-8B, 14B) its 1- and 2-row steps measured
@@ -59,7 +60,10 @@ class KernelOptions:
     moe_router_gemv: the MoE router's projection takes the decode GEMV where it serves (up to `gemv_max_rows()`
     rows; its weights stream before the PDL wait) instead of cuBLAS (the default; other row counts take cuBLAS
     either way); in the norm-first layout it also carries the post-attention residual add + RMSNorm in its prologue
-    and keeps the normed rows for the experts (`KernelOps.norm_linear_normed`), one launch fewer a MoE layer."""
+    and keeps the normed rows for the experts (`KernelOps.norm_linear_normed`), one launch fewer a MoE layer.
+    moe_pairs_max: up to this many (token, expert) pairs a step (tokens x top-k) the routed experts run pair by pair
+    (`triton_moe_pairs`: two launches, no grouping, the combine in the down GEMM; the same bits) instead of the
+    grouped kernels' four; 0: never."""
 
     pdl: str = "early"
     gemv: bool = True
@@ -71,6 +75,7 @@ class KernelOptions:
     moe_route_kernel: bool = True
     moe_pdl: bool = True
     moe_router_gemv: bool = True
+    moe_pairs_max: int = 16
 
     def for_model(self, hidden_size: int) -> "KernelOptions":
         """The options a model of `hidden_size` runs with: the decode GEMV only up to GEMV_MAX_HIDDEN, serving the
@@ -106,6 +111,10 @@ class KernelOptions:
         if self.decode_prefetch is not None and not isinstance(self.decode_prefetch, bool):
             raise KernelOptionsError(f"decode_prefetch ({DECODE_PREFETCH_ENV}) must be None or a bool, got "
                                      f"{self.decode_prefetch!r}")
+        pairs = self.moe_pairs_max
+        if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 0:
+            raise KernelOptionsError(f"{MOE_PAIRS_MAX_ENV}={pairs!r} must be an integer >= 0 (0: the grouped "
+                                     "kernels at every size)")
         n = self.compile_threads
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise KernelOptionsError(f"{COMPILE_THREADS_ENV}={n!r} must be an integer >= 1")

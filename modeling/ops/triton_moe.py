@@ -248,7 +248,7 @@ def _combine_kernel(Y, IDS, W, OUT, first_expert, e_local, H, TOP_K: tl.constexp
 # ------------------------------------------------------------------------------------------------ launchers
 
 
-def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
+def check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
     """(E_local, H, I) of w13 `[E, 2I, H]` / w2 `[E, H, I]`, checked against x's last dim, dtype and device."""
     if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2:
         raise MoeKernelError(f"w13 {tuple(w13.shape)} must be [E, 2I, H] and w2 {tuple(w2.shape)} [E, H, I]")
@@ -262,6 +262,15 @@ def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tupl
     if w13.stride(2) != 1 or w2.stride(2) != 1 or x.stride(-1) != 1:
         raise MoeKernelError("x, w13 and w2 need a unit last stride")
     return e, h, i2 // 2
+
+
+def check_routed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[int, int]:
+    """(N, k) of the routed layout: x `[N, H]`, ids int64 `[N, k]`, weights fp32 `[N, k]`."""
+    if x.dim() != 2 or ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise MoeKernelError(f"x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
+    if ids.dtype != torch.int64 or weights.dtype != torch.float32:
+        raise MoeKernelError(f"ids must be int64 and weights fp32, got {ids.dtype} / {weights.dtype}")
+    return ids.shape
 
 
 def _block_e(e_local: int) -> int:
@@ -303,7 +312,7 @@ def grouped_swiglu(x: torch.Tensor, sorted_rows: torch.Tensor | None, counts: to
     Packed (sorted_rows None): x `[E * pack_stride, H]`, the rows of expert e start at e * pack_stride; returns
     the same shape, rows at or past counts[e] unspecified. counts int32 `[E_local]` on x's device. configs: the
     (w13, w2) GEMM launch configs, default `gemm_config` (benchmarks sweep them)."""
-    e_local, h, inter = _check_weights(x, w13, w2)
+    e_local, h, inter = check_weights(x, w13, w2)
     dt = x.dtype
     prec = "ieee" if dt == torch.float32 else "tf32"
     packed = sorted_rows is None
@@ -331,12 +340,8 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) over the local experts: x `[N, H]`, ids int64 `[N, k]`
     (global ids, -1 = none), weights fp32 `[N, k]`, w13 `[E_local, 2I, H]`, w2 `[E_local, H, I]` in x's dtype;
     returns `[N, H]` in x's dtype (0 for a token with no local expert). Five launches, capturable."""
-    if x.dim() != 2 or ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
-        raise MoeKernelError(f"x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
-    if ids.dtype != torch.int64 or weights.dtype != torch.float32:
-        raise MoeKernelError(f"ids must be int64 and weights fp32, got {ids.dtype} / {weights.dtype}")
-    n, k = ids.shape
-    e_local, h, _ = _check_weights(x, w13, w2)
+    n, k = check_routed(x, ids, weights)
+    e_local, h, _ = check_weights(x, w13, w2)
     out = torch.empty((n, h), dtype=x.dtype, device=x.device)
     if n == 0:
         return out

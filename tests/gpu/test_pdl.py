@@ -44,7 +44,8 @@ def test_kernel_ops_bind_the_options_for_this_device():
         assert ops.decode_attention.keywords == {"pdl": mode, "single_launch": opts.decode_single_launch,
                                                  "prefetch": opts.decode_prefetch}
         assert ops.rms_norm.keywords == {"pdl": mode}
-        assert ops.moe_routed.keywords == ops.moe_packed.keywords == {"pdl": mode}
+        assert ops.moe_packed.keywords == {"pdl": mode}
+        assert ops.moe_routed.keywords == {"pairs_max": opts.moe_pairs_max, "pdl": mode}
 
 
 def _chain(x, ws, norm_w, steps, pdl_mode=0):

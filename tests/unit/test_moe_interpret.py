@@ -23,6 +23,7 @@ import json, sys
 import torch
 from modeling.ops import moe_ref as ref
 from modeling.ops import triton_moe as tm
+from modeling.ops import triton_moe_pairs as tp
 
 H, I, E, K = 64, 32, 8, 2
 out = {}
@@ -68,6 +69,9 @@ for dtype_name in json.loads(sys.argv[3]):
             total = int(rcounts.sum())
             got = tm.routed_experts(x, ids, w, w13, w2, first)
             want = ref.experts_static(x, ids, w, w13, w2, first)
+            pairs = tp.pair_experts(x, ids, w, w13, w2, first)
+            by_size = tp.routed_experts_by_size(x, ids, w, w13, w2, first, pairs_max=2 * K)
+            none_local = (ids - first).lt(0).logical_or((ids - first).ge(e_local)).all(1)
             grouped = ref.experts_grouped(x, ids, w, w13, w2, first)
             out[f"{dtype_name} {kind} {n}"] = {
                 "counts_equal": torch.equal(counts, rcounts), "pairs_equal": torch.equal(sp[:total], rsp[:total]),
@@ -75,9 +79,12 @@ for dtype_name in json.loads(sys.argv[3]):
                 "local_pairs": total, "idle_experts": int((rcounts == 0).sum()),
                 "shape": list(got.shape), "dtype": str(got.dtype), "finite": bool(torch.isfinite(got).all()),
                 "err": (got.float() - want.float()).abs().max().item(),
+                "by_size_is_pairs": torch.equal(by_size, pairs), "by_size_is_routed": torch.equal(by_size, got),
+                "pairs_err": (pairs.float() - want.float()).abs().max().item(),
+                "pairs_zero_rows_zero": bool((pairs[none_local] == 0).all()),
                 "ref_err": (grouped.float() - want.float()).abs().max().item(),
                 "scale": want.float().abs().max().item(),
-                "zero_rows_zero": bool((got[(ids - first).lt(0).logical_or((ids - first).ge(e_local)).all(1)] == 0).all()),
+                "zero_rows_zero": bool((got[none_local] == 0).all()),
             }
     # packed (DeepEP low-latency) layout: expert e's rows are x[e, :counts[e]]
     g = torch.Generator().manual_seed(7)
@@ -129,6 +136,26 @@ def test_routed_fp32_equals_the_reference(results, kind, n):
     assert r["err"] < 2e-5 * max(1.0, r["scale"]), r
     assert r["ref_err"] < 2e-5 * max(1.0, r["scale"])  # the two torch references agree too
     assert r["zero_rows_zero"]  # a token with no local expert gets exact zeros
+
+
+@pytest.mark.parametrize("n", TOKENS)
+@pytest.mark.parametrize("kind", ROUTINGS)
+def test_pair_by_pair_path_equals_the_reference(results, kind, n):
+    """`triton_moe_pairs.pair_experts` (no grouping, the combine in the down GEMM) as tight as the grouped kernels;
+    `routed_experts_by_size` takes it up to two tokens (pairs_max = 2k) and the grouped path beyond. (Its bits
+    against the grouped kernels are a GPU test: the interpreter's numpy dot is not row-independent.)"""
+    r = results[f"float32 {kind} {n}"]
+    assert r["pairs_err"] < 2e-5 * max(1.0, r["scale"]), r
+    assert r["pairs_zero_rows_zero"]
+    assert r["by_size_is_pairs"] if n <= 2 else r["by_size_is_routed"]
+
+
+@pytest.mark.parametrize("n", [t for t in TOKENS if t <= 40])
+@pytest.mark.parametrize("kind", ROUTINGS)
+def test_pair_by_pair_path_fp16_close_to_the_reference(results, kind, n):
+    r = results[f"float16 {kind} {n}"]
+    assert r["pairs_err"] < 4e-3 * max(1.0, r["scale"]), r
+    assert r["pairs_zero_rows_zero"]
 
 
 def test_routings_cover_the_edge_cases(results):

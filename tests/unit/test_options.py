@@ -26,7 +26,7 @@ def test_every_variable_reaches_its_field():
     env = {"GRAPHLINE_PDL": "1", "GRAPHLINE_GEMV": "0", "GRAPHLINE_GEMV_ROWS": "3",
            "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0", "GRAPHLINE_DECODE_PREFETCH": "0",
            "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_MOE_ROUTE_KERNEL": "0",
-           "GRAPHLINE_MOE_PDL": "0", "GRAPHLINE_MOE_ROUTER_GEMV": "0",
+           "GRAPHLINE_MOE_PDL": "0", "GRAPHLINE_MOE_ROUTER_GEMV": "0", "GRAPHLINE_MOE_PAIRS_MAX": "0",
            "GRAPHLINE_TP_ALLREDUCE": "symm",
            "GRAPHLINE_TP_FUSED_KIND": "pull", "GRAPHLINE_TP_FUSED_NORM": "0",
            "GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK": "128",
@@ -37,7 +37,7 @@ def test_every_variable_reaches_its_field():
     assert k == KernelOptions(pdl="1", gemv=False, gemv_rows=3, decode_single_launch=False, decode_prefetch=False,
                               compile_threads=2,
                               measure_projections=False, moe_route_kernel=False, moe_pdl=False,
-                              moe_router_gemv=False)
+                              moe_router_gemv=False, moe_pairs_max=0)
     assert c == CommOptions(tp_allreduce="symm", tp_fused_kind="pull", tp_fused_norm=False,
                             deepep_max_tokens_per_rank=128)
     assert d == DriverOptions(step_path="plain", poll_s=0.001, step_trace=True, step_profile="/tmp/prof")
@@ -52,6 +52,8 @@ def test_every_variable_reaches_its_field():
     ("GRAPHLINE_DRIVER_POLL_S", "soon", r"GRAPHLINE_DRIVER_POLL_S='soon'"),
     ("GRAPHLINE_DRIVER_POLL_S", "-1", r"GRAPHLINE_DRIVER_POLL_S=-1.0 must be a number of seconds >= 0"),
     ("GRAPHLINE_STEP_TRACE", "true", r"GRAPHLINE_STEP_TRACE='true': use 1 .* or 0"),
+    ("GRAPHLINE_MOE_PAIRS_MAX", "all", r"GRAPHLINE_MOE_PAIRS_MAX='all' is not an integer"),
+    ("GRAPHLINE_MOE_PAIRS_MAX", "-8", r"GRAPHLINE_MOE_PAIRS_MAX=-8 must be an integer >= 0"),
 ])
 def test_a_bad_variable_is_named_with_its_choices(name, raw, match):
     with pytest.raises(ValueError, match=match):
@@ -77,7 +79,7 @@ def test_options_are_frozen_and_checked():
 def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     pytest.importorskip("triton", reason="the Triton backend's modules need triton")
     from modeling.ops import (KernelOps, get_kernel_ops, pdl, triton_attention, triton_gemm, triton_gemm_measure,
-                              triton_moe, triton_router)
+                              triton_moe, triton_moe_pairs, triton_router)
 
     monkeypatch.setattr(pdl, "_INTERPRETED", False)
     monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: True)
@@ -96,13 +98,16 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert rows4.prologue_norm_max_tokens == 4 and rows4.norm_linear.keywords == {"pdl": 2, "gemv": 4}
     assert rows4.measure_projections.keywords == {"gemv": 4, "pdl": 2}
     assert ops.moe_route.func is triton_router.route_topk and ops.moe_route.keywords == {"pdl": 2}  # the default
-    assert ops.moe_routed.func is triton_moe.routed_experts and ops.moe_packed.func is triton_moe.packed_experts
-    assert ops.moe_routed.keywords == ops.moe_packed.keywords == {"pdl": 2}
+    assert ops.moe_routed.func is triton_moe_pairs.routed_experts_by_size
+    assert ops.moe_packed.func is triton_moe.packed_experts
+    assert ops.moe_routed.keywords == {"pairs_max": 16, "pdl": 2} and ops.moe_packed.keywords == {"pdl": 2}
     assert ops.moe_router_linear.func is triton_gemm.router_linear
     assert ops.moe_router_linear.keywords == {"pdl": 2, "gemv": 2}
-    off = get_kernel_ops(dev, "triton", KernelOptions(moe_route_kernel=False, moe_pdl=False, moe_router_gemv=False))
+    off = get_kernel_ops(dev, "triton", KernelOptions(moe_route_kernel=False, moe_pdl=False, moe_router_gemv=False,
+                                                      moe_pairs_max=0))
     assert off.moe_route is None and off.moe_router_linear is None  # torch's routing, cuBLAS's router projection
-    assert off.moe_routed.keywords == off.moe_packed.keywords == {"pdl": 0}  # the experts without PDL
+    assert off.moe_routed.keywords == {"pairs_max": 0, "pdl": 0}  # the grouped experts at every size, without PDL
+    assert off.moe_packed.keywords == {"pdl": 0}
     opts = KernelOptions(pdl="1", gemv=False, decode_single_launch=False, decode_prefetch=False, compile_threads=3,
                          moe_route_kernel=True)
     ops = get_kernel_ops(dev, "triton", opts)
