@@ -37,7 +37,7 @@ def pair_configs(tokens: int, dtype: torch.dtype) -> tuple[MoeGemmConfig, MoeGem
     """(gate/up, down) launch configs at `tokens` tokens: narrow tiles so one or two tokens still fill the GPU."""
     if dtype == torch.float32:
         return MoeGemmConfig(PAIR_ROWS, 32, 32, 4, 2), MoeGemmConfig(PAIR_ROWS, 32, 32, 4, 2)
-    return MoeGemmConfig(PAIR_ROWS, 32, 128, 4, 4), MoeGemmConfig(PAIR_ROWS, 16, 128, 4, 4)
+    return MoeGemmConfig(PAIR_ROWS, 32, 128, 4, 4), MoeGemmConfig(PAIR_ROWS, 16, 64, 4, 4)
 
 
 @triton.jit
