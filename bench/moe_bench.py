@@ -58,9 +58,6 @@ def main() -> None:
         routed = time_step(_graph(lambda: routed_experts(x, ids, w, w13, w2)), dev)["gpu_s"]
         group = time_step(_graph(lambda: group_by_expert(ids, e, 0)), dev)["gpu_s"]
         pairs = time_step(_graph(lambda: pair_experts(x, ids, w, w13, w2)), dev)["gpu_s"] if n * k <= 64 else None
-        if pairs is not None:
-            flat = time_step(_graph(lambda: pair_experts(x, ids, w, w13, w2, batched_down=False)), dev)["gpu_s"]
-            print(f"  pairs, flat down kernel: {flat * 1e6:.1f} us")
         sp, counts = group_by_expert(ids, e, 0)
         gemms = time_step(_graph(lambda: grouped_swiglu(x, sp, counts, w13, w2, n * k, top_k=k)), dev)["gpu_s"]
         static = None

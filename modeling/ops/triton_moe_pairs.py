@@ -7,11 +7,11 @@ sort), mapping row tiles to experts from the counts, and a separate combine laun
 
 1. `_pair_gate_up_kernel` (grid: P pairs x I tiles): program (p, t) reads expert ids[p] (a pair routed to no local
    expert exits), x row p // k and the gate and up rows of its I tile, and writes silu(gate) * up to act[p, tile].
-2. `_pair_down_combine_batched_kernel` (grid: N tokens x H tiles): the token's k pairs as the batch of a batched
-   `tl.dot` (pair j's act row times w2[ids[j]]'s H tile), one loop over the I chunks; each pair's down projection is
-   rounded to the dtype, weighted and summed in fp32 in slot order; out[n, tile] is written once.
-   `_pair_down_combine_kernel` (`batched_down=False`) is the same with one flat loop over pairs x I chunks and a
-   2-D `tl.dot` (fewer bytes in flight a program; kept for the A/B in `bench.moe_bench`).
+2. `_pair_down_combine_kernel` (grid: N tokens x H tiles): the token's k pairs as the batch of a batched `tl.dot`
+   (pair j's act row times w2[ids[j]]'s H tile, all k pairs' weights in flight at once), one loop over the I
+   chunks; each pair's down projection is rounded to the dtype, weighted and summed in fp32 in slot order; out[n,
+   tile] is written once. (One flat loop over pairs x I chunks with a 2-D dot, a pair at a time, measured 1.4x
+   slower: docs/benchmarks.md, twenty-eighth session.)
 
 All multiply a 16-row tile whose row 0 is the pair (the other rows masked to zero) with `tl.dot`, in the K order
 of `triton_moe`'s grouped GEMMs, and round as they do, so a step gives the same bits on either path (the GPU tests
@@ -82,49 +82,6 @@ def _pair_down_combine_kernel(ACT, IDS, WTS, W2, OUT, first_expert, e_local, H, 
     pdl_launch_dependents(PDL)
     n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
-    row0 = offs_m == 0
-    offs_h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    h_mask = offs_h < H
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_j = tl.arange(0, K_PAD)
-    pdl_wait(PDL)
-    ids = tl.load(IDS + n * TOP_K + offs_j, mask=offs_j < TOP_K, other=-1)
-    local = ids - first_expert
-    valid = (offs_j < TOP_K) & (ids >= 0) & (local >= 0) & (local < e_local)
-    local = tl.where(valid, local, 0)
-    wts = tl.where(valid, tl.load(WTS + n * TOP_K + offs_j, mask=offs_j < TOP_K, other=0.0), 0.0)
-    dt = OUT.dtype.element_ty
-    chunks = tl.cdiv(K, BLOCK_K)
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for it in range(0, TOP_K * chunks):
-        j = it // chunks
-        k0 = (it - j * chunks) * BLOCK_K
-        mine = offs_j == j
-        expert = tl.sum(tl.where(mine, local, 0), axis=0)
-        # a pair on no local expert loads nothing: its rows are masked (row masks keep the K loads vectorised)
-        live = tl.sum(tl.where(mine & valid, 1, 0), axis=0)
-        k_mask = offs_k + k0 < K
-        a = tl.load(ACT + (n * TOP_K + j).to(tl.int64) * stride_am + offs_m[:, None] * 0 + (k0 + offs_k)[None, :],
-                    mask=(offs_m < live)[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(W2 + expert.to(tl.int64) * stride_we + offs_h.to(tl.int64)[:, None] * stride_wn
-                    + (k0 + offs_k)[None, :], mask=(offs_h < H * live)[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-        if k0 + BLOCK_K >= K:  # pair j is complete: round its down projection as the grouped GEMM stores it
-            y = tl.sum(tl.where(row0[:, None], acc, 0.0), axis=0).to(dt).to(tl.float32)
-            out += tl.sum(tl.where(mine, wts, 0.0), axis=0) * y
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    tl.store(OUT + n.to(tl.int64) * H + offs_h, out.to(dt), mask=h_mask)
-
-
-@triton.jit
-def _pair_down_combine_batched_kernel(ACT, IDS, WTS, W2, OUT, first_expert, e_local, H, K, stride_am, stride_we,
-                                      stride_wn, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                                      PDL: tl.constexpr):
-    pdl_launch_dependents(PDL)
-    n = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
     row0 = (offs_m == 0)[None, :, None]
     offs_h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     h_mask = offs_h < H
@@ -158,7 +115,7 @@ def _pair_down_combine_batched_kernel(ACT, IDS, WTS, W2, OUT, first_expert, e_lo
 
 def pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  first_expert: int = 0, *, configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None,
-                 pdl: int = 0, batched_down: bool = True) -> torch.Tensor:
+                 pdl: int = 0) -> torch.Tensor:
     """`triton_moe.routed_experts` pair by pair (same arguments, result and bits): two launches, for small N * k."""
     n, k = triton_moe.check_routed(x, ids, weights)
     e_local, h, inter = triton_moe.check_weights(x, w13, w2)
@@ -176,8 +133,7 @@ def pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
         x, ids, w13, act, first_expert, e_local, inter, h, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=k, BLOCK_M=PAIR_ROWS, BLOCK_N=c1.block_n, BLOCK_K=c1.block_k, PRECISION=prec,
         num_warps=c1.num_warps, num_stages=c1.num_stages, **PDL_LAUNCH[pdl])
-    down = _pair_down_combine_batched_kernel if batched_down else _pair_down_combine_kernel
-    down[(n, triton.cdiv(h, c2.block_n))](
+    _pair_down_combine_kernel[(n, triton.cdiv(h, c2.block_n))](
         act, ids, weights, w2, out, first_expert, e_local, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
         TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_M=PAIR_ROWS, BLOCK_N=c2.block_n, BLOCK_K=c2.block_k,
         PRECISION=prec, num_warps=c2.num_warps, num_stages=c2.num_stages, **PDL_LAUNCH[pdl])
