@@ -70,6 +70,8 @@ def test_options_are_frozen_and_checked():
         KernelOptions().pdl = "0"
     with pytest.raises(ValueError, match=r"measure_projections \(GRAPHLINE_PROJECTION_MEASURE\) must be a bool"):
         KernelOptions(measure_projections=1)
+    with pytest.raises(ValueError, match=r"GRAPHLINE_MOE_PAIRS_MAX=True must be an integer >= 0"):
+        KernelOptions(moe_pairs_max=True)
     with pytest.raises(DriverOptionsError, match="GRAPHLINE_STEP_PATH"):
         DriverOptions(step_path="bogus")
     with pytest.raises(ValueError, match="GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK"):
