@@ -13,7 +13,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 quiet() { grep -v -E '^[EW][0-9]{4} |Warning|warn_once|^$' ; }
 case "${1:-tests}" in
 tests)
-  timeout 200 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -n "$workers" --timeout 180 2>&1 | quiet | tee "$out/gpu_tests.log" | tail -8
+  # 952 tests: one run took over 270 s on an H100 with 4 workers (docs/benchmarks.md, twenty-eighth session)
+  timeout 420 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -n "$workers" --timeout 240 -rf 2>&1 | quiet | tee "$out/gpu_tests.log" | tail -8
   if [ "$ngpu" -ge 2 ]; then
     timeout 260 python3 -m pytest -q -m multigpu tests/multigpu -p no:cacheprovider --timeout 240 -rs 2>&1 | quiet | tee "$out/multigpu_tests.log" | tail -15
   fi
@@ -51,5 +52,10 @@ owed)
   timeout 90 python3 -m bench.mixed_step --model qwen3-0.6b --out "$out/mixed_step.json" 2>&1 | quiet | tee "$out/mixed_step.log" | tail -7
   # issue 24: every layer of every shape
   timeout 400 python3 -m bench.model_sweep --out "$out/model_sweep.json" 2>&1 | quiet | tee "$out/model_sweep.log" | tail -8
+  # issue 24, MoE decode: pair-by-pair experts up to 4 tokens against the default (2) and the grouped kernels, and
+  # the batch-3 step that measured slower than batch 4 (twenty-eighth session)
+  timeout 120 python3 -m bench.decode_ab --model qwen3-30b-a3b --layers 8 --batches 1,2,3,4,8 --rounds 6 --steps 50 \
+    --random-tokens --variants "grouped:GRAPHLINE_MOE_PAIRS_MAX=0" "pairs:" "pairs32:GRAPHLINE_MOE_PAIRS_MAX=32" \
+    --out "$out/ab_moe_pairs.json" 2>&1 | quiet | tee "$out/ab_moe_pairs.log" | tail -6
   ;;
 esac
