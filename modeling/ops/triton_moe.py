@@ -158,6 +158,27 @@ def _tile(COUNTS, tile, e_local, pack_stride, BLOCK_M: tl.constexpr, BLOCK_E: tl
 
 
 @triton.jit
+def swiglu_tile(x_ptrs, m_mask, g_ptrs, u_ptrs, n_mask, offs_k, K, dt, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """silu(x @ gate^T) * (x @ up^T) of one tile: x rows `[BLOCK_M, BLOCK_K]` at x_ptrs (rows past m_mask read 0),
+    gate / up rows `[BLOCK_N, BLOCK_K]` at g_ptrs / u_ptrs, K in BLOCK_K steps; fp32 accumulation, gate and up
+    rounded to dt, silu rounded, the product rounded to dt (`moe_ref`'s rounding points). Shared by the grouped
+    and the pair-by-pair gate/up kernels, so both give the same bits."""
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k + k0 < K
+        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        acc_g = tl.dot(x, tl.trans(tl.load(g_ptrs + k0, mask=w_mask, other=0.0)), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(x, tl.trans(tl.load(u_ptrs + k0, mask=w_mask, other=0.0)), acc_u, input_precision=PRECISION)
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (act * u).to(dt)
+
+
+@triton.jit
 def _gemm13_kernel(X, SORTED, COUNTS, W13, ACT, e_local, pack_stride, I, K, stride_xm, stride_we, stride_wn,
                    stride_am, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr,
@@ -178,20 +199,9 @@ def _gemm13_kernel(X, SORTED, COUNTS, W13, ACT, e_local, pack_stride, I, K, stri
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = X + x_rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     g_ptrs = W13 + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + I * stride_wn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k + k0 < K
-        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        acc_g = tl.dot(x, tl.trans(tl.load(g_ptrs + k0, mask=w_mask, other=0.0)), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(x, tl.trans(tl.load(u_ptrs + k0, mask=w_mask, other=0.0)), acc_u, input_precision=PRECISION)
-    dt = ACT.dtype.element_ty
-    g = acc_g.to(dt).to(tl.float32)
-    u = acc_u.to(dt).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(ACT + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :], (act * u).to(dt),
+    out = swiglu_tile(x_ptrs, m_mask, g_ptrs, g_ptrs + I * stride_wn, n_mask, offs_k, K, ACT.dtype.element_ty,
+                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    tl.store(ACT + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :], out,
              mask=m_mask[:, None] & n_mask[None, :])
 
 

@@ -14,8 +14,8 @@ sort), mapping row tiles to experts from the counts, and a separate combine laun
    slower: docs/benchmarks.md, twenty-eighth session.)
 
 All multiply a 16-row tile whose row 0 is the pair (the other rows masked to zero) with `tl.dot`, in the K order
-of `triton_moe`'s grouped GEMMs, and round as they do, so a step gives the same bits on either path (the GPU tests
-pin this). Grids depend on shapes only, nothing is read on the host: capturable at every size. Shapes and dtypes are
+of `triton_moe`'s grouped GEMMs, and round as they do (the gate/up tile is theirs: `triton_moe.swiglu_tile`), so a
+step gives the same bits on either path (the GPU tests pin this). Grids depend on shapes only, nothing is read on the host: capturable at every size. Shapes and dtypes are
 `triton_moe.routed_experts`'s; launched on the current stream with PDL mode `pdl` (each kernel triggers its
 dependents first and waits before its first load). Lifetime: act and the output are new tensors from the caching
 allocator (graph-pool memory under capture).
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from modeling.ops import triton_moe
 from modeling.ops.pdl import PDL_LAUNCH, pdl_launch_dependents, pdl_wait
-from modeling.ops.triton_moe import MoeGemmConfig, MoeKernelError
+from modeling.ops.triton_moe import MoeGemmConfig, MoeKernelError, swiglu_tile
 
 PAIR_ROWS = 16  # the row tile of tl.dot; row 0 is the pair
 
@@ -58,20 +58,9 @@ def _pair_gate_up_kernel(X, IDS, W13, ACT, first_expert, e_local, I, K, stride_x
         return
     x_ptrs = X + (p // TOP_K).to(tl.int64) * stride_xm + offs_m[:, None] * 0 + offs_k[None, :]
     g_ptrs = W13 + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + I * stride_wn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k + k0 < K
-        x = tl.load(x_ptrs + k0, mask=row0[:, None] & k_mask[None, :], other=0.0)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        acc_g = tl.dot(x, tl.trans(tl.load(g_ptrs + k0, mask=w_mask, other=0.0)), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(x, tl.trans(tl.load(u_ptrs + k0, mask=w_mask, other=0.0)), acc_u, input_precision=PRECISION)
-    dt = ACT.dtype.element_ty
-    g = acc_g.to(dt).to(tl.float32)
-    u = acc_u.to(dt).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(ACT + p.to(tl.int64) * stride_am + offs_m[:, None] * 0 + offs_n[None, :], (act * u).to(dt),
+    out = swiglu_tile(x_ptrs, row0, g_ptrs, g_ptrs + I * stride_wn, n_mask, offs_k, K, ACT.dtype.element_ty,
+                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    tl.store(ACT + p.to(tl.int64) * stride_am + offs_m[:, None] * 0 + offs_n[None, :], out,
              mask=row0[:, None] & n_mask[None, :])
 
 
