@@ -15,10 +15,10 @@ sort), mapping row tiles to experts from the counts, and a separate combine laun
 
 All multiply a 16-row tile whose row 0 is the pair (the other rows masked to zero) with `tl.dot`, in the K order
 of `triton_moe`'s grouped GEMMs, and round as they do (the gate/up tile is theirs: `triton_moe.swiglu_tile`), so a
-step gives the same bits on either path (the GPU tests pin this). Grids depend on shapes only, nothing is read on the host: capturable at every size. Shapes and dtypes are
-`triton_moe.routed_experts`'s; launched on the current stream with PDL mode `pdl` (each kernel triggers its
-dependents first and waits before its first load). Lifetime: act and the output are new tensors from the caching
-allocator (graph-pool memory under capture).
+step gives the same bits on either path (the GPU tests pin this). Grids depend on shapes only, nothing is read on
+the host: capturable at every size. Shapes and dtypes are `triton_moe.routed_experts`'s; launched on the current
+stream with PDL mode `pdl` (each kernel triggers its dependents first and waits before its first load). Lifetime:
+act and the output are new tensors from the caching allocator (graph-pool memory under capture).
 """
 from __future__ import annotations
 
