@@ -58,7 +58,7 @@ def main() -> None:
         d13, d2 = gemm_config(n * k, e, True, torch.bfloat16), gemm_config(n * k, e, False, torch.bfloat16)
         experts = routed_experts
         if args.pairs:
-            (d13, d2), experts = pair_configs(n, torch.bfloat16), pair_experts
+            (d13, d2), experts = pair_configs(torch.bfloat16), pair_experts
         ref = routed_experts(x, ids, w, w13s[0], w2s[0]).float()
 
         def run(c13, c2):

@@ -33,8 +33,8 @@ from modeling.ops.triton_moe import MoeGemmConfig, MoeKernelError, swiglu_tile
 PAIR_ROWS = 16  # the row tile of tl.dot; row 0 is the pair
 
 
-def pair_configs(tokens: int, dtype: torch.dtype) -> tuple[MoeGemmConfig, MoeGemmConfig]:
-    """(gate/up, down) launch configs at `tokens` tokens: narrow tiles so one or two tokens still fill the GPU."""
+def pair_configs(dtype: torch.dtype) -> tuple[MoeGemmConfig, MoeGemmConfig]:
+    """(gate/up, down) launch configs: narrow tiles so one or two tokens still fill the GPU."""
     if dtype == torch.float32:
         return MoeGemmConfig(PAIR_ROWS, 32, 32, 4, 2), MoeGemmConfig(PAIR_ROWS, 32, 32, 4, 2)
     return MoeGemmConfig(PAIR_ROWS, 32, 128, 4, 4), MoeGemmConfig(PAIR_ROWS, 16, 64, 4, 4)
@@ -114,7 +114,7 @@ def pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     ids, weights = ids.contiguous(), weights.contiguous()
     dt = x.dtype
     prec = "ieee" if dt == torch.float32 else "tf32"
-    c1, c2 = configs or pair_configs(n, dt)
+    c1, c2 = configs or pair_configs(dt)
     if c1.block_m != PAIR_ROWS or c2.block_m != PAIR_ROWS:
         raise MoeKernelError(f"pair configs need block_m={PAIR_ROWS}, got {c1.block_m} / {c2.block_m}")
     act = torch.empty((n * k, inter), dtype=dt, device=x.device)
@@ -134,6 +134,6 @@ def routed_experts_by_size(x: torch.Tensor, ids: torch.Tensor, weights: torch.Te
                            pdl: int = 0) -> torch.Tensor:
     """`pair_experts` up to `pairs_max` (token, slot) pairs (N * k; 0: never), else `triton_moe.routed_experts`.
     The choice depends on shapes only, so one captured graph per size keeps its path."""
-    if ids.dim() == 2 and 0 < ids.numel() <= pairs_max:
+    if 0 < ids.numel() <= pairs_max:
         return pair_experts(x, ids, weights, w13, w2, first_expert, pdl=pdl)
     return triton_moe.routed_experts(x, ids, weights, w13, w2, first_expert, pdl=pdl)
