@@ -2,6 +2,7 @@
 
     python -m bench.moe_tune --shape 2048,768,128,8 --tokens 1,8,64,256 --out artifacts/moe_tune.json
     python -m bench.moe_tune --tokens 512,2048 --block-ms 64,128 --warps 4,8 --block-ks 32,64 --block-ns 64,128
+    python -m bench.moe_tune --tokens 2048 --block-ms 128 --block-ms2 64,128 --block-ns2 128,256 --warps 8
     python -m bench.moe_tune --pairs --tokens 1,2 --block-ns 16,32,64 --block-ks 64,128,256 --warps 2,4
 
 `--block-ms` / `--warps` / `--block-ns` / `--block-ks` / `--stages` widen the sweep (default: the default config's
@@ -34,8 +35,12 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8,64,256")
     ap.add_argument("--copies", type=int, default=4)
     ap.add_argument("--block-ms", default="", help="row tiles to sweep (default: the default config's)")
+    ap.add_argument("--block-ms2", default="",
+                    help="row tiles of the w2 (down) GEMM to sweep (default: the best w13 config's; the two GEMMs map "
+                         "their row tiles independently)")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--block-ns", default="", help="N tiles (default 16,32,64 for w13 and 32,64,128 for w2)")
+    ap.add_argument("--block-ns2", default="", help="N tiles of the w2 GEMM (default: --block-ns)")
     ap.add_argument("--block-ks", default="64,128,256")
     ap.add_argument("--stages", default="3,4", help="pipeline stages to sweep")
     ap.add_argument("--pairs", action="store_true",
@@ -76,12 +81,14 @@ def main() -> None:
         bms, warps, bks = ints(args.block_ms) or (d13.block_m,), ints(args.warps), ints(args.block_ks)
         stages = ints(args.stages)
         bns13, bns2 = (ints(args.block_ns),) * 2 if args.block_ns else ((16, 32, 64), (32, 64, 128))
+        bns2 = ints(args.block_ns2) or bns2
         c13s = [MoeGemmConfig(bm, bn, bk, nw, st)
                 for bm, bn, bk, nw, st in itertools.product(bms, bns13, bks, warps, stages)]
         t13 = sorted(((run(c, d2), c) for c in c13s), key=lambda r: r[0])
         best13 = t13[0][1]
-        c2s = [MoeGemmConfig(best13.block_m, bn, bk, nw, st)
-               for bn, bk, nw, st in itertools.product(bns2, bks, warps, stages)]
+        bms2 = ints(args.block_ms2) or (best13.block_m,)
+        c2s = [MoeGemmConfig(bm, bn, bk, nw, st)
+               for bm, bn, bk, nw, st in itertools.product(bms2, bns2, bks, warps, stages)]
         t2 = sorted(((run(best13, c), c) for c in c2s), key=lambda r: r[0])
         row = {"tokens": n, "default_us": base, "default": [d13, d2], "best_us": t2[0][0], "best": [best13, t2[0][1]],
                "w13_top": t13[:5], "w2_top": t2[:5]}

@@ -15,6 +15,7 @@ import pstats
 import statistics
 import time
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--layers", type=int, default=None, help="keep the first N layers of the model")
+    ap.add_argument("--random-tokens", action="store_true",
+                    help="a random input token per sequence (seeded by the batch, as `bench.decode_ab`), not 7 for all")
     args = ap.parse_args()
     graph = GraphRunnerConfig(max_decode_batch=max(8, args.batch), pcg_max_tokens=args.tokens, pcg_token_stride=512)
     from bench.model_sweep import preset_with_layers
@@ -106,7 +109,9 @@ def main() -> None:
     rt.allocate_kv_cache()
     rt.build_runner()
     rt.capture_all()
-    sb = _decode_batch(rt, args.batch, args.context)
+    vocab = rt.model.config.vocab_size
+    tokens = np.random.default_rng(args.batch).integers(0, vocab, args.batch) if args.random_tokens else None
+    sb = _decode_batch(rt, args.batch, args.context, tokens)
     for _ in range(20):
         rt.execute(sb)
     times = []
@@ -128,7 +133,7 @@ def main() -> None:
     tl = decode_timeline(lambda: rt.execute(sb))
     print(f"## rank decode step timeline, batch {args.batch} (median us per step, under the profiler)")
     print("  " + "  ".join(f"{k} {v:.1f}" for k, v in tl.items()))
-    d = _decode_step(rt, args.batch, args.context)
+    d = _decode_step(rt, args.batch, args.context, tokens)
     print(f"## decode graph replay, batch {args.batch}, context {args.context} (10 steps)")
     print(kernel_table(lambda: rt.runner(d)))
     p = _prefill_step(rt, args.tokens)

@@ -62,8 +62,9 @@ def capture_active(t: torch.Tensor) -> bool:
 
 
 class SparseMoeBlock(nn.Module):
-    """hidden `[T, H]` -> `[T, H]`. The router runs captured; routing + expert dispatch is an eager
-    boundary under piecewise graphs (`moe_boundary`): the EP dispatchers exchange counts on the host in
+    """hidden `[T, H]` -> `[T, H]`. The router runs captured. Under piecewise graphs, routing + expert dispatch
+    is captured inside the pieces when the routed kernel serves without a dispatcher; otherwise it is an eager
+    boundary (`_moe_boundary`, `needs_eager_boundary`): the EP dispatchers exchange counts on the host in
     prefill, and the torch backend's grouped path reads them. `ops`: the backend whose routed-expert kernels
     (`KernelOps.moe_routed` / `moe_packed`) and one-launch router (`KernelOps.moe_route`) serve when it has them
     (None: the torch paths)."""
@@ -126,8 +127,19 @@ class SparseMoeBlock(nn.Module):
     def supports_piecewise_cuda_graph(self) -> bool:
         return True
 
-    def enable_piecewise_cuda_graph(self) -> None:
+    def needs_eager_boundary(self) -> bool:
+        """Whether routing + experts must run eagerly between graph pieces: an EP dispatcher exchanges counts on
+        the host, and the torch backend's grouped path reads them. The routed kernel alone syncs with nothing and
+        has one launch shape per row count, so without a dispatcher it is captured inside the pieces."""
+        return self.dispatcher is not None or self.routed_kernel is None
+
+    def install_eager_boundary(self) -> None:
+        """Run routing + experts as an eager boundary under piecewise graphs (`_moe_boundary`)."""
         self._experts = functools.partial(_moe_boundary, self)
+
+    def enable_piecewise_cuda_graph(self) -> None:
+        if self.needs_eager_boundary():
+            self.install_eager_boundary()
 
     def experts(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Route, dispatch (EP), run the local experts, combine. `[T, H]`, `[T, E]` -> `[T, H]`."""

@@ -62,8 +62,9 @@ class MoeGemmConfig:
 
 def gemm_config(rows: int, e_local: int, gated: bool, dtype: torch.dtype) -> MoeGemmConfig:
     """Heuristic by the mean rows per expert (rows = worst-case pairs): 16-row tiles where decode streams weights,
-    larger tiles as prefill reuses them. The prefill tiers are `python -m bench.moe_tune`'s winners on an H200 for
-    Qwen3-30B-A3B's experts at 512 and 2048 tokens (docs/benchmarks.md, seventeenth session)."""
+    larger tiles as prefill reuses them. The prefill tiers are `python -m bench.moe_tune`'s winners for
+    Qwen3-30B-A3B's experts: at 512 and 2048 tokens on an H200 (docs/benchmarks.md, seventeenth session), and the
+    down GEMM's 256-column tiles above 64 rows per expert at 2048 and 4096 tokens on an H100 (twenty-ninth)."""
     if dtype == torch.float32:
         return MoeGemmConfig(16 if rows <= 16 * e_local else 32, 32, 32, 4, 2)
     mean = rows / max(1, e_local)
@@ -71,7 +72,7 @@ def gemm_config(rows: int, e_local: int, gated: bool, dtype: torch.dtype) -> Moe
         return MoeGemmConfig(16, 32 if gated else 64, 128, 4, 4)
     if mean <= 64:
         return MoeGemmConfig(64, 64 if gated else 128, 64, 4, 3)
-    return MoeGemmConfig(128, 128, 64, 8, 4 if gated else 3)
+    return MoeGemmConfig(128, 128, 64, 8, 4) if gated else MoeGemmConfig(128, 256, 64, 8, 4)
 
 
 def max_tiles(rows: int, e_local: int, block_m: int) -> int:

@@ -130,6 +130,16 @@ def test_pcg_replay_equals_bucket_eager(pcg_rt, partition, history):
     assert torch.equal(out, ref)
 
 
+def test_pcg_plans_break_only_at_attention(pcg_rt):
+    """Every published plan has one eager step per layer, attention's: the MoE model's routing and experts (the
+    routed-expert kernel, no EP dispatcher) are captured inside the pieces, not run between them."""
+    rt = pcg_rt
+    manager = rt.runner.piecewise_manager
+    assert manager.descriptors()
+    for d in manager.descriptors():
+        assert manager.plan(d).num_eager_steps == rt.model_config.num_layers, d
+
+
 @torch.inference_mode()
 def test_unsupported_request_goes_eager_before_side_effects(pcg_rt):
     rt = pcg_rt

@@ -7,6 +7,7 @@ CPU with a fake EP dispatcher and a simulated capture (`modeling.moe.capture_act
 host-synced path made to fail.
 """
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -180,3 +181,35 @@ def test_cpu_backend_has_no_routed_kernel():
     ops = get_kernel_ops("cpu")
     assert ops.moe_routed is None and ops.moe_packed is None
     assert _block(2, ops=ops).routed_kernel is None
+
+
+def test_piecewise_boundary_only_where_the_host_reads_counts():
+    """Under piecewise graphs the block becomes an eager boundary only where counts reach the host: an EP
+    dispatcher, or the torch backend (its grouped path). The routed kernel without a dispatcher stays the plain
+    method, captured inside the pieces."""
+    cfg = get_preset("qwen3-moe-tiny")
+    routed_ops = dataclasses.replace(get_kernel_ops("cpu"), moe_routed=lambda *a: None)
+    cases = {
+        "routed kernel, no dispatcher": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=routed_ops), False),
+        "torch backend": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=get_kernel_ops("cpu")), True),
+        "no backend": (moe.SparseMoeBlock(cfg, ParallelContext()), True),
+        "routed kernel under EP": (_block(2, ops=routed_ops), True),
+    }
+    for name, (block, boundary) in cases.items():
+        assert block.needs_eager_boundary() is boundary, name
+        assert block._experts == block.experts, name  # before: the plain method everywhere
+        block.enable_piecewise_cuda_graph()
+        installed = isinstance(block._experts, functools.partial) and block._experts.func is moe._moe_boundary
+        assert installed is boundary, name
+        assert installed or block._experts == block.experts, name
+
+
+def test_an_installed_boundary_survives_enabling():
+    """`install_eager_boundary` (what `bench.prefill_ab` uses for its "boundary" side) is not undone by
+    `enable_piecewise_cuda_graph` on a block that would not need one."""
+    cfg = get_preset("qwen3-moe-tiny")
+    block = moe.SparseMoeBlock(cfg, ParallelContext(),
+                               ops=dataclasses.replace(get_kernel_ops("cpu"), moe_routed=lambda *a: None))
+    block.install_eager_boundary()
+    block.enable_piecewise_cuda_graph()
+    assert block._experts.func is moe._moe_boundary and block._experts.args == (block,)
