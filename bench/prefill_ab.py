@@ -13,6 +13,7 @@ step, the ratio captured / boundary and whether the two outputs are bitwise equa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import numpy as np
@@ -31,9 +32,9 @@ SIDES = ("captured", "boundary")
 
 def parse_case(text: str) -> tuple[int, int]:
     """`T` -> (1, T); `SxT` -> (S, T)."""
-    seqs, _, tokens = text.strip().rpartition("x")
+    seqs, x, tokens = text.strip().rpartition("x")
     try:
-        s, t = int(seqs or 1), int(tokens)
+        s, t = int(seqs if x else 1), int(tokens)
     except ValueError:
         raise SystemExit(f"case {text!r} is neither T nor SxT") from None
     if s < 1 or t < 1:
@@ -41,10 +42,14 @@ def parse_case(text: str) -> tuple[int, int]:
     return s, t
 
 
-def _runtime(model: str, side: str, max_tokens: int, blocks: int) -> RankRuntime:
+def _runtime(model: str, side: str, cases: list[tuple[int, int]]) -> RankRuntime:
+    """A rank runtime whose piecewise plans cover every case and whose KV cache holds the largest one; `side`
+    "boundary" installs the MoE blocks' eager boundary before the plans are built."""
+    max_tokens = max(s * t for s, t in cases)
     graph = GraphRunnerConfig(max_decode_batch=1, pcg_max_tokens=max_tokens)
-    cfg = RuntimeConfig(model=model, device="cuda", num_kv_blocks=blocks, graph=graph,
-                        max_model_len=max(4096, max_tokens + 64))
+    cfg = RuntimeConfig(model=model, device="cuda", graph=graph, max_model_len=max(4096, max_tokens + 64))
+    blocks = 2 + max(s * -(-t // cfg.block_size) for s, t in cases)
+    cfg = dataclasses.replace(cfg, num_kv_blocks=blocks)
     rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
     rt.load_model()
     if side == "boundary":
@@ -80,10 +85,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cases = [parse_case(c) for c in args.cases.split(",") if c]
-    max_tokens = max(s * t for s, t in cases)
-    blocks = 2 + max(s * -(-t // 16) for s, t in cases)
     model = preset_with_layers(args.model, args.layers)
-    sides = {side: _runtime(model, side, max_tokens, blocks) for side in SIDES}
+    sides = {side: _runtime(model, side, cases) for side in SIDES}
     if not _moe_blocks(sides["captured"]):
         raise SystemExit(f"{args.model} has no MoE layers: both sides would be the same")
     dev = torch.device("cuda", 0)
