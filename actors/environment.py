@@ -19,8 +19,8 @@ from typing import Mapping, MutableMapping, NamedTuple, Optional
 
 from actors.options import DRIVER_POLL_ENV, STEP_PATH_ENV, STEP_PROFILE_ENV, STEP_TRACE_ENV, DriverOptions
 from modeling.ops.options import (COMPILE_THREADS_ENV, DECODE_PREFETCH_ENV, DECODE_SINGLE_LAUNCH_ENV, GEMV_ENV,
-                                  GEMV_ROWS_ENV, PDL_ENV, PROJECTION_MEASURE_ENV, MOE_PAIRS_MAX_ENV, MOE_PDL_ENV,
-                                  MOE_ROUTE_KERNEL_ENV, MOE_ROUTER_GEMV_ENV, KernelOptions)
+                                  GEMV_ROWS_ENV, PDL_ENV, PROJECTION_MEASURE_ENV, MOE_IN_PIECES_ENV, MOE_PAIRS_MAX_ENV,
+                                  MOE_PDL_ENV, MOE_ROUTE_KERNEL_ENV, MOE_ROUTER_GEMV_ENV, KernelOptions)
 from parallel.options import (DEEPEP_MAX_TOKENS_ENV, TP_ALLREDUCE_ENV, TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV,
                               CommOptions)
 
@@ -30,8 +30,8 @@ ADMIN_TOKEN_ENV = "GRAPHLINE_ADMIN_TOKEN"
 
 OPTION_VARIABLES = (PDL_ENV, GEMV_ENV, GEMV_ROWS_ENV, DECODE_SINGLE_LAUNCH_ENV, DECODE_PREFETCH_ENV,
                     COMPILE_THREADS_ENV, PROJECTION_MEASURE_ENV, MOE_ROUTE_KERNEL_ENV, MOE_PDL_ENV, MOE_ROUTER_GEMV_ENV,
-                    MOE_PAIRS_MAX_ENV, TP_ALLREDUCE_ENV, TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV, DEEPEP_MAX_TOKENS_ENV,
-                    STEP_PATH_ENV, DRIVER_POLL_ENV, STEP_TRACE_ENV, STEP_PROFILE_ENV)
+                    MOE_PAIRS_MAX_ENV, MOE_IN_PIECES_ENV, TP_ALLREDUCE_ENV, TP_FUSED_KIND_ENV, TP_FUSED_NORM_ENV,
+                    DEEPEP_MAX_TOKENS_ENV, STEP_PATH_ENV, DRIVER_POLL_ENV, STEP_TRACE_ENV, STEP_PROFILE_ENV)
 
 
 class EnvironmentValueError(ValueError):
@@ -90,7 +90,9 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Environment
         moe_pdl=_flag(environ, MOE_PDL_ENV, True, "routed-expert kernels launch with PDL, the default", "without"),
         moe_router_gemv=_flag(environ, MOE_ROUTER_GEMV_ENV, True, "the MoE router projection on the decode GEMV "
                               "where it serves, the default", "cuBLAS"),
-        moe_pairs_max=KernelOptions.moe_pairs_max if pairs_max is None else pairs_max)
+        moe_pairs_max=KernelOptions.moe_pairs_max if pairs_max is None else pairs_max,
+        moe_in_pieces=_flag(environ, MOE_IN_PIECES_ENV, False, "MoE experts captured inside piecewise graph pieces",
+                            "an eager boundary between pieces, the default"))
     cap = _int(environ, DEEPEP_MAX_TOKENS_ENV)
     comm = CommOptions(
         tp_allreduce=environ.get(TP_ALLREDUCE_ENV, "").strip().lower() or CommOptions.tp_allreduce,

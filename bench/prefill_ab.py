@@ -1,14 +1,15 @@
-"""Piecewise prefill side by side in one process: a MoE model's experts captured inside the graph pieces (the
-default where the routed-expert kernel serves them without an EP dispatcher) against the same experts as an eager
-boundary between pieces (how every MoE layer ran before; EP and the torch backend still do).
+"""Piecewise prefill side by side in one process: a MoE model's experts captured inside the graph pieces
+(`KernelOptions.moe_in_pieces`, `GRAPHLINE_MOE_IN_PIECES=1`: where the routed-expert kernel serves them without an
+EP dispatcher) against the same experts as an eager boundary between pieces (the default).
 
     python -m bench.prefill_ab --model qwen3-30b-a3b --layers 8 --cases 512,2048,4096,8x256
 
 A case `T` is one sequence of T new tokens; `SxT` is S sequences of T tokens each in one step (several prompts at
 once, which the full prefill graphs, at most 4 sequences, leave to the piecewise plans). Two rank runtimes of the
-same seeded random weights, one per side; each case is timed on both in alternating rounds through the runner
-(`rt.runner(step)`: the piecewise plan of the step's token bucket). Prints the median device and wall ms per
-step, the ratio captured / boundary and whether the two outputs are bitwise equal.
+same seeded random weights, one per side, both with this process's other `GRAPHLINE_*` kernel options; each case is
+timed on both in alternating rounds through the runner (`rt.runner(step)`: the piecewise plan of the step's token
+bucket). Prints the median device and wall ms per step, the ratio pieces / boundary and whether the two outputs
+are bitwise equal.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import statistics
 import numpy as np
 import torch
 
+from actors.environment import options_from_environ
 from actors.rank import RankRuntime, RuntimeConfig
 from bench.common import machine, time_step, write_json
 from bench.model_sweep import _moe_blocks, preset_with_layers
@@ -27,7 +29,7 @@ from graphrunner.step import ForwardStep
 from modeling.attn_metadata import build_step_from_arrays
 from parallel.context import ParallelContext
 
-SIDES = ("captured", "boundary")
+SIDES = ("boundary", "pieces")
 
 
 def parse_case(text: str) -> tuple[int, int]:
@@ -43,18 +45,17 @@ def parse_case(text: str) -> tuple[int, int]:
 
 
 def _runtime(model: str, side: str, cases: list[tuple[int, int]]) -> RankRuntime:
-    """A rank runtime whose piecewise plans cover every case and whose KV cache holds the largest one; `side`
-    "boundary" installs the MoE blocks' eager boundary before the plans are built."""
+    """A rank runtime whose piecewise plans cover every case and whose KV cache holds the largest one; side
+    "pieces" turns `moe_in_pieces` on over this process's kernel options."""
     max_tokens = max(s * t for s, t in cases)
     graph = GraphRunnerConfig(max_decode_batch=1, pcg_max_tokens=max_tokens)
-    cfg = RuntimeConfig(model=model, device="cuda", graph=graph, max_model_len=max(4096, max_tokens + 64))
+    kernels = dataclasses.replace(options_from_environ().kernels, moe_in_pieces=side == "pieces")
+    cfg = RuntimeConfig(model=model, device="cuda", graph=graph, max_model_len=max(4096, max_tokens + 64),
+                        kernels=kernels)
     blocks = 2 + max(s * -(-t // cfg.block_size) for s, t in cases)
     cfg = dataclasses.replace(cfg, num_kv_blocks=blocks)
     rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))
     rt.load_model()
-    if side == "boundary":
-        for block in _moe_blocks(rt):
-            block.install_eager_boundary()
     rt.allocate_kv_cache()
     rt.build_runner()
     rt.capture_all()
@@ -87,16 +88,17 @@ def main() -> None:
     cases = [parse_case(c) for c in args.cases.split(",") if c]
     model = preset_with_layers(args.model, args.layers)
     sides = {side: _runtime(model, side, cases) for side in SIDES}
-    if not _moe_blocks(sides["captured"]):
+    if not _moe_blocks(sides["pieces"]):
         raise SystemExit(f"{args.model} has no MoE layers: both sides would be the same")
     dev = torch.device("cuda", 0)
     print(f"# {machine()} | {model} | piecewise prefill, ms per step (device / wall), {args.rounds} rounds x "
-          f"{args.iters} steps per side")
+          f"{args.iters} steps per side; MoE eager steps per plan: " + ", ".join(
+              f"{side} {sum(b.needs_eager_boundary() for b in _moe_blocks(rt))}" for side, rt in sides.items()))
     rows = []
     for s, t in cases:
         steps = {side: _step(rt, s, t) for side, rt in sides.items()}
         outs = {side: rt.runner(steps[side]).clone() for side, rt in sides.items()}
-        equal = bool(torch.equal(outs["captured"], outs["boundary"]))
+        equal = bool(torch.equal(outs["pieces"], outs["boundary"]))
         gpu: dict[str, list[float]] = {side: [] for side in SIDES}
         wall: dict[str, list[float]] = {side: [] for side in SIDES}
         for r in range(args.rounds):
@@ -106,12 +108,12 @@ def main() -> None:
                 gpu[side].append(m["gpu_s"] * 1e3)
                 wall[side].append(m["wall_s"] * 1e3)
         med = {side: (statistics.median(gpu[side]), statistics.median(wall[side])) for side in SIDES}
-        paths = sides["captured"].runner.stats.snapshot()["steps"]
-        row = {"seqs": s, "tokens": t, "captured_ms": med["captured"], "boundary_ms": med["boundary"],
-               "ratio": med["captured"][0] / med["boundary"][0], "outputs_equal": equal, "paths": paths}
+        paths = {side: rt.runner.stats.snapshot()["steps"] for side, rt in sides.items()}
+        row = {"seqs": s, "tokens": t, "boundary_ms": med["boundary"], "pieces_ms": med["pieces"],
+               "ratio": med["pieces"][0] / med["boundary"][0], "outputs_equal": equal, "paths": paths}
         rows.append(row)
-        print(f"{s:3d} x {t:5d}: captured {med['captured'][0]:8.3f} / {med['captured'][1]:8.3f}  boundary "
-              f"{med['boundary'][0]:8.3f} / {med['boundary'][1]:8.3f}  captured/boundary {row['ratio']:.3f}  "
+        print(f"{s:3d} x {t:5d}: boundary {med['boundary'][0]:8.3f} / {med['boundary'][1]:8.3f}  pieces "
+              f"{med['pieces'][0]:8.3f} / {med['pieces'][1]:8.3f}  pieces/boundary {row['ratio']:.3f}  "
               f"{'equal' if equal else 'OUTPUTS DIFFER'}", flush=True)
     write_json(args.out, {"machine": machine(), "model": model, "rows": rows})
 

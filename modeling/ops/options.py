@@ -20,6 +20,7 @@ MOE_ROUTE_KERNEL_ENV = "GRAPHLINE_MOE_ROUTE_KERNEL"
 MOE_PDL_ENV = "GRAPHLINE_MOE_PDL"
 MOE_ROUTER_GEMV_ENV = "GRAPHLINE_MOE_ROUTER_GEMV"
 MOE_PAIRS_MAX_ENV = "GRAPHLINE_MOE_PAIRS_MAX"
+MOE_IN_PIECES_ENV = "GRAPHLINE_MOE_IN_PIECES"
 PDL_CHOICES = ("0", "1", "early")
 GEMV_ROW_CHOICES = (1, 2, 3, 4)  # the decode GEMV kernel holds up to 4 rows (`triton_gemv`)
 # The decode GEMV serves models up to this hidden size. Above it (Qwen3-8B, 14B) its 1- and 2-row steps measured
@@ -63,7 +64,10 @@ class KernelOptions:
     and keeps the normed rows for the experts (`KernelOps.norm_linear_normed`), one launch fewer a MoE layer.
     moe_pairs_max: up to this many (token, expert) pairs a step (tokens x top-k) the routed experts run pair by pair
     (`triton_moe_pairs`: two launches, no grouping, the combine in the down GEMM; the same bits) instead of the
-    grouped kernels' four; 0: never."""
+    grouped kernels' four; 0: never.
+    moe_in_pieces: under piecewise prefill graphs, capture a MoE block's routing and experts inside the graph pieces
+    where the routed-expert kernel serves them without an EP dispatcher, instead of running them as an eager
+    boundary between pieces (the default, False, until measured on a GPU: `bench.prefill_ab`)."""
 
     pdl: str = "early"
     gemv: bool = True
@@ -76,6 +80,7 @@ class KernelOptions:
     moe_pdl: bool = True
     moe_router_gemv: bool = True
     moe_pairs_max: int = 16
+    moe_in_pieces: bool = False
 
     def for_model(self, hidden_size: int) -> "KernelOptions":
         """The options a model of `hidden_size` runs with: the decode GEMV only up to GEMV_MAX_HIDDEN, serving the
@@ -105,7 +110,7 @@ class KernelOptions:
         for name, env in (("gemv", GEMV_ENV), ("decode_single_launch", DECODE_SINGLE_LAUNCH_ENV),
                           ("measure_projections", PROJECTION_MEASURE_ENV),
                           ("moe_route_kernel", MOE_ROUTE_KERNEL_ENV), ("moe_pdl", MOE_PDL_ENV),
-                          ("moe_router_gemv", MOE_ROUTER_GEMV_ENV)):
+                          ("moe_router_gemv", MOE_ROUTER_GEMV_ENV), ("moe_in_pieces", MOE_IN_PIECES_ENV)):
             if not isinstance(getattr(self, name), bool):
                 raise KernelOptionsError(f"{name} ({env}) must be a bool, got {getattr(self, name)!r}")
         if self.decode_prefetch is not None and not isinstance(self.decode_prefetch, bool):

@@ -9,12 +9,16 @@ from graphrunner.config import GraphRunnerConfig
 from graphrunner.step import ForwardStep
 from modeling.attn_metadata import build_step_from_arrays
 from modeling.kv_cache import BlockAllocator
+from modeling.ops.options import KernelOptions
 from parallel.context import ParallelContext
 
 
 def make_runtime(model: str = "qwen3-0.6b", blocks: int = 512, max_len: int = 4096, capture: bool = True,
-                 dtype: str | None = None, head_graph_max_batch: int | None = None, **graph) -> RankRuntime:
+                 dtype: str | None = None, head_graph_max_batch: int | None = None,
+                 kernels: KernelOptions | None = None, **graph) -> RankRuntime:
     extra = {} if head_graph_max_batch is None else {"head_graph_max_batch": head_graph_max_batch}
+    if kernels is not None:
+        extra["kernels"] = kernels
     cfg = RuntimeConfig(model=model, device="cuda", num_kv_blocks=blocks, max_model_len=max_len, dtype=dtype,
                         graph=GraphRunnerConfig(**graph), **extra)
     rt = RankRuntime(cfg, ParallelContext(), torch.device("cuda", 0))

@@ -9,6 +9,8 @@ import torch
 from graphrunner.runner import CUDAGraphRunner
 from graphrunner.staging import staging_for
 from modeling.generate import generate
+from modeling.moe import SparseMoeBlock
+from modeling.ops.options import KernelOptions
 from tests.gpu.helpers import Seqs, eager_bucket, make_runtime, random_tokens
 
 pytestmark = pytest.mark.gpu
@@ -99,9 +101,11 @@ def test_continuous_batching_128_steps_graphs_equal_eager():
     del graphs, eager
 
 
-@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-moe-small"])
+@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-moe-small", "qwen3-moe-small+in-pieces"])
 def pcg_rt(request):
-    rt = make_runtime(request.param, max_decode_batch=8, pcg_max_tokens=1024, pcg_token_stride=512)
+    model, _, variant = request.param.partition("+")
+    kernels = KernelOptions(moe_in_pieces=variant == "in-pieces")
+    rt = make_runtime(model, max_decode_batch=8, pcg_max_tokens=1024, pcg_token_stride=512, kernels=kernels)
     yield rt
     del rt
     gc.collect()
@@ -130,14 +134,22 @@ def test_pcg_replay_equals_bucket_eager(pcg_rt, partition, history):
     assert torch.equal(out, ref)
 
 
-def test_pcg_plans_break_only_at_attention(pcg_rt):
-    """Every published plan has one eager step per layer, attention's: the MoE model's routing and experts (the
-    routed-expert kernel, no EP dispatcher) are captured inside the pieces, not run between them."""
+def test_pcg_plans_break_at_attention_and_at_moe_unless_in_pieces(pcg_rt):
+    """Every published plan has one eager step per layer for attention, and one more per MoE layer unless the
+    routed experts are captured inside the pieces (`KernelOptions.moe_in_pieces`); the replay test above holds
+    either way."""
     rt = pcg_rt
     manager = rt.runner.piecewise_manager
+    moe_boundaries = sum(layer.mlp.needs_eager_boundary() for layer in rt.model.layers
+                         if isinstance(layer.mlp, SparseMoeBlock))
+    if rt.cfg.kernels.moe_in_pieces:
+        assert moe_boundaries == 0
+    else:  # the default: every MoE layer keeps its boundary
+        cfg = rt.model_config
+        assert moe_boundaries == sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
     assert manager.descriptors()
     for d in manager.descriptors():
-        assert manager.plan(d).num_eager_steps == rt.model_config.num_layers, d
+        assert manager.plan(d).num_eager_steps == rt.model_config.num_layers + moe_boundaries, d
 
 
 @torch.inference_mode()

@@ -183,17 +183,21 @@ def test_cpu_backend_has_no_routed_kernel():
     assert _block(2, ops=ops).routed_kernel is None
 
 
-def test_piecewise_boundary_only_where_the_host_reads_counts():
-    """Under piecewise graphs the block becomes an eager boundary only where counts reach the host: an EP
-    dispatcher, or the torch backend (its grouped path). The routed kernel without a dispatcher stays the plain
-    method, captured inside the pieces."""
+
+def test_piecewise_boundary_unless_the_backend_captures_the_routed_kernel_in_pieces():
+    """Under piecewise graphs the block is an eager boundary unless the backend asks for the experts inside the
+    pieces (`KernelOps.moe_in_pieces`) and they can go there: the routed kernel serves them and no EP dispatcher
+    exchanges counts on the host. The torch backend (its grouped path reads counts) always keeps the boundary."""
     cfg = get_preset("qwen3-moe-tiny")
-    routed_ops = dataclasses.replace(get_kernel_ops("cpu"), moe_routed=lambda *a: None)
+    routed = dataclasses.replace(get_kernel_ops("cpu"), moe_routed=lambda *a: None)
+    in_pieces = dataclasses.replace(routed, moe_in_pieces=True)
     cases = {
-        "routed kernel, no dispatcher": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=routed_ops), False),
-        "torch backend": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=get_kernel_ops("cpu")), True),
+        "routed kernel in pieces, no dispatcher": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=in_pieces), False),
+        "routed kernel, in pieces off (the default)": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=routed), True),
+        "routed kernel in pieces under EP": (_block(2, ops=in_pieces), True),
+        "torch backend asked for pieces": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=dataclasses.replace(
+            get_kernel_ops("cpu"), moe_in_pieces=True)), True),
         "no backend": (moe.SparseMoeBlock(cfg, ParallelContext()), True),
-        "routed kernel under EP": (_block(2, ops=routed_ops), True),
     }
     for name, (block, boundary) in cases.items():
         assert block.needs_eager_boundary() is boundary, name
@@ -202,14 +206,3 @@ def test_piecewise_boundary_only_where_the_host_reads_counts():
         installed = isinstance(block._experts, functools.partial) and block._experts.func is moe._moe_boundary
         assert installed is boundary, name
         assert installed or block._experts == block.experts, name
-
-
-def test_an_installed_boundary_survives_enabling():
-    """`install_eager_boundary` (what `bench.prefill_ab` uses for its "boundary" side) is not undone by
-    `enable_piecewise_cuda_graph` on a block that would not need one."""
-    cfg = get_preset("qwen3-moe-tiny")
-    block = moe.SparseMoeBlock(cfg, ParallelContext(),
-                               ops=dataclasses.replace(get_kernel_ops("cpu"), moe_routed=lambda *a: None))
-    block.install_eager_boundary()
-    block.enable_piecewise_cuda_graph()
-    assert block._experts.func is moe._moe_boundary and block._experts.args == (block,)
