@@ -64,7 +64,7 @@ def capture_active(t: torch.Tensor) -> bool:
 class SparseMoeBlock(nn.Module):
     """hidden `[T, H]` -> `[T, H]`. The router runs captured. Under piecewise graphs, routing + expert dispatch
     is an eager boundary (`_moe_boundary`, `needs_eager_boundary`): the EP dispatchers exchange counts on the host
-    in prefill, and the torch backend's grouped path reads them; with `KernelOps.moe_in_pieces` the routed kernel
+    in prefill, and the torch backend's grouped path reads them; with `KernelOptions.moe_in_pieces` the routed kernel
     without a dispatcher is captured inside the pieces instead. `ops`: the backend whose routed-expert kernels
     (`KernelOps.moe_routed` / `moe_packed`) and one-launch router (`KernelOps.moe_route`) serve when it has them
     (None: the torch paths)."""
@@ -103,7 +103,7 @@ class SparseMoeBlock(nn.Module):
         self.packed_kernel = ops.moe_packed if ops is not None else None
         self.route_kernel = ops.moe_route if ops is not None else None
         self.router_linear = (ops.moe_router_linear if ops is not None else None) or torch.nn.functional.linear
-        self.in_pieces = ops is not None and ops.moe_in_pieces
+        self.in_pieces = ops is not None and ops.options.moe_in_pieces
 
     # ---- weight loading: HF per-expert tensors (gate/up/down) or fused [E, ...] tensors
     def load_expert(self, expert: int, which: str, full: torch.Tensor) -> bool:
@@ -132,7 +132,7 @@ class SparseMoeBlock(nn.Module):
         """Whether routing + experts run eagerly between graph pieces. They must where counts reach the host: an
         EP dispatcher exchanges them, and the torch backend's grouped path reads them. The routed kernel alone
         syncs with nothing and has one launch shape per row count, so without a dispatcher it can be captured
-        inside the pieces, which the backend's `moe_in_pieces` (`KernelOptions.moe_in_pieces`) turns on."""
+        inside the pieces, which the options the backend was bound with turn on (`KernelOptions.moe_in_pieces`)."""
         return self.dispatcher is not None or self.routed_kernel is None or not self.in_pieces
 
     def enable_piecewise_cuda_graph(self) -> None:

@@ -60,9 +60,6 @@ class KernelOps:
     # (hidden [T, H], router weight [E, H]) -> router logits [T, E] (`triton_gemm.router_linear`: the decode GEMV at
     # few rows), or None: `F.linear`.
     moe_router_linear: Callable | None = None
-    # Whether a MoE block without an EP dispatcher is captured inside piecewise graph pieces through `moe_routed`
-    # (`KernelOptions.moe_in_pieces`) rather than run as an eager boundary; only with a routed kernel.
-    moe_in_pieces: bool = False
     # (shapes [(N, K)], device, dtype, forms={(N, K): form}) -> {(N, K, row class): Choice}: choose the decode
     # projections' fallbacks outside capture (`triton_gemm_measure`), each measured in the form the model runs it;
     # nothing to choose for the torch backend or with the option off.
@@ -157,5 +154,5 @@ def _triton_ops(dev: torch.device, options: KernelOptions) -> KernelOps:
         moe_packed=bind(triton_moe.packed_experts, pdl=moe_pdl),
         moe_route=bind(triton_router.route_topk, pdl=pdl) if options.moe_route_kernel else None,
         moe_router_linear=bind(triton_gemm.router_linear, pdl=pdl, gemv=gemv) if options.moe_router_gemv else None,
-        moe_in_pieces=options.moe_in_pieces, measure_projections=measure,
+        measure_projections=measure,
         options=options)

@@ -16,6 +16,7 @@ from graphrunner.config import GraphRunnerConfig
 from modeling import moe
 from modeling.config import get_preset
 from modeling.ops import get_kernel_ops, moe_ref
+from modeling.ops.options import KernelOptions
 from parallel.context import ParallelContext
 from parallel.dispatch import StaticTokensMixin
 
@@ -185,18 +186,19 @@ def test_cpu_backend_has_no_routed_kernel():
 
 
 def test_piecewise_boundary_unless_the_backend_captures_the_routed_kernel_in_pieces():
-    """Under piecewise graphs the block is an eager boundary unless the backend asks for the experts inside the
-    pieces (`KernelOps.moe_in_pieces`) and they can go there: the routed kernel serves them and no EP dispatcher
-    exchanges counts on the host. The torch backend (its grouped path reads counts) always keeps the boundary."""
+    """Under piecewise graphs the block is an eager boundary unless the backend's options ask for the experts
+    inside the pieces (`KernelOptions.moe_in_pieces`) and they can go there: the routed kernel serves them and no
+    EP dispatcher exchanges counts on the host. The torch backend (its grouped path reads counts) always keeps the
+    boundary."""
     cfg = get_preset("qwen3-moe-tiny")
     routed = dataclasses.replace(get_kernel_ops("cpu"), moe_routed=lambda *a: None)
-    in_pieces = dataclasses.replace(routed, moe_in_pieces=True)
+    in_pieces = dataclasses.replace(routed, options=KernelOptions(moe_in_pieces=True))
     cases = {
         "routed kernel in pieces, no dispatcher": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=in_pieces), False),
         "routed kernel, in pieces off (the default)": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=routed), True),
         "routed kernel in pieces under EP": (_block(2, ops=in_pieces), True),
-        "torch backend asked for pieces": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=dataclasses.replace(
-            get_kernel_ops("cpu"), moe_in_pieces=True)), True),
+        "torch backend asked for pieces": (moe.SparseMoeBlock(
+            cfg, ParallelContext(), ops=get_kernel_ops("cpu", options=KernelOptions(moe_in_pieces=True))), True),
         "no backend": (moe.SparseMoeBlock(cfg, ParallelContext()), True),
     }
     for name, (block, boundary) in cases.items():

@@ -108,8 +108,8 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.moe_routed.keywords == {"pairs_max": 16, "pdl": 2} and ops.moe_packed.keywords == {"pdl": 2}
     assert ops.moe_router_linear.func is triton_gemm.router_linear
     assert ops.moe_router_linear.keywords == {"pdl": 2, "gemv": 2}
-    assert ops.moe_in_pieces is False  # the MoE experts stay an eager boundary under piecewise graphs
-    assert get_kernel_ops(dev, "triton", KernelOptions(moe_in_pieces=True)).moe_in_pieces is True
+    assert ops.options.moe_in_pieces is False  # the MoE experts stay an eager boundary under piecewise graphs
+    assert get_kernel_ops(dev, "triton", KernelOptions(moe_in_pieces=True)).options.moe_in_pieces is True
     off = get_kernel_ops(dev, "triton", KernelOptions(moe_route_kernel=False, moe_pdl=False, moe_router_gemv=False,
                                                       moe_pairs_max=0))
     assert off.moe_route is None and off.moe_router_linear is None  # torch's routing, cuBLAS's router projection
