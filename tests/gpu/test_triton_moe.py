@@ -59,6 +59,21 @@ def _close(got, want, dtype):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def _replays(experts, x, ids, w, shape, dtype, seed):
+    """Capture `experts(x, ids, w)` once in a CUDA graph (after an eager call that compiles it), then for each
+    routing kind copy fresh inputs into `x`, `ids`, `w`, replay, and yield `(kind, graph output)`."""
+    experts(x, ids, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = experts(x, ids, w)
+    for i, kind in enumerate(ROUTINGS):
+        x2, ids2, w2 = _inputs(shape, x.shape[0], dtype, kind, seed=seed + i)
+        x.copy_(x2), ids.copy_(ids2), w.copy_(w2)
+        graph.replay()
+        torch.cuda.synchronize()
+        yield kind, y
+
+
 @pytest.mark.parametrize("n", TOKENS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -81,15 +96,7 @@ def test_graph_replay_serves_new_routing_and_equals_eager_bitwise(name, n):
     shape, dtype = SHAPES[name], torch.bfloat16
     w13, w2 = _weights(shape, dtype, seed=1)
     x, ids, w = _inputs(shape, n, dtype)
-    routed_experts(x, ids, w, w13, w2)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = routed_experts(x, ids, w, w13, w2)
-    for seed, kind in enumerate(ROUTINGS):
-        x2, ids2, w2_ = _inputs(shape, n, dtype, kind, seed=seed + 10)
-        x.copy_(x2), ids.copy_(ids2), w.copy_(w2_)
-        graph.replay()
-        torch.cuda.synchronize()
+    for kind, y in _replays(lambda *a: routed_experts(*a, w13, w2), x, ids, w, shape, dtype, seed=10):
         assert torch.equal(y, routed_experts(x, ids, w, w13, w2)), kind
         _close(y, _reference(x, ids, w, w13, w2), dtype)
 
@@ -101,14 +108,7 @@ def test_fp32_graph_replay(n):
     shape, dtype = SHAPES["small"], torch.float32
     w13, w2 = _weights(shape, dtype, seed=2)
     x, ids, w = _inputs(shape, n, dtype)
-    routed_experts(x, ids, w, w13, w2)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = routed_experts(x, ids, w, w13, w2)
-    for seed, kind in enumerate(ROUTINGS):
-        x2, ids2, w2_ = _inputs(shape, n, dtype, kind, seed=seed + 20)
-        x.copy_(x2), ids.copy_(ids2), w.copy_(w2_)
-        graph.replay()
+    for _, y in _replays(lambda *a: routed_experts(*a, w13, w2), x, ids, w, shape, dtype, seed=20):
         _close(y, _reference(x, ids, w, w13, w2), dtype)
 
 

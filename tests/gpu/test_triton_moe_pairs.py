@@ -5,7 +5,7 @@ launch config; replayed from a CUDA graph with new inputs and routing, under eac
 import pytest
 import torch
 
-from tests.gpu.test_triton_moe import ROUTINGS, SHAPES, _close, _inputs, _reference, _weights
+from tests.gpu.test_triton_moe import ROUTINGS, SHAPES, _close, _inputs, _reference, _replays, _weights
 
 pytestmark = pytest.mark.gpu
 
@@ -72,15 +72,7 @@ def test_pairs_graph_replay_serves_new_routing(n, pdl_mode):
     shape, dtype = SHAPES["qwen3-30b-a3b"], torch.bfloat16
     w13, w2 = _weights(shape, dtype, seed=17)
     x, ids, w = _inputs(shape, n, dtype)
-    pair_experts(x, ids, w, w13, w2, pdl=pdl_mode)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = pair_experts(x, ids, w, w13, w2, pdl=pdl_mode)
-    for seed, kind in enumerate(ROUTINGS):
-        x2, ids2, w2_ = _inputs(shape, n, dtype, kind, seed=seed + 30)
-        x.copy_(x2), ids.copy_(ids2), w.copy_(w2_)
-        graph.replay()
-        torch.cuda.synchronize()
+    for kind, y in _replays(lambda *a: pair_experts(*a, w13, w2, pdl=pdl_mode), x, ids, w, shape, dtype, seed=30):
         assert torch.equal(y, routed_experts(x, ids, w, w13, w2)), kind
 
 
