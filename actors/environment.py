@@ -91,8 +91,8 @@ def options_from_environ(environ: Mapping[str, str] = os.environ) -> Environment
         moe_router_gemv=_flag(environ, MOE_ROUTER_GEMV_ENV, True, "the MoE router projection on the decode GEMV "
                               "where it serves, the default", "cuBLAS"),
         moe_pairs_max=KernelOptions.moe_pairs_max if pairs_max is None else pairs_max,
-        moe_in_pieces=_flag(environ, MOE_IN_PIECES_ENV, False, "MoE experts captured inside piecewise graph pieces",
-                            "an eager boundary between pieces, the default"))
+        moe_in_pieces=_flag(environ, MOE_IN_PIECES_ENV, True, "MoE experts captured inside piecewise graph pieces, "
+                            "the default", "an eager boundary between pieces"))
     cap = _int(environ, DEEPEP_MAX_TOKENS_ENV)
     comm = CommOptions(
         tp_allreduce=environ.get(TP_ALLREDUCE_ENV, "").strip().lower() or CommOptions.tp_allreduce,

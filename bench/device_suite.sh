@@ -52,8 +52,8 @@ owed)
   timeout 90 python3 -m bench.mixed_step --model qwen3-0.6b --out "$out/mixed_step.json" 2>&1 | quiet | tee "$out/mixed_step.log" | tail -7
   # issue 24: every layer of every shape
   timeout 400 python3 -m bench.model_sweep --out "$out/model_sweep.json" 2>&1 | quiet | tee "$out/model_sweep.log" | tail -8
-  # issue 24, MoE prefill: the experts captured inside the piecewise pieces (GRAPHLINE_MOE_IN_PIECES=1) against
-  # an eager boundary, the default (twenty-ninth session)
+  # issue 24, MoE prefill: the experts captured inside the piecewise pieces (the default since the thirtieth
+  # session) against an eager boundary (GRAPHLINE_MOE_IN_PIECES=0)
   timeout 200 python3 -m bench.prefill_ab --model qwen3-30b-a3b --layers 8 --cases 512,2048,4096,8x256,16x128 \
     --out "$out/prefill_ab_moe.json" 2>&1 | quiet | tee "$out/prefill_ab_moe.log" | tail -6
   # issue 24, MoE decode: pair-by-pair experts up to 4 tokens against the default (2) and the grouped kernels, and

@@ -1,6 +1,6 @@
 """Piecewise prefill side by side in one process: a MoE model's experts captured inside the graph pieces
 (`KernelOptions.moe_in_pieces`, `GRAPHLINE_MOE_IN_PIECES=1`: where the routed-expert kernel serves them without an
-EP dispatcher) against the same experts as an eager boundary between pieces (the default).
+EP dispatcher; the default) against the same experts as an eager boundary between pieces (`=0`).
 
     python -m bench.prefill_ab --model qwen3-30b-a3b --layers 8 --cases 512,2048,4096,8x256
 
@@ -46,7 +46,7 @@ def parse_case(text: str) -> tuple[int, int]:
 
 def _runtime(model: str, side: str, cases: list[tuple[int, int]]) -> RankRuntime:
     """A rank runtime whose piecewise plans cover every case and whose KV cache holds the largest one; side
-    "pieces" turns `moe_in_pieces` on over this process's kernel options."""
+    "pieces" turns `moe_in_pieces` on over this process's kernel options, "boundary" turns it off."""
     max_tokens = max(s * t for s, t in cases)
     graph = GraphRunnerConfig(max_decode_batch=1, pcg_max_tokens=max_tokens)
     kernels = dataclasses.replace(options_from_environ().kernels, moe_in_pieces=side == "pieces")

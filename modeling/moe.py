@@ -63,11 +63,11 @@ def capture_active(t: torch.Tensor) -> bool:
 
 class SparseMoeBlock(nn.Module):
     """hidden `[T, H]` -> `[T, H]`. The router runs captured. Under piecewise graphs, routing + expert dispatch
-    is an eager boundary (`_moe_boundary`, `needs_eager_boundary`): the EP dispatchers exchange counts on the host
-    in prefill, and the torch backend's grouped path reads them; with `KernelOptions.moe_in_pieces` the routed kernel
-    without a dispatcher is captured inside the pieces instead. `ops`: the backend whose routed-expert kernels
-    (`KernelOps.moe_routed` / `moe_packed`) and one-launch router (`KernelOps.moe_route`) serve when it has them
-    (None: the torch paths)."""
+    is an eager boundary (`_moe_boundary`, `needs_eager_boundary`) where counts reach the host: the EP dispatchers
+    exchange them in prefill, and the torch backend's grouped path reads them. Otherwise, with
+    `KernelOptions.moe_in_pieces` (the default), the routed kernel is captured inside the pieces. `ops`: the backend
+    whose routed-expert kernels (`KernelOps.moe_routed` / `moe_packed`) and one-launch router (`KernelOps.moe_route`)
+    serve when it has them (None: the torch paths)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, device=None, static_max_tokens: int = 256,
                  ops: KernelOps | None = None):
@@ -132,7 +132,8 @@ class SparseMoeBlock(nn.Module):
         """Whether routing + experts run eagerly between graph pieces. They must where counts reach the host: an
         EP dispatcher exchanges them, and the torch backend's grouped path reads them. The routed kernel alone
         syncs with nothing and has one launch shape per row count, so without a dispatcher it can be captured
-        inside the pieces, which the options the backend was bound with turn on (`KernelOptions.moe_in_pieces`)."""
+        inside the pieces where the options the backend was bound with say so (`KernelOptions.moe_in_pieces`, on by
+        default)."""
         return self.dispatcher is not None or self.routed_kernel is None or not self.in_pieces
 
     def enable_piecewise_cuda_graph(self) -> None:

@@ -66,8 +66,8 @@ class KernelOptions:
     (`triton_moe_pairs`: two launches, no grouping, the combine in the down GEMM; the same bits) instead of the
     grouped kernels' four; 0: never.
     moe_in_pieces: under piecewise prefill graphs, capture a MoE block's routing and experts inside the graph pieces
-    where the routed-expert kernel serves them without an EP dispatcher, instead of running them as an eager
-    boundary between pieces (the default, False, until measured on a GPU: `bench.prefill_ab`)."""
+    where the routed-expert kernel serves them without an EP dispatcher (the default: the same bits, fewer host
+    launches; `bench.prefill_ab`), instead of running them as an eager boundary between pieces (False)."""
 
     pdl: str = "early"
     gemv: bool = True
@@ -80,7 +80,7 @@ class KernelOptions:
     moe_pdl: bool = True
     moe_router_gemv: bool = True
     moe_pairs_max: int = 16
-    moe_in_pieces: bool = False
+    moe_in_pieces: bool = True
 
     def for_model(self, hidden_size: int) -> "KernelOptions":
         """The options a model of `hidden_size` runs with: the decode GEMV only up to GEMV_MAX_HIDDEN, serving the

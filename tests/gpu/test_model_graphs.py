@@ -101,10 +101,10 @@ def test_continuous_batching_128_steps_graphs_equal_eager():
     del graphs, eager
 
 
-@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-moe-small", "qwen3-moe-small+in-pieces"])
+@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-moe-small", "qwen3-moe-small+boundary"])
 def pcg_rt(request):
     model, _, variant = request.param.partition("+")
-    kernels = KernelOptions(moe_in_pieces=variant == "in-pieces")
+    kernels = KernelOptions(moe_in_pieces=variant != "boundary")  # in the pieces: the default
     rt = make_runtime(model, max_decode_batch=8, pcg_max_tokens=1024, pcg_token_stride=512, kernels=kernels)
     yield rt
     del rt
@@ -135,16 +135,16 @@ def test_pcg_replay_equals_bucket_eager(pcg_rt, partition, history):
 
 
 def test_pcg_plans_break_at_attention_and_at_moe_unless_in_pieces(pcg_rt):
-    """Every published plan has one eager step per layer for attention, and one more per MoE layer unless the
-    routed experts are captured inside the pieces (`KernelOptions.moe_in_pieces`); the replay test above holds
-    either way."""
+    """Every published plan has one eager step per layer for attention, and one more per MoE layer only where the
+    routed experts are kept out of the pieces (`KernelOptions.moe_in_pieces` off; on by default); the replay test
+    above holds either way."""
     rt = pcg_rt
     manager = rt.runner.piecewise_manager
     moe_boundaries = sum(layer.mlp.needs_eager_boundary() for layer in rt.model.layers
                          if isinstance(layer.mlp, SparseMoeBlock))
     if rt.cfg.kernels.moe_in_pieces:
         assert moe_boundaries == 0
-    else:  # the default: every MoE layer keeps its boundary
+    else:  # turned off: every MoE layer keeps its boundary
         cfg = rt.model_config
         assert moe_boundaries == sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
     assert manager.descriptors()

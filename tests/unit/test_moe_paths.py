@@ -191,11 +191,12 @@ def test_piecewise_boundary_unless_the_backend_captures_the_routed_kernel_in_pie
     EP dispatcher exchanges counts on the host. The torch backend (its grouped path reads counts) always keeps the
     boundary."""
     cfg = get_preset("qwen3-moe-tiny")
-    routed = dataclasses.replace(get_kernel_ops("cpu"), moe_routed=lambda *a: None)
-    in_pieces = dataclasses.replace(routed, options=KernelOptions(moe_in_pieces=True))
+    in_pieces = dataclasses.replace(get_kernel_ops("cpu"), moe_routed=lambda *a: None)  # the default options
+    routed = dataclasses.replace(in_pieces, options=KernelOptions(moe_in_pieces=False))
     cases = {
-        "routed kernel in pieces, no dispatcher": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=in_pieces), False),
-        "routed kernel, in pieces off (the default)": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=routed), True),
+        "routed kernel in pieces (the default), no dispatcher": (
+            moe.SparseMoeBlock(cfg, ParallelContext(), ops=in_pieces), False),
+        "routed kernel, in pieces turned off": (moe.SparseMoeBlock(cfg, ParallelContext(), ops=routed), True),
         "routed kernel in pieces under EP": (_block(2, ops=in_pieces), True),
         "torch backend asked for pieces": (moe.SparseMoeBlock(
             cfg, ParallelContext(), ops=get_kernel_ops("cpu", options=KernelOptions(moe_in_pieces=True))), True),

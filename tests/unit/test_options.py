@@ -27,7 +27,7 @@ def test_every_variable_reaches_its_field():
            "GRAPHLINE_DECODE_SINGLE_LAUNCH": "0", "GRAPHLINE_DECODE_PREFETCH": "0",
            "GRAPHLINE_COMPILE_THREADS": "2", "GRAPHLINE_PROJECTION_MEASURE": "0", "GRAPHLINE_MOE_ROUTE_KERNEL": "0",
            "GRAPHLINE_MOE_PDL": "0", "GRAPHLINE_MOE_ROUTER_GEMV": "0", "GRAPHLINE_MOE_PAIRS_MAX": "0",
-           "GRAPHLINE_MOE_IN_PIECES": "1", "GRAPHLINE_TP_ALLREDUCE": "symm",
+           "GRAPHLINE_MOE_IN_PIECES": "0", "GRAPHLINE_TP_ALLREDUCE": "symm",
            "GRAPHLINE_TP_FUSED_KIND": "pull", "GRAPHLINE_TP_FUSED_NORM": "0",
            "GRAPHLINE_DEEPEP_MAX_TOKENS_PER_RANK": "128",
            "GRAPHLINE_STEP_PATH": "plain", "GRAPHLINE_DRIVER_POLL_S": "0.001", "GRAPHLINE_STEP_TRACE": "1",
@@ -37,7 +37,7 @@ def test_every_variable_reaches_its_field():
     assert k == KernelOptions(pdl="1", gemv=False, gemv_rows=3, decode_single_launch=False, decode_prefetch=False,
                               compile_threads=2,
                               measure_projections=False, moe_route_kernel=False, moe_pdl=False,
-                              moe_router_gemv=False, moe_pairs_max=0, moe_in_pieces=True)
+                              moe_router_gemv=False, moe_pairs_max=0, moe_in_pieces=False)
     assert c == CommOptions(tp_allreduce="symm", tp_fused_kind="pull", tp_fused_norm=False,
                             deepep_max_tokens_per_rank=128)
     assert d == DriverOptions(step_path="plain", poll_s=0.001, step_trace=True, step_profile="/tmp/prof")
@@ -108,8 +108,8 @@ def test_triton_kernel_ops_bind_the_options_once(monkeypatch):
     assert ops.moe_routed.keywords == {"pairs_max": 16, "pdl": 2} and ops.moe_packed.keywords == {"pdl": 2}
     assert ops.moe_router_linear.func is triton_gemm.router_linear
     assert ops.moe_router_linear.keywords == {"pdl": 2, "gemv": 2}
-    assert ops.options.moe_in_pieces is False  # the MoE experts stay an eager boundary under piecewise graphs
-    assert get_kernel_ops(dev, "triton", KernelOptions(moe_in_pieces=True)).options.moe_in_pieces is True
+    assert ops.options.moe_in_pieces is True  # the MoE experts captured inside the piecewise graph pieces
+    assert get_kernel_ops(dev, "triton", KernelOptions(moe_in_pieces=False)).options.moe_in_pieces is False
     off = get_kernel_ops(dev, "triton", KernelOptions(moe_route_kernel=False, moe_pdl=False, moe_router_gemv=False,
                                                       moe_pairs_max=0))
     assert off.moe_route is None and off.moe_router_linear is None  # torch's routing, cuBLAS's router projection
