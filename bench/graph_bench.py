@@ -56,15 +56,18 @@ def _decode_step(rt: RankRuntime, batch: int, context: int, tokens: np.ndarray |
     return ForwardStep(ids, pos, rt.kv_cache.layers, meta)
 
 
-def _prefill_step(rt: RankRuntime, tokens: int) -> ForwardStep:
+def _prefill_step(rt: RankRuntime, tokens: int, seqs: int = 1, ids: np.ndarray | None = None) -> ForwardStep:
+    """`seqs` fresh sequences of `tokens` new tokens each, on distinct KV blocks from block 1 on; ids: int64
+    `[seqs * tokens]` (default: random ids below 1000, seeded by `tokens`)."""
     bs, width = rt.cfg.block_size, rt.cfg.max_blocks_per_seq
     per = -(-tokens // bs)
-    tables = np.zeros((1, width), dtype=np.int32)
-    tables[0, :per] = np.arange(1, per + 1)
-    rng = np.random.default_rng(tokens)
-    ids, pos, meta = build_step_from_arrays(rng.integers(1, min(1000, rt.model_config.vocab_size), tokens).astype(np.int64),
-                                            np.array([tokens], dtype=np.int32), np.zeros(1, dtype=np.int32), tables, bs,
-                                            rt.device)
+    tables = np.zeros((seqs, width), dtype=np.int32)
+    for i in range(seqs):
+        tables[i, :per] = 1 + i * per + np.arange(per)
+    if ids is None:
+        ids = np.random.default_rng(tokens).integers(1, min(1000, rt.model_config.vocab_size), seqs * tokens)
+    ids, pos, meta = build_step_from_arrays(ids.astype(np.int64), np.full(seqs, tokens, dtype=np.int32),
+                                            np.zeros(seqs, dtype=np.int32), tables, bs, rt.device)
     return ForwardStep(ids, pos, rt.kv_cache.layers, meta)
 
 

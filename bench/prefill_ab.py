@@ -23,10 +23,10 @@ import torch
 from actors.environment import options_from_environ
 from actors.rank import RankRuntime, RuntimeConfig
 from bench.common import machine, time_step, write_json
+from bench.graph_bench import _prefill_step
 from bench.model_sweep import _moe_blocks, preset_with_layers
 from graphrunner.config import GraphRunnerConfig
 from graphrunner.step import ForwardStep
-from modeling.attn_metadata import build_step_from_arrays
 from parallel.context import ParallelContext
 
 SIDES = ("boundary", "pieces")
@@ -63,16 +63,9 @@ def _runtime(model: str, side: str, cases: list[tuple[int, int]]) -> RankRuntime
 
 
 def _step(rt: RankRuntime, seqs: int, tokens: int) -> ForwardStep:
-    """S fresh sequences of T random tokens each, on distinct KV blocks from block 1 on."""
-    bs, width = rt.cfg.block_size, rt.cfg.max_blocks_per_seq
-    per = -(-tokens // bs)
-    tables = np.zeros((seqs, width), dtype=np.int32)
-    for i in range(seqs):
-        tables[i, :per] = 1 + i * per + np.arange(per)
+    """S fresh sequences of T random tokens each (ids over the whole vocabulary), on distinct KV blocks."""
     ids = np.random.default_rng(seqs * 100003 + tokens).integers(1, rt.model_config.vocab_size, seqs * tokens)
-    ids, pos, meta = build_step_from_arrays(ids.astype(np.int64), np.full(seqs, tokens, np.int32),
-                                            np.zeros(seqs, np.int32), tables, bs, rt.device)
-    return ForwardStep(ids, pos, rt.kv_cache.layers, meta)
+    return _prefill_step(rt, tokens, seqs, ids)
 
 
 @torch.inference_mode()

@@ -184,7 +184,6 @@ def test_cpu_backend_has_no_routed_kernel():
     assert _block(2, ops=ops).routed_kernel is None
 
 
-
 def test_piecewise_boundary_unless_the_backend_captures_the_routed_kernel_in_pieces():
     """Under piecewise graphs the block is an eager boundary unless the backend's options ask for the experts
     inside the pieces (`KernelOptions.moe_in_pieces`) and they can go there: the routed kernel serves them and no
