@@ -158,3 +158,34 @@ def test_100k_draws_equal_the_cpu_draws(spec):
         got[dev] = sample(x.to(dev), p, variant=SamplerVariant(top_k=True, top_p=True)).tokens.cpu()
     assert torch.equal(got["cuda"], got["cpu"])
     assert len(set(got["cpu"].tolist())) > 3
+
+
+@pytest.mark.parametrize("b", (1, 64))
+def test_top_p_threshold_equals_the_cpu_reference(b):
+    """The top-p threshold key the kernels leave for the sample pass equals the reference's on the full vocabulary,
+    for bulk, peaked, flat, tied and wide rows with top-k and min-p before it; the band is narrow on spread rows."""
+    from modeling.sampler import triton_sampler as ts
+    from modeling.sampler.collectives import ShardGroup
+    from tests.unit._topp_keys import band_tokens, kernel_key, reference_key
+
+    x = _logits(b, 4).float()
+    for r in range(b):
+        x[r] *= (1.0, 0.01, 3.0, 0.5)[r % 4]  # peaked / flat / wide / narrow
+        if r % 5 == 3:
+            x[r] = torch.round(x[r])  # ties across the threshold
+    x = x.bfloat16()
+    rows = [RowSpec(temperature=(1.0, 0.6, 1.5)[r % 3], top_p=(0.9, 0.95, 0.5, 0.99, 0.01)[r % 5], seed=r,
+                    **({"top_k": 20} if r % 7 == 2 else {"min_p": 0.05} if r % 7 == 4 else {})) for r in range(b)]
+    p = SamplerParams(b, "cuda", **CAPS)
+    p.load(HostBatch.from_rows(rows, vocab_size=V, **CAPS))
+    state = {}
+    ts.sample_triton(x, p, SamplerVariant(top_k=True, top_p=True), 0, 0, ShardGroup(None), V, state=state)
+    torch.cuda.synchronize()
+    cpu = SamplerParams(b, "cpu", **CAPS)
+    cpu.load(HostBatch.from_rows(rows, vocab_size=V, **CAPS))
+    want, _key_lo = reference_key(x.cpu(), cpu)
+    got = kernel_key(state).cpu()
+    assert torch.equal(got, want), (got != want).nonzero()[:5]
+    band, counted = band_tokens(state)
+    spread = [r for r in range(b) if r % 4 != 1 and counted[r] >= 10_000]  # not the flat rows
+    assert all(band[r] * 8 <= counted[r] for r in spread), [(band[r], counted[r]) for r in spread]

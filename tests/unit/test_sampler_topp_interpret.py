@@ -1,0 +1,95 @@
+"""The Triton top-p passes under the CPU interpreter: the threshold key equals the torch path's, row by row.
+
+The sampled tokens of `test_sampler_interpret.py` change only when the threshold moves across the winning token;
+here the threshold key itself (the state the sample pass reads) is compared with the reference's `radix_select` on
+the same fixed-point masses, for rows built to stress the band of bins (`triton_select.mass_band`): peaked, bulk,
+flat (every token in one or two bins), few distinct values (ties across the threshold), a wide range (most masses
+0), top_p near 0 and near 1, with min-p and top-k before it, fp32 and bf16 logits. It also pins that the band is
+narrow on rows whose mass is spread over many bins: the weighted radix then touches few tokens.
+"""
+import pytest
+
+from tests.unit._interpret import run_interpreted
+
+pytest.importorskip("triton", reason="needs triton (the Triton CPU interpreter runs its kernels)")
+
+_CHILD = r"""
+import json
+import torch
+from modeling.sampler import HostBatch, RowSpec, SamplerParams, SamplerVariant
+from modeling.sampler import triton_sampler as ts
+from modeling.sampler.collectives import ShardGroup
+from tests.unit._topp_keys import band_tokens, kernel_key, reference_key
+
+ts.BLOCK, ts.MAX_CHUNK = 256, 1024
+CAPS = dict(max_bias=8, max_ban=4, max_penalty_tokens=16)
+V = 3001
+TOP_P = (0.9, 0.5, 0.99, 0.01, 0.95, 0.8)
+
+
+def logits(dtype):
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for i in range(24):
+        kind = i % 6
+        x = torch.randn(V, generator=g) * (0.5 + 0.5 * (i % 5))  # bulk of several widths
+        if kind == 1:
+            x[torch.randint(0, V, (6,), generator=g)] += torch.linspace(14, 6, 6)  # peaked
+        elif kind == 2:
+            x = x * 0.01  # flat: every token in one or two bins
+        elif kind == 3:
+            x = torch.round(x)  # few distinct values: ties across the threshold
+        elif kind == 4:
+            x = x * 12  # wide: most masses 0
+        elif kind == 5:
+            x[: V // 2] = float("-inf")  # half the ids never allowed
+        rows.append(x)
+    return torch.stack(rows).to(dtype)
+
+
+def specs():
+    out = []
+    for i in range(24):
+        extra = {"min_p": 0.05} if i % 4 == 1 else {"top_k": 40} if i % 4 == 2 else {}
+        out.append(RowSpec(temperature=(1.0, 0.7, 1.6)[i % 3], top_p=TOP_P[i % len(TOP_P)], seed=i, **extra))
+    return out
+
+
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    x = logits(dtype)
+    b = x.shape[0]
+    p = SamplerParams(b, "cpu", **CAPS)
+    p.load(HostBatch.from_rows(specs(), vocab_size=V, **CAPS))
+    state = {}
+    ts.sample_triton(x, p, SamplerVariant(top_k=True, top_p=True), 0, 0, ShardGroup(None), V, state=state)
+    want, key_lo = reference_key(x, p)
+    band, counted = band_tokens(state)
+    out[str(dtype)] = {"want": want.tolist(), "got": kernel_key(state).tolist(),
+                       "key_lo_equal": torch.equal(state["st"][4, :, 0], key_lo), "band": band, "counted": counted,
+                       "first": state["st"][2, :, 1].tolist(), "last": state["st"][2, :, 2].tolist()}
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return run_interpreted(_CHILD, timeout_s=600)
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_top_p_threshold_equals_the_reference(results, dtype):
+    r = results[dtype]
+    assert r["key_lo_equal"]
+    for row, (want, got) in enumerate(zip(r["want"], r["got"])):
+        assert got == want, (dtype, row, r["first"][row], r["last"][row])
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_band_holds_few_tokens_when_the_mass_is_spread(results, dtype):
+    r = results[dtype]
+    assert all(r["first"][row] <= r["last"][row] for row in range(24))
+    spread = [row for row in range(24) if r["counted"][row] >= 500]  # rows with many tokens of mass > 0
+    assert len(spread) >= 8
+    for row in spread:  # the weighted radix sees at most 1/8 of them
+        assert r["band"][row] * 8 <= r["counted"][row], (dtype, row, r["band"][row], r["counted"][row])
