@@ -1,5 +1,6 @@
 """Launcher of the Triton sampler (CUDA logits; the tests also run it under TRITON_INTERPRET=1 on CPU).
-The kernels: `triton_kernels` (processing, stats, sample, finish), `triton_select` (top-k, top-p).
+The kernels: `triton_kernels` (processing, stats, sample, finish), `triton_select` (top-k), `triton_topp`
+(top-p).
 
 Stages per call, each a `(B, C)` grid over chunks of the vocabulary shard unless noted; TP collectives between:
 
@@ -10,13 +11,14 @@ Stages per call, each a `(B, C)` grid over chunks of the vocabulary shard unless
   [top_k]      grid B: tau, the k-th largest group max; candidates above tau; grid B:
                the k-th largest candidate (k <= 128)                                 1 pass    gather each
   [large_top_k] top-k levels 2, 3 (rows with k > 128)                                2 passes  sum each
-  [top_p]      top-p: counts by bin of z - m, then levels 1, 2, 3 (key of z, weighted
-               by fixed-point mass) over the band of bins that holds the threshold    4 passes  sum each
+  [top_p]      top-p (`triton_topp`): counts by bin of z - m, twice (narrowing to a band
+               that holds the threshold), then the radix levels 1, 2, 3 on the key
+               of z weighted by fixed-point mass, over that band's tokens          5 passes  sum each
   sample       Gumbel-max over the allowed set, per chunk                            1 pass    gather
   finish       grid B: token, chosen logprob, top-N (one rank: `local_top` itself; TP: the
                N best of the ranks' top N)                                           -
 
-So 2 passes over the logits for temperature / min-p / greedy batches, 3 with top-k (k <= 128), 6 with top-p, +2
+So 2 passes over the logits for temperature / min-p / greedy batches, 3 with top-k (k <= 128), 7 with top-p, +2
 with larger k, +1 when processed; top-N reads back only the raw logits of its (<= 32) best groups of 32 ids.
 All buffers are allocated per call (inside a capture: from the graph's pool, so the outputs stay valid until the
 next replay). No host synchronisation.
@@ -30,6 +32,7 @@ import torch
 
 from . import triton_kernels as tk
 from . import triton_select as tsel
+from . import triton_topp as ttp
 from .collectives import ShardGroup
 from .host import LOGPROB_CLASSES, TOP_K_FAST, SamplerVariant
 from .params import I_TOP_K, SamplerParams  # noqa: F401  (record layout shared with triton_select)
@@ -106,8 +109,9 @@ def topn_class(n: int) -> int:
 
 def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVariant, n_asked: int, voff: int,
                   group: ShardGroup, shard_width: int, state: dict | None = None) -> SampleOutput:
-    """`state` (diagnostics and tests): when a dict, receives the selection's per-row state "st" `[7, B, 4]` and
-    histograms "hist" `[7, B, HS]` (int64, this call's buffers; `triton_select` gives their layout)."""
+    """`state` (diagnostics and tests): when a dict, receives the selection's per-row state "st" `[7, B, 4]`,
+    histograms "hist" `[6, B, HS]` and top-p counts "cnt" `[2, B, CS]` (int64, this call's buffers; layouts in
+    `triton_select` and `triton_topp`)."""
     b, v = logits.shape
     if n_asked > v:
         raise ValueError(f"num_logprobs {n_asked} exceeds the shard width {v}")
@@ -134,7 +138,7 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
                               OFF_PC=lay.pen_counts, MB=lay.max_bias, MBP2=_pow2(lay.max_bias), MBAN=lay.max_ban,
                               MBANP2=_pow2(lay.max_ban), MP=lay.max_pen, PB=min(1024, _pow2(lay.max_pen)), **_OPTS)
     need_hist = variant.large_top_k or variant.top_p
-    hist = (torch.zeros if need_hist else torch.empty)((7 if need_hist else 1, b, tsel.HS), dtype=torch.int64,
+    hist = (torch.zeros if need_hist else torch.empty)((6 if need_hist else 1, b, tsel.HS), dtype=torch.int64,
                                                         device=dev)
     st = torch.empty((7, b, 4), dtype=torch.int64, device=dev)
     parts = torch.empty((b, c, 4), dtype=torch.float32, device=dev)
@@ -172,14 +176,17 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
             group.sum_(hist[level - 1])
     sel = {"HAS_TOPK": variant.top_k, "TOPK_LARGE": variant.large_top_k}
     if variant.top_p:
-        args = (*common, recf, reci, recq, rs, rsq, parts, st, hist, b, v, ch, c, nt, kf)
-        tsel.topp_bins_kernel[grid](*args, BLOCK=BLOCK, **flags, **sel, NPP2=npp2, **_OPTS)
-        group.sum_(hist[6])
+        cnt = torch.zeros((2, b, ttp.CS), dtype=torch.int64, device=dev)
+        for stage in (1, 2):
+            ttp.topp_count_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, hist, cnt, b, v, ch, c, nt, kf,
+                                        STAGE=stage, BLOCK=BLOCK, **flags, **sel, NPP2=npp2, **_OPTS)
+            group.sum_(cnt[stage - 1])
         for level in (1, 2, 3):
-            tsel.topp_level_kernel[grid](*args, LEVEL=level, BLOCK=BLOCK, **flags, NPP2=npp2, **_OPTS)
+            ttp.topp_level_kernel[grid](*common, recf, recq, rs, rsq, parts, st, hist, cnt, b, v, ch, c, nt,
+                                        LEVEL=level, BLOCK=BLOCK, **flags, NPP2=npp2, **_OPTS)
             group.sum_(hist[level + 2])
     if state is not None:
-        state.update(st=st, hist=hist)
+        state.update(st=st, hist=hist, cnt=cnt if variant.top_p else None)
     best = torch.empty((b, c, 2), dtype=torch.int64, device=dev)
     tk.sample_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, hist, best, b, v, ch, c, nt, voff, kf,
                            BLOCK=BLOCK, **flags, **sel, HAS_TOPP=variant.top_p, NPP2=npp2, **_OPTS)

@@ -1,8 +1,8 @@
-"""The sampler's Triton top-k / top-p selection: the passes that find each row's lowest allowed key, and the
-histogram helpers the other kernels (`triton_kernels.py`) read it back with; the scalar record's columns
+"""The sampler's Triton top-k selection: the passes that find each row's lowest allowed key, and the histogram
+helpers the other kernels (`triton_kernels.py`, `triton_topp.py`) read it back with; the scalar record's columns
 (`modeling.sampler.params`) every kernel loads.
 
-Buffers (allocated by the launcher, `triton_sampler.py`): int64 histograms `[7, B, HS]` and per-row state
+Buffers (allocated by the launcher, `triton_sampler.py`): int64 histograms `[6, B, HS]` and per-row state
 `[7, B, 4]`, summed or gathered over TP ranks between passes. Every program of a pass re-derives the previous
 pass's per-row result from those buffers (a 2048-bin scan), program c == 0 stores it for the pass after, so no
 pass needs a separate resolve launch. Top-k with k <= KF: `stats_kernel` stores the maximum key of every group
@@ -10,21 +10,15 @@ of G consecutive ids; one program per row finds tau, the k-th largest of those m
 appends every key above tau to the row's candidates (at most (k - 1) * G of them, since fewer than k groups
 reach above tau); one program per row bisects them for the k-th largest key (state 5 slot 0), or takes tau
 when fewer than k lie above it. Larger k: radix select on the ordered key of z (digits 11 / 11 / 10 bits;
-histograms 0-2 count, state 0-1 (prefix, remaining count)). Top-p: the largest key whose tokens above it hold the
-target share of the fixed-point mass q. A pass first counts the tokens with q > 0 by their bin of z - m on a grid
-of 1/64 (`mass_bin`; histogram 6, slot 2048 = the row's total mass). Within a bin q varies by at most e^(1/64), so
-bounds on the bins' masses (`mass_band`) narrow the threshold to a band of bins; the band's tokens alone then go
-through the radix on the key of z, weighted by q (histograms 3-5; slot 2048 of histogram 3 = the exact mass above
-the band; state 6 key_lo, 2 (key_lo, first and last band bin, target), 3-4 (key_lo, prefix, remaining mass)). So
-the weighted radix adds one atomic per band token, not per token, and hot bins no longer serialise the whole row.
+histograms 0-2 count, state 0-1 (prefix, remaining count)). Top-p (`triton_topp.py`) uses histograms 3-5 and
+state 2-4 and 6, and the helpers here.
 """
 import triton
 import triton.language as tl
 
-from .triton_numerics import KEY_NEG_INF, mass, okey, top_p_target
+from .triton_numerics import KEY_NEG_INF, okey
 
-HS = tl.constexpr(2056)  # histogram row stride; slot 2048 = a mass sum (see above)
-MASS_BINS = tl.constexpr(64)  # top-p: bins of z - m per unit
+HS = tl.constexpr(2056)  # histogram row stride; slot 2048 = a mass sum (top-p, `triton_topp.py`)
 # scalar record columns (modeling.sampler.params)
 F_T = tl.constexpr(0)
 F_INVT = tl.constexpr(1)
@@ -55,30 +49,6 @@ def digit_hist(digits, mask, NB: tl.constexpr):
     """Counts int32 `[NB]` of the int32 digits where mask (masked ones are counted in bin 0, then taken off)."""
     h = tl.histogram(tl.where(mask, digits, 0), NB)
     return h - tl.where(tl.arange(0, NB) == 0, tl.sum((mask == 0).to(tl.int32)), 0)
-
-
-@triton.jit
-def mass_bin(d):
-    """Bin int32 of d = z - m <= 0: floor(-d * 64), at most 2047 (tokens with q > 0 lie in bins 0..1472)."""
-    return tl.minimum(d * -64.0, 2047.0).to(tl.int32)
-
-
-@triton.jit
-def mass_band(counts, target):
-    """(first, last) int32: the bins of z - m that can hold the top-p threshold token, from the counts int64
-    `[2048]` of tokens with q > 0 per `mass_bin`. A token of bin j has -d in [j/64, (j+1)/64), so its q lies within
-    [q_lo(j), q_hi(j)] (the exact exp of the edges, widened by 2^-12 for pexp's and these exps' roundings, and by 2
-    units). The cumulative upper bound first reaches the target at `first`, so the tokens of bins < first hold less
-    than it; the cumulative lower bound reaches it at `last`, so the threshold lies at or above bin last."""
-    j = tl.arange(0, 2048)
-    n = tl.load(counts + j)
-    e_hi = tl.exp(j.to(tl.float32) * (-1.0 / 64.0)) * 1.000244140625
-    e_lo = tl.exp((j + 1).to(tl.float32) * (-1.0 / 64.0)) * 0.999755859375
-    q_hi = tl.minimum((e_hi * 4294967296.0).to(tl.int64) + 2, 4294967295)
-    q_lo = tl.maximum((e_lo * 4294967296.0).to(tl.int64) - 2, 0)
-    first = tl.min(tl.where(tl.cumsum(n * q_hi, 0) >= target, j, 2047))
-    last = tl.min(tl.where(tl.cumsum(n * q_lo, 0) >= target, j, 2047))
-    return first, last
 
 
 @triton.jit
@@ -230,107 +200,3 @@ def topk_level_kernel(logits, sl, work, sw, recf, reci, rs, st, hist, B, V, CH, 
             hacc += digit_hist(((key >> SHIFT_D) & DMASK).to(tl.int32), inb, 2048)
         ar = tl.arange(0, 2048)
         tl.atomic_add(hist + ((LEVEL - 1) * B + row) * HS + ar, hacc.to(tl.int64), mask=hacc > 0)
-
-
-@triton.jit(do_not_specialize=("B", "C"))
-def topp_bins_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hist, B, V, CH, C, NT, KF,
-                     BLOCK: tl.constexpr, PROCESSED: tl.constexpr, HAS_TOPK: tl.constexpr, TOPK_LARGE: tl.constexpr,
-                     NPP2: tl.constexpr):
-    """Top-p rows: count the allowed tokens with q > 0 by `mass_bin` (histogram 6) and add their total mass (its
-    slot 2048): one atomic per touched bin and program. Program 0 of the row stores key_lo (state 6)."""
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    t = tl.load(recf + row * rs + F_T)
-    invt = tl.load(recf + row * rs + F_INVT)
-    on = (t > 0) & (tl.load(recq + row * rsq + Q_TOPP) > 0)
-    m = row_zmax(parts, row, B, C, NT, NPP2)
-    k = tl.load(reci + row * rs + I_TOPK)
-    key_lo = lowest_key(row, B, k, (t > 0) & (k > 0), t > 0, tl.load(recf + row * rs + F_LOGMINP), m, st, hist, KF,
-                        HAS_TOPK, TOPK_LARGE)
-    if c == 0:
-        tl.store(st + (6 * B + row) * 4, key_lo)
-    if on:
-        hacc = tl.zeros([2048], tl.int32)
-        total = tl.zeros((), tl.int64)
-        lo = c * CH
-        for s in range(0, CH, BLOCK):
-            offs = lo + s + tl.arange(0, BLOCK)
-            msk = offs < V
-            z = load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED)
-            q = mass(z, m, msk & (okey(z) >= key_lo))
-            hacc += digit_hist(mass_bin(z - m), q > 0, 2048)
-            total += tl.sum(q)
-        hrow = hist + (6 * B + row) * HS
-        tl.atomic_add(hrow + tl.arange(0, 2048), hacc.to(tl.int64), mask=hacc > 0)
-        tl.atomic_add(hrow + 2048, total)
-
-
-@triton.jit(do_not_specialize=("B", "C"))
-def topp_level_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hist, B, V, CH, C, NT, KF,
-                      LEVEL: tl.constexpr, BLOCK: tl.constexpr, PROCESSED: tl.constexpr, NPP2: tl.constexpr):
-    """Resolve the previous top-p digit (at LEVEL 1: the band of bins, `mass_band`), add the masses q of the band's
-    tokens by digit LEVEL of their key (at LEVEL 1 also the exact mass of the tokens above the band)."""
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    t = tl.load(recf + row * rs + F_T)
-    invt = tl.load(recf + row * rs + F_INVT)
-    fixed = tl.load(recq + row * rsq + Q_TOPP)
-    on = (t > 0) & (fixed > 0)
-    m = row_zmax(parts, row, B, C, NT, NPP2)
-    sp2 = st + (2 * B + row) * 4
-    if LEVEL == 1:
-        key_lo = tl.load(st + (6 * B + row) * 4)
-        counts = hist + (6 * B + row) * HS
-        target = top_p_target(tl.load(counts + 2048), fixed)
-        first, last = mass_band(counts, target)
-        prefix = tl.full((), 0, tl.int64)
-        SHIFT_IN: tl.constexpr = 32
-        SHIFT_D: tl.constexpr = 21
-        DMASK: tl.constexpr = 2047
-    elif LEVEL == 2:
-        key_lo = tl.load(sp2)
-        first = tl.load(sp2 + 1)
-        last = tl.load(sp2 + 2)
-        h1 = hist + (3 * B + row) * HS
-        d, need = find_bin(h1, 2048, tl.load(sp2 + 3) - tl.load(h1 + 2048))
-        prefix = d
-        SHIFT_IN: tl.constexpr = 21
-        SHIFT_D: tl.constexpr = 10
-        DMASK: tl.constexpr = 2047
-    else:
-        sp = st + (3 * B + row) * 4
-        key_lo = tl.load(sp)
-        first = tl.load(sp2 + 1)
-        last = tl.load(sp2 + 2)
-        d, need = find_bin(hist + (4 * B + row) * HS, 2048, tl.load(sp + 2))
-        prefix = (tl.load(sp + 1) << 11) | d
-        SHIFT_IN: tl.constexpr = 10
-        SHIFT_D: tl.constexpr = 0
-        DMASK: tl.constexpr = 1023
-    if c == 0:
-        sp = st + ((LEVEL + 1) * B + row) * 4
-        tl.store(sp, key_lo)
-        if LEVEL == 1:
-            tl.store(sp + 1, first)
-            tl.store(sp + 2, last)
-            tl.store(sp + 3, target)
-        else:
-            tl.store(sp + 1, prefix)
-            tl.store(sp + 2, need)
-    if on:
-        hrow = hist + ((LEVEL + 2) * B + row) * HS
-        above = tl.zeros((), tl.int64)
-        lo = c * CH
-        for s in range(0, CH, BLOCK):
-            offs = lo + s + tl.arange(0, BLOCK)
-            msk = offs < V
-            z = load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED)
-            key = okey(z)
-            q = mass(z, m, msk & (key >= key_lo))
-            j = mass_bin(z - m)
-            band = (q > 0) & (j >= first) & (j <= last)
-            tl.atomic_add(hrow + ((key >> SHIFT_D) & DMASK), q, mask=band & ((key >> SHIFT_IN) == prefix))
-            if LEVEL == 1:
-                above += tl.sum(tl.where(j < first, q, 0))
-        if LEVEL == 1:
-            tl.atomic_add(hrow + 2048, above)

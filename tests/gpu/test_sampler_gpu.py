@@ -188,4 +188,4 @@ def test_top_p_threshold_equals_the_cpu_reference(b):
     assert torch.equal(got, want), (got != want).nonzero()[:5]
     band, counted = band_tokens(state)
     spread = [r for r in range(b) if r % 4 != 1 and counted[r] >= 10_000]  # not the flat rows
-    assert all(band[r] * 8 <= counted[r] for r in spread), [(band[r], counted[r]) for r in spread]
+    assert all(band[r] * 16 <= counted[r] for r in spread), [(band[r], counted[r]) for r in spread]

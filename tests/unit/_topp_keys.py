@@ -37,7 +37,7 @@ def kernel_key(state: dict) -> torch.Tensor:
 
 
 def band_tokens(state: dict) -> tuple[list[int], list[int]]:
-    """Per row: the tokens of mass > 0 in the band of bins, and all of them."""
-    st, counts = state["st"].cpu(), state["hist"][6, :, :2048].cpu()
-    band = [int(counts[r, st[2, r, 1]: st[2, r, 2] + 1].sum()) for r in range(counts.shape[0])]
-    return band, counts.sum(1).tolist()
+    """Per row: the tokens of mass > 0 in the band of sub-bins (those the weighted radix sees), and all of them."""
+    st, cnt = state["st"].cpu(), state["cnt"].cpu()
+    band = [int(cnt[1, r, st[2, r, 0]: st[2, r, 1] + 1].sum()) for r in range(cnt.shape[1])]
+    return band, cnt[0, :, :64].sum(1).tolist()
