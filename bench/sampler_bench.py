@@ -6,7 +6,8 @@ Per batch size (default 1, 8, 64, 256) and bf16 logits `[B, vocab]` (default 151
 call inside one CUDA graph of `--calls` back-to-back calls (CUDA events over `--replays` replays): greedy
 `argmax`, and the sampler with every row at temperature 1 plus top_p 0.9 / top_k 50 / min_p 0.1 / top-5 raw
 logprobs / top-20 raw logprobs / nothing else / temperature 0 (the sampler's greedy) / penalties and a logit bias,
-each in the smallest variant that serves it.
+and Qwen3's generation defaults (temperature 0.6, top_k 20, top_p 0.95), each in the smallest variant that serves
+it.
 Prints the ratio to argmax and the added microseconds; the JSON holds every number.
 """
 from __future__ import annotations
@@ -29,6 +30,8 @@ CASES: dict[str, tuple[dict, SamplerVariant, int]] = {
     "T=0 (sampler)": ({"temperature": 0.0}, SamplerVariant(), 0),
     "T=1 top_k=200": ({"temperature": 1.0, "top_k": 200}, SamplerVariant(top_k=True, large_top_k=True), 0),
     "T=1 top_k=50 top_p=0.9": ({"temperature": 1.0, "top_k": 50, "top_p": 0.9}, SamplerVariant(top_k=True, top_p=True), 0),
+    "Qwen3 default (T=0.6 top_k=20 top_p=0.95)": ({"temperature": 0.6, "top_k": 20, "top_p": 0.95},
+                                                  SamplerVariant(top_k=True, top_p=True), 0),
     "T=1 penalties+bias": ({"temperature": 1.0, "repetition_penalty": 1.1, "frequency_penalty": 0.2,
                             "prompt_token_ids": tuple(range(100, 140)), "output_token_ids": tuple(range(7, 20)),
                             "logit_bias": {5: 2.0}}, SamplerVariant(processed=True), 0),
