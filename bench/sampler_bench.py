@@ -8,6 +8,9 @@ call inside one CUDA graph of `--calls` back-to-back calls (CUDA events over `--
 logprobs / top-20 raw logprobs / nothing else / temperature 0 (the sampler's greedy) / penalties and a logit bias,
 and Qwen3's generation defaults (temperature 0.6, top_k 20, top_p 0.95), each in the smallest variant that serves
 it.
+`--logits` picks the rows: `model` (a long tail holding most of the mass at temperature 1, as random-weight
+models give: top-p's nucleus runs to many thousands of ids), `zipf` (log-probabilities -1.2 ln(rank), ranks
+shuffled: a smaller nucleus at top_p 0.9, nearer a trained model's).
 Prints the ratio to argmax and the added microseconds; the JSON holds every number.
 """
 from __future__ import annotations
@@ -69,6 +72,16 @@ def logits_like_a_model(b: int, vocab: int, device: torch.device) -> torch.Tenso
     return x.bfloat16()
 
 
+def logits_zipf(b: int, vocab: int, device: torch.device, s: float = 1.2) -> torch.Tensor:
+    """bf16 logits -s ln(rank) over a random permutation of the ranks 1..vocab per row."""
+    g = torch.Generator(device=device).manual_seed(0)
+    ranks = torch.argsort(torch.rand(b, vocab, device=device, generator=g), dim=1).float() + 1.0
+    return (-s * ranks.log()).bfloat16()
+
+
+LOGITS = {"model": logits_like_a_model, "zipf": logits_zipf}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,64,256")
@@ -76,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=10, help="calls per captured graph")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
+    ap.add_argument("--logits", default="model", choices=sorted(LOGITS), help="the rows' logits (see above)")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -84,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplerParams(max(batches), dev, max_penalty_tokens=64)
     rows = []
     for b in batches:
-        logits = logits_like_a_model(b, args.vocab, dev)
+        logits = LOGITS[args.logits](b, args.vocab, dev)
         row = {"batch": b, "argmax_us": graph_us(lambda: logits.argmax(-1), args.calls, args.replays)}
         for name in cases:
             fields, variant, n = CASES[name]
@@ -98,14 +112,14 @@ def main(argv: list[str] | None = None) -> None:
         logits = None  # free it before the next batch size
     cases = [c for c in rows[0] if c not in ("batch", "argmax_us")]
     head = f"{'batch':>5} {'argmax us':>9} | " + " | ".join(f"{c:>24}" for c in cases)
-    print(f"sampler vs argmax, bf16 logits [B, {args.vocab}], us per call in a graph of {args.calls} calls "
-          f"(ratio to argmax, +us)")
+    print(f"sampler vs argmax, bf16 {args.logits} logits [B, {args.vocab}], us per call in a graph of "
+          f"{args.calls} calls (ratio to argmax, +us)")
     print(head)
     for r in rows:
         cells = [f"{r[c]:7.1f} ({r[c] / r['argmax_us']:4.1f}x +{r[c] - r['argmax_us']:6.1f})" for c in cases]
         print(f"{r['batch']:>5} {r['argmax_us']:9.1f} | " + " | ".join(f"{c:>24}" for c in cells))
-    write_json(args.out, {"machine": machine(), "vocab": args.vocab, "calls": args.calls, "replays": args.replays,
-                          "rows": rows})
+    write_json(args.out, {"machine": machine(), "logits": args.logits, "vocab": args.vocab, "calls": args.calls,
+                          "replays": args.replays, "rows": rows})
 
 
 if __name__ == "__main__":

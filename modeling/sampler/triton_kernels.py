@@ -6,8 +6,8 @@ per-row state of the top-k / top-p passes, `triton_select.py`), summed or gather
 
 copy + patch (processed rows: fp32 copy, bias / bans / penalties) -> stats (raw max and sum-exp, max z, the
 top-N and top-k group maxima, top-k level-1 counts) -> [TP: topn (each rank's top N)] -> [`triton_select.py`:
-top-k, top-p] -> sample (each chunk's Gumbel-max winner over the allowed set) -> finish (token, chosen logprob,
-top-N).
+top-k candidates; `triton_topp.py`: top-p] -> sample (each chunk's Gumbel-max winner over the allowed set) ->
+finish (token, chosen logprob, top-N).
 
 Top-N logprobs (N <= 20, NP2 = the power of two >= N): stats stores the int32 key of the largest raw logit of
 every GN consecutive ids (`nmax` `[B, M]`); one program per row (`local_top`, in finish or, under TP, topn) narrows
@@ -37,6 +37,7 @@ from .triton_select import (
     lowest_key,
     row_zmax,
 )
+from .triton_topp import resolved_threshold
 
 
 @triton.jit
@@ -90,10 +91,11 @@ def patch_kernel(work, sw, recf, rs, li, lf, lrs, V, voff, OFF_BI: tl.constexpr,
 @triton.jit(do_not_specialize=("B", "C"))
 def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, nmax, gmax, hist, B, V, CH, C, KF,
                  BLOCK: tl.constexpr, N: tl.constexpr, GN: tl.constexpr, G: tl.constexpr,
-                 HAS_TOPK: tl.constexpr, PROCESSED: tl.constexpr, TOPK_LARGE: tl.constexpr):
+                 GMAX: tl.constexpr, PROCESSED: tl.constexpr, TOPK_LARGE: tl.constexpr):
     """Per chunk: raw max and sum of exp (log-softmax), max of z, (top-N) the int32 key of the largest raw logit
-    of every GN consecutive ids (`nmax` `[B, C * CH / GN]`; ids past V: -2^31), (top-k) the int32 key of the
-    largest z of every G consecutive ids (`gmax` `[B, C * CH / G]`), top-k level-1 counts of rows with k > KF."""
+    of every GN consecutive ids (`nmax` `[B, C * CH / GN]`; ids past V: -2^31), (GMAX: top-k / top-p candidates)
+    the int32 key of the largest z of every G consecutive ids (`gmax` `[B, C * CH / G]`), top-k level-1 counts
+    of rows with k > KF."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = tl.load(recf + row * rs + F_T)
@@ -118,7 +120,7 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, nmax, gmax, hist, 
         else:
             z = raw * invt
         zmax = tl.maximum(zmax, tl.max(z))
-        if HAS_TOPK:
+        if GMAX:
             gk = tl.max(tl.reshape((okey(z) - 2147483648).to(tl.int32), [BLOCK // G, G]), axis=1)
             tl.store(gmax + row * (C * (CH // G)) + (lo + s) // G + tl.arange(0, BLOCK // G), gk)
         if TOPK_LARGE:
@@ -153,7 +155,8 @@ def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hi
         key_lo = tl.load(sp)
         d, _n = find_bin(hist + (5 * B + row) * HS, 1024, tl.load(sp + 2))
         on_p = (t > 0) & (tl.load(recq + row * rsq + Q_TOPP) > 0)
-        key_lo = tl.where(on_p, tl.maximum(key_lo, (tl.load(sp + 1) << 10) | d), key_lo)
+        res = resolved_threshold(st, B, row)
+        key_lo = tl.where(on_p, tl.maximum(key_lo, tl.where(res > 0, res, (tl.load(sp + 1) << 10) | d)), key_lo)
     else:
         k = tl.load(reci + row * rs + I_TOPK)
         m = row_zmax(parts, row, B, C, NT, NPP2)

@@ -8,17 +8,19 @@ Stages per call, each a `(B, C)` grid over chunks of the vocabulary shard unless
   stats        raw max / sum-exp, max z, (top-N) the max raw key of every 32 ids, (top-k) the
                max key of z of every 32 ids, top-k level-1 counts (larger k)          1 pass   gather, sum
   [top-N, TP]  grid B: this rank's top N from its group maxima (`local_top`)         -        gather
-  [top_k]      grid B: tau, the k-th largest group max; candidates above tau; grid B:
+  [top_k / top_p] grid B: tau, the k-th largest group max (top-p rows without top-k: the
+               128th); candidates above tau (and the total mass of those top-p rows); grid B:
                the k-th largest candidate (k <= 128)                                 1 pass    gather each
   [large_top_k] top-k levels 2, 3 (rows with k > 128)                                2 passes  sum each
-  [top_p]      top-p (`triton_topp`): counts by bin of z - m, twice (narrowing to a band
-               that holds the threshold), then the radix levels 1, 2, 3 on the key
-               of z weighted by fixed-point mass, over that band's tokens          5 passes  sum each
+  [top_p]      (`triton_topp`) grid B: the threshold from the candidates where they hold
+               it; the other rows: radix levels 1, 2, 3 on the key of z weighted by
+               fixed-point mass (passes that skip the resolved rows)                  3 passes  sum each
   sample       Gumbel-max over the allowed set, per chunk                            1 pass    gather
   finish       grid B: token, chosen logprob, top-N (one rank: `local_top` itself; TP: the
                N best of the ranks' top N)                                           -
 
-So 2 passes over the logits for temperature / min-p / greedy batches, 3 with top-k (k <= 128), 7 with top-p, +2
+So 2 passes over the logits for temperature / min-p / greedy batches, 3 with top-k (k <= 128) or top-p whose
+candidates hold the threshold, 6 with top-p rows that need the radix, +2
 with larger k, +1 when processed; top-N reads back only the raw logits of its (<= 32) best groups of 32 ids.
 All buffers are allocated per call (inside a capture: from the graph's pool, so the outputs stay valid until the
 next replay). No host synchronisation.
@@ -109,9 +111,9 @@ def topn_class(n: int) -> int:
 
 def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVariant, n_asked: int, voff: int,
                   group: ShardGroup, shard_width: int, state: dict | None = None) -> SampleOutput:
-    """`state` (diagnostics and tests): when a dict, receives the selection's per-row state "st" `[7, B, 4]`,
-    histograms "hist" `[6, B, HS]` and top-p counts "cnt" `[2, B, CS]` (int64, this call's buffers; layouts in
-    `triton_select` and `triton_topp`)."""
+    """`state` (diagnostics and tests): when a dict, receives the selection's per-row state "st" `[6, B, 4]`
+    and histograms "hist" `[6, B, HS]` (int64, this call's buffers; layouts in `triton_select` and
+    `triton_topp`)."""
     b, v = logits.shape
     if n_asked > v:
         raise ValueError(f"num_logprobs {n_asked} exceeds the shard width {v}")
@@ -140,53 +142,56 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
     need_hist = variant.large_top_k or variant.top_p
     hist = (torch.zeros if need_hist else torch.empty)((6 if need_hist else 1, b, tsel.HS), dtype=torch.int64,
                                                         device=dev)
-    st = torch.empty((7, b, 4), dtype=torch.int64, device=dev)
+    st = torch.empty((6, b, 4), dtype=torch.int64, device=dev)
     parts = torch.empty((b, c, 4), dtype=torch.float32, device=dev)
-    kf = TOP_K_FAST if variant.top_k else 2
+    gather_cands = variant.top_k or variant.top_p
+    kf = TOP_K_FAST if gather_cands else 2
     g, gn = shape.g, shape.gn
     m = c * (ch // g)  # group maxima per row and rank
-    gmax = torch.empty((b, m) if variant.top_k else (1,), dtype=torch.int32, device=dev)
+    gmax = torch.empty((b, m) if gather_cands else (1,), dtype=torch.int32, device=dev)
     mn = c * (ch // gn)  # top-N group maxima per row (this rank's)
     nmax = torch.empty((b, mn) if n else (1,), dtype=torch.int32, device=dev)
     common = (logits, sl, work, sw)
     flags = {"PROCESSED": variant.processed}
     tk.stats_kernel[grid](*common, recf, reci, rs, parts, nmax, gmax, hist, b, v, ch, c, kf, BLOCK=BLOCK, N=n,
-                          GN=gn, G=g, HAS_TOPK=variant.top_k, TOPK_LARGE=variant.large_top_k, **flags, **_OPTS)
+                          GN=gn, G=g, GMAX=gather_cands, TOPK_LARGE=variant.large_top_k, **flags, **_OPTS)
     parts = group.gather(parts)
     cands = nmax  # one rank: finish selects the top N itself
     if n and nt > 1:  # each rank's top N, gathered; finish merges them
         cands = torch.empty((b, np2), dtype=torch.int64, device=dev)
         tk.topn_kernel[(b,)](logits, sl, nmax, cands, v, mn, voff, **topn, num_warps=8, enable_fp_fusion=False)
         cands = group.gather(cands)
-    if variant.top_k:  # k <= kf: tau from the group maxima, the candidates above it, the k-th largest of those
-        tsel.topk_tau_kernel[(b,)](recf, reci, rs, group.gather(gmax), st, b, m, nt, kf, TB=shape.tb_k,
-                                   num_warps=8, enable_fp_fusion=False)
+    sel = {"HAS_TOPK": variant.top_k, "TOPK_LARGE": variant.large_top_k}
+    topp = {"TOPP": variant.top_p}
+    if gather_cands:  # k <= kf (top-p: kf): tau from the group maxima, the candidates above it
+        tsel.topk_tau_kernel[(b,)](recf, reci, recq, rs, rsq, group.gather(gmax), st, b, m, nt, kf, TB=shape.tb_k,
+                                   **topp, num_warps=8, enable_fp_fusion=False)
         cap = kf * g  # > (k - 1) * g, the most candidates a row can have over all ranks
         cand = torch.empty((b, cap), dtype=torch.int32, device=dev)
         count = torch.zeros((b,), dtype=torch.int32, device=dev)
-        tsel.topk_compact_kernel[grid](*common, recf, reci, rs, st, cand, count, b, v, ch, kf, cap, BLOCK=BLOCK,
-                                       **flags, **_OPTS)
-        tsel.topk_select_kernel[(b,)](recf, reci, rs, st, group.gather(cand), group.gather(count), b, nt, kf, cap,
-                                      CB=SELECT_BLOCK, **_OPTS)
+        tmass = torch.zeros((2, b), dtype=torch.int64, device=dev)
+        tsel.topk_compact_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, cand, count, tmass, b, v, ch, c,
+                                       nt, kf, cap, BLOCK=BLOCK, **flags, **topp, NPP2=npp2, **_OPTS)
+        cand, count = group.gather(cand), group.gather(count)
+        if variant.top_k:  # the k-th largest candidate
+            tsel.topk_select_kernel[(b,)](recf, reci, rs, st, cand, count, b, nt, kf, cap, CB=SELECT_BLOCK, **_OPTS)
     if variant.large_top_k:
         group.sum_(hist[0])
         for level in (2, 3):
             tsel.topk_level_kernel[grid](*common, recf, reci, rs, st, hist, b, v, ch, kf, LEVEL=level, BLOCK=BLOCK,
                                        **flags, **_OPTS)
             group.sum_(hist[level - 1])
-    sel = {"HAS_TOPK": variant.top_k, "TOPK_LARGE": variant.large_top_k}
     if variant.top_p:
-        cnt = torch.zeros((2, b, ttp.CS), dtype=torch.int64, device=dev)
-        for stage in (1, 2):
-            ttp.topp_count_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, hist, cnt, b, v, ch, c, nt, kf,
-                                        STAGE=stage, BLOCK=BLOCK, **flags, **sel, NPP2=npp2, **_OPTS)
-            group.sum_(cnt[stage - 1])
+        group.sum_(tmass)
+        qbuf = torch.empty((b, nt * cap), dtype=torch.int64, device=dev)
+        ttp.topp_cand_kernel[(b,)](recf, reci, recq, rs, rsq, parts, st, hist, cand, count, tmass, qbuf, b, c, nt, kf,
+                                   cap, CB=SELECT_BLOCK, **sel, NPP2=npp2, **_OPTS)
         for level in (1, 2, 3):
-            ttp.topp_level_kernel[grid](*common, recf, recq, rs, rsq, parts, st, hist, cnt, b, v, ch, c, nt,
-                                        LEVEL=level, BLOCK=BLOCK, **flags, NPP2=npp2, **_OPTS)
+            ttp.topp_level_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, hist, b, v, ch, c, nt, kf,
+                                        LEVEL=level, BLOCK=BLOCK, **flags, **sel, NPP2=npp2, **_OPTS)
             group.sum_(hist[level + 2])
     if state is not None:
-        state.update(st=st, hist=hist, cnt=cnt if variant.top_p else None)
+        state.update(st=st, hist=hist)
     best = torch.empty((b, c, 2), dtype=torch.int64, device=dev)
     tk.sample_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, hist, best, b, v, ch, c, nt, voff, kf,
                            BLOCK=BLOCK, **flags, **sel, HAS_TOPP=variant.top_p, NPP2=npp2, **_OPTS)

@@ -3,20 +3,21 @@ helpers the other kernels (`triton_kernels.py`, `triton_topp.py`) read it back w
 (`modeling.sampler.params`) every kernel loads.
 
 Buffers (allocated by the launcher, `triton_sampler.py`): int64 histograms `[6, B, HS]` and per-row state
-`[7, B, 4]`, summed or gathered over TP ranks between passes. Every program of a pass re-derives the previous
+`[6, B, 4]`, summed or gathered over TP ranks between passes. Every program of a pass re-derives the previous
 pass's per-row result from those buffers (a 2048-bin scan), program c == 0 stores it for the pass after, so no
 pass needs a separate resolve launch. Top-k with k <= KF: `stats_kernel` stores the maximum key of every group
 of G consecutive ids; one program per row finds tau, the k-th largest of those maxima (state 5 slot 1); a pass
 appends every key above tau to the row's candidates (at most (k - 1) * G of them, since fewer than k groups
 reach above tau); one program per row bisects them for the k-th largest key (state 5 slot 0), or takes tau
-when fewer than k lie above it. Larger k: radix select on the ordered key of z (digits 11 / 11 / 10 bits;
-histograms 0-2 count, state 0-1 (prefix, remaining count)). Top-p (`triton_topp.py`) uses histograms 3-5 and
-state 2-4 and 6, and the helpers here.
+when fewer than k lie above it. Top-p rows without top-k gather candidates the same way with k = KF (`cand_k`),
+and the same pass adds up their total mass (`tmass`), for `triton_topp.topp_cand_kernel`. Larger k: radix
+select on the ordered key of z (digits 11 / 11 / 10 bits; histograms 0-2 count, state 0-1 (prefix, remaining
+count)). Top-p (`triton_topp.py`) uses histograms 3-5, state 2-4 and state 5 slot 2, and the helpers here.
 """
 import triton
 import triton.language as tl
 
-from .triton_numerics import KEY_NEG_INF, okey
+from .triton_numerics import KEY_NEG_INF, mass, okey
 
 HS = tl.constexpr(2056)  # histogram row stride; slot 2048 = a mass sum (top-p, `triton_topp.py`)
 # scalar record columns (modeling.sampler.params)
@@ -85,15 +86,26 @@ def load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED: tl.constexpr):
     return x * invt
 
 
+@triton.jit
+def cand_k(recf, reci, recq, rs, rsq, row, KF, TOPP: tl.constexpr):
+    """How many of a row's largest keys its candidates must hold (0: the row gathers none): k for a sampled row
+    with top-k 0 < k <= KF; KF for a sampled top-p row without top-k (TOPP: the variant has top-p rows)."""
+    k = tl.load(reci + row * rs + I_TOPK)
+    kc = tl.where((k > 0) & (k <= KF), k, 0)
+    if TOPP:
+        kc = tl.where((k == 0) & (tl.load(recq + row * rsq + Q_TOPP) > 0), KF, kc)
+    return tl.where(tl.load(recf + row * rs + F_T) > 0, kc, 0)
+
+
 @triton.jit(do_not_specialize=("B", "M"))
-def topk_tau_kernel(recf, reci, rs, gmax, st, B, M, NT, KF, TB: tl.constexpr):
-    """One program per row with 0 < k <= KF: tau, the k-th largest of the row's group maxima (int32 keys
+def topk_tau_kernel(recf, reci, recq, rs, rsq, gmax, st, B, M, NT, KF, TB: tl.constexpr, TOPP: tl.constexpr):
+    """One program per row with k = `cand_k` > 0: tau, the k-th largest of the row's group maxima (int32 keys
     `[NT, B, M]`, every rank's; -2^31 when fewer than k groups), into state 5 slot 1. Fewer than k groups have a
     maximum above tau, so at most (k - 1) * G tokens lie above it, and at least k at or above it."""
     row = tl.program_id(0).to(tl.int64)
-    k = tl.load(reci + row * rs + I_TOPK)
+    k = cand_k(recf, reci, recq, rs, rsq, row, KF, TOPP)
     tau = tl.full((), -2147483648, tl.int64)
-    if (tl.load(recf + row * rs + F_T) > 0) & (k > 0) & (k <= KF):
+    if k > 0:
         i = tl.arange(0, TB)
         v = tl.load(gmax + ((i // M) * B + row) * M + i % M, mask=i < NT * M, other=-2147483648)
         lo = tl.full((), -2147483648, tl.int64)
@@ -107,27 +119,48 @@ def topk_tau_kernel(recf, reci, rs, gmax, st, B, M, NT, KF, TB: tl.constexpr):
     tl.store(st + (5 * B + row) * 4 + 1, tau)
 
 
-@triton.jit(do_not_specialize=("B",))
-def topk_compact_kernel(logits, sl, work, sw, recf, reci, rs, st, cand, ccount, B, V, CH, KF, CAP,
-                        BLOCK: tl.constexpr, PROCESSED: tl.constexpr):
-    """Rows with 0 < k <= KF: append the int32 key of every z above tau to the row's candidates `[B, CAP]`
-    (order arbitrary; the count `[B]` by one atomic per block that has any)."""
+@triton.jit(do_not_specialize=("B", "C"))
+def topk_compact_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, cand, ccount, tmass, B, V, CH, C,
+                        NT, KF, CAP, BLOCK: tl.constexpr, PROCESSED: tl.constexpr, TOPP: tl.constexpr,
+                        NPP2: tl.constexpr):
+    """Rows with k = `cand_k` > 0: append the int32 key of every z above tau to the row's candidates `[B, CAP]`
+    (order arbitrary; the count `[B]` by one atomic per block that has any). TOPP: rows without top-k also add
+    the fixed-point mass of their allowed tokens (min-p) to `tmass[0]` (blocks whose largest z is over 24 below
+    the row's maximum hold none: q needs z - m >= -23), top-k rows the number of their tokens at tau to
+    `tmass[1]` (`tmass` int64 `[2, B]`, one atomic per program)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    k = tl.load(reci + row * rs + I_TOPK)
-    if (tl.load(recf + row * rs + F_T) > 0) & (k > 0) & (k <= KF):
+    k = cand_k(recf, reci, recq, rs, rsq, row, KF, TOPP)
+    if k > 0:
         invt = tl.load(recf + row * rs + F_INVT)
         tau = tl.load(st + (5 * B + row) * 4 + 1)
+        if TOPP:
+            with_mass = tl.load(reci + row * rs + I_TOPK) == 0
+            at_tau = tl.zeros((), tl.int64)
+            m = row_zmax(parts, row, B, C, NT, NPP2)
+            log_min_p = tl.load(recf + row * rs + F_LOGMINP)
+            key_lo = tl.where(log_min_p > float("-inf"), okey(m + log_min_p), KEY_NEG_INF + 1)
+            msum = tl.zeros((), tl.int64)
         lo = c * CH
         for s in range(0, CH, BLOCK):
             offs = lo + s + tl.arange(0, BLOCK)
             msk = offs < V
-            key = okey(load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED)) - 2147483648
-            sel = msk & (key > tau)
+            z = load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED)
+            key = okey(z)
+            sel = msk & (key - 2147483648 > tau)
             n = tl.sum(sel.to(tl.int32))
             if n > 0:
                 pos = tl.atomic_add(ccount + row, n) + tl.cumsum(sel.to(tl.int32), 0) - 1
-                tl.store(cand + row * CAP + pos, key.to(tl.int32), mask=sel & (pos < CAP))
+                tl.store(cand + row * CAP + pos, (key - 2147483648).to(tl.int32), mask=sel & (pos < CAP))
+            if TOPP:
+                if with_mass & (tl.max(z) >= m - 24.0):
+                    msum += tl.sum(mass(z, m, msk & (key >= key_lo)))
+                at_tau += tl.sum((msk & (key - 2147483648 == tau)).to(tl.int64))
+        if TOPP:
+            if with_mass:
+                tl.atomic_add(tmass + row, msum)
+            else:
+                tl.atomic_add(tmass + B + row, at_tau)
 
 
 @triton.jit(do_not_specialize=("B",))

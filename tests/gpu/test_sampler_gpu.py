@@ -163,10 +163,11 @@ def test_100k_draws_equal_the_cpu_draws(spec):
 @pytest.mark.parametrize("b", (1, 64))
 def test_top_p_threshold_equals_the_cpu_reference(b):
     """The top-p threshold key the kernels leave for the sample pass equals the reference's on the full vocabulary,
-    for bulk, peaked, flat, tied and wide rows with top-k and min-p before it; the band is narrow on spread rows."""
+    for bulk, peaked, flat, tied and wide rows with top-k and min-p before it; at batch 64 both ways of
+    `triton_topp` are taken (candidates, radix)."""
     from modeling.sampler import triton_sampler as ts
     from modeling.sampler.collectives import ShardGroup
-    from tests.unit._topp_keys import band_tokens, kernel_key, reference_key
+    from tests.unit._topp_keys import kernel_key, reference_key, resolved_rows
 
     x = _logits(b, 4).float()
     for r in range(b):
@@ -186,6 +187,7 @@ def test_top_p_threshold_equals_the_cpu_reference(b):
     want, _key_lo = reference_key(x.cpu(), cpu)
     got = kernel_key(state).cpu()
     assert torch.equal(got, want), (got != want).nonzero()[:5]
-    band, counted = band_tokens(state)
-    spread = [r for r in range(b) if r % 4 != 1 and counted[r] >= 10_000]  # not the flat rows
-    assert all(band[r] * 16 <= counted[r] for r in spread), [(band[r], counted[r]) for r in spread]
+    res = resolved_rows(state)
+    assert all(res[r] for r in range(b) if r % 7 == 2)  # top-k rows
+    if b == 64:
+        assert any(res) and not all(res), res

@@ -28,16 +28,15 @@ def reference_key(x: torch.Tensor, p: SamplerParams) -> tuple[torch.Tensor, torc
 
 
 def kernel_key(state: dict) -> torch.Tensor:
-    """The key the sample pass takes: the level-3 prefix and the bin of its remaining mass (`find_bin`)."""
+    """The threshold the sample pass takes: the one found from candidates (state 5 slot 2) where there is one,
+    else the radix's level-3 prefix and the bin of its remaining mass (`find_bin`)."""
     st, hist = state["st"], state["hist"]
     h = hist[5, :, :1024]
     suf = h.flip(1).cumsum(1).flip(1)
     d = ((suf >= st[4, :, 2:3]).sum(1) - 1).clamp(min=0)
-    return (st[4, :, 1] << 10) | d
+    return torch.where(st[5, :, 2] > 0, st[5, :, 2], (st[4, :, 1] << 10) | d)
 
 
-def band_tokens(state: dict) -> tuple[list[int], list[int]]:
-    """Per row: the tokens of mass > 0 in the band of sub-bins (those the weighted radix sees), and all of them."""
-    st, cnt = state["st"].cpu(), state["cnt"].cpu()
-    band = [int(cnt[1, r, st[2, r, 0]: st[2, r, 1] + 1].sum()) for r in range(cnt.shape[1])]
-    return band, cnt[0, :, :64].sum(1).tolist()
+def resolved_rows(state: dict) -> list[bool]:
+    """Per row: whether the candidates held the threshold (else the radix levels found it)."""
+    return (state["st"][5, :, 2] > 0).tolist()

@@ -1,11 +1,12 @@
-"""The Triton top-p passes under the CPU interpreter: the threshold key equals the torch path's, row by row.
+"""The Triton top-p under the CPU interpreter: the threshold key equals the torch path's, row by row.
 
 The sampled tokens of `test_sampler_interpret.py` change only when the threshold moves across the winning token;
 here the threshold key itself (the state the sample pass reads) is compared with the reference's `radix_select` on
-the same fixed-point masses, for rows built to stress the bands of bins (`triton_topp.band`): peaked, bulk,
-flat (every token in one or two bins), few distinct values (ties across the threshold), a wide range (most masses
-0), top_p near 0 and near 1, with min-p and top-k before it, fp32 and bf16 logits. It also pins that the band is
-narrow on rows whose mass is spread over many bins: the weighted radix then touches few tokens.
+the same fixed-point masses, for rows that take either way of `triton_topp`: peaked, bulk, flat, few distinct
+values (ties across the threshold), a wide range (most masses 0), half the ids banned, top_p near 0 and near 1,
+with min-p and top-k before it, fp32 and bf16 logits. Groups of 8 ids make the 128 largest group maxima a small
+part of the row, so flat rows' candidates cannot hold the threshold (the radix finds it) while peaked rows' and
+top-k rows' do (the shortcut): both ways are pinned equal to the reference.
 """
 import pytest
 
@@ -19,9 +20,9 @@ import torch
 from modeling.sampler import HostBatch, RowSpec, SamplerParams, SamplerVariant
 from modeling.sampler import triton_sampler as ts
 from modeling.sampler.collectives import ShardGroup
-from tests.unit._topp_keys import band_tokens, kernel_key, reference_key
+from tests.unit._topp_keys import kernel_key, reference_key, resolved_rows
 
-ts.BLOCK, ts.MAX_CHUNK = 256, 1024
+ts.BLOCK, ts.MAX_CHUNK, ts.SELECT_BLOCK, ts.TOPK_GROUP = 256, 1024, 64, 8
 CAPS = dict(max_bias=8, max_ban=4, max_penalty_tokens=16)
 V = 3001
 TOP_P = (0.9, 0.5, 0.99, 0.01, 0.95, 0.8)
@@ -64,10 +65,10 @@ for dtype in (torch.float32, torch.bfloat16):
     state = {}
     ts.sample_triton(x, p, SamplerVariant(top_k=True, top_p=True), 0, 0, ShardGroup(None), V, state=state)
     want, key_lo = reference_key(x, p)
-    band, counted = band_tokens(state)
-    out[str(dtype)] = {"want": want.tolist(), "got": kernel_key(state).tolist(),
-                       "key_lo_equal": torch.equal(state["st"][4, :, 0], key_lo), "band": band, "counted": counted,
-                       "first": state["st"][2, :, 0].tolist(), "last": state["st"][2, :, 1].tolist()}
+    res = resolved_rows(state)
+    key_lo_equal = all(bool(state["st"][4, r, 0] == key_lo[r]) for r in range(b) if not res[r])
+    out[str(dtype)] = {"want": want.tolist(), "got": kernel_key(state).tolist(), "key_lo_equal": key_lo_equal,
+                       "resolved": res, "top_k": [s.top_k for s in specs()]}
 print("RESULT" + json.dumps(out))
 """
 
@@ -82,14 +83,16 @@ def test_top_p_threshold_equals_the_reference(results, dtype):
     r = results[dtype]
     assert r["key_lo_equal"]
     for row, (want, got) in enumerate(zip(r["want"], r["got"])):
-        assert got == want, (dtype, row, r["first"][row], r["last"][row])
+        assert got == want, (dtype, row, r["resolved"][row])
 
 
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
-def test_band_holds_few_tokens_when_the_mass_is_spread(results, dtype):
+def test_both_ways_are_taken(results, dtype):
+    """Top-k rows always resolve from their candidates (with bf16 ties at tau too); of the others, peaked rows do
+    and flat rows do not."""
     r = results[dtype]
-    assert all(r["first"][row] <= r["last"][row] for row in range(24))
-    spread = [row for row in range(24) if r["counted"][row] >= 500]  # rows with many tokens of mass > 0
-    assert len(spread) >= 8
-    for row in spread:  # the weighted radix sees at most 1/16 of them
-        assert r["band"][row] * 16 <= r["counted"][row], (dtype, row, r["band"][row], r["counted"][row])
+    assert all(r["resolved"][row] for row in range(24) if r["top_k"][row])
+    others = [r["resolved"][row] for row in range(24) if not r["top_k"][row]]
+    assert any(others) and not all(others), others
+    assert r["resolved"][1] and r["resolved"][7]  # peaked rows (kind 1), without top-k
+    assert not r["resolved"][8] and not r["resolved"][20]  # flat rows (kind 2), top_p 0.99
