@@ -9,7 +9,7 @@ Stages per call, each a `(B, C)` grid over chunks of the vocabulary shard unless
                max key of z of every 32 ids, top-k level-1 counts (larger k)          1 pass   gather, sum
   [top-N, TP]  grid B: this rank's top N from its group maxima (`local_top`)         -        gather
   [top_k / top_p] grid B: tau, the k-th largest group max (top-p rows without top-k: the
-               128th); candidates above tau (and the total mass of those top-p rows); grid B:
+               512th); candidates above tau (and the total mass of those top-p rows); grid B:
                the k-th largest candidate (k <= 128)                                 1 pass    gather each
   [large_top_k] top-k levels 2, 3 (rows with k > 128)                                2 passes  sum each
   [top_p]      (`triton_topp`) grid B: the threshold from the candidates where they hold
@@ -45,6 +45,7 @@ MAX_CHUNK = 16384
 TARGET_PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
 TOPK_GROUP = 32  # top-k: ids per group maximum (at least; doubled until the row's maxima fit TOPK_MAX_GROUPS)
 TOPK_MAX_GROUPS = 8192  # group maxima one program per row holds in registers
+TOPP_GROUPS = 512  # top-p rows without top-k: candidates above their 512th largest group maximum (tests lower it)
 SELECT_BLOCK = 1024  # candidates per load of the top-k bisection (tests lower it)
 TOPN_GROUP = 32  # top-N logprobs: ids per group maximum (at least; doubled until a row's maxima fit TOPN_MAX_GROUPS)
 TOPN_MAX_GROUPS = 8192  # group maxima (int64 keys) one program per row holds in registers
@@ -164,14 +165,14 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
     sel = {"HAS_TOPK": variant.top_k, "TOPK_LARGE": variant.large_top_k}
     topp = {"TOPP": variant.top_p}
     if gather_cands:  # k <= kf (top-p: kf): tau from the group maxima, the candidates above it
-        tsel.topk_tau_kernel[(b,)](recf, reci, recq, rs, rsq, group.gather(gmax), st, b, m, nt, kf, TB=shape.tb_k,
-                                   **topp, num_warps=8, enable_fp_fusion=False)
-        cap = kf * g  # > (k - 1) * g, the most candidates a row can have over all ranks
+        tsel.topk_tau_kernel[(b,)](recf, reci, recq, rs, rsq, group.gather(gmax), st, b, m, nt, kf, TOPP_GROUPS,
+                                   TB=shape.tb_k, **topp, num_warps=8, enable_fp_fusion=False)
+        cap = kf * g  # > (k - 1) * g, the most candidates a top-k row can have over all ranks
         cand = torch.empty((b, cap), dtype=torch.int32, device=dev)
         count = torch.zeros((b,), dtype=torch.int32, device=dev)
         tmass = torch.zeros((2, b), dtype=torch.int64, device=dev)
         tsel.topk_compact_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, cand, count, tmass, b, v, ch, c,
-                                       nt, kf, cap, BLOCK=BLOCK, **flags, **topp, NPP2=npp2, **_OPTS)
+                                       nt, kf, TOPP_GROUPS, cap, BLOCK=BLOCK, **flags, **topp, NPP2=npp2, **_OPTS)
         cand, count = group.gather(cand), group.gather(count)
         if variant.top_k:  # the k-th largest candidate
             tsel.topk_select_kernel[(b,)](recf, reci, rs, st, cand, count, b, nt, kf, cap, CB=SELECT_BLOCK, **_OPTS)

@@ -9,8 +9,8 @@ pass needs a separate resolve launch. Top-k with k <= KF: `stats_kernel` stores 
 of G consecutive ids; one program per row finds tau, the k-th largest of those maxima (state 5 slot 1); a pass
 appends every key above tau to the row's candidates (at most (k - 1) * G of them, since fewer than k groups
 reach above tau); one program per row bisects them for the k-th largest key (state 5 slot 0), or takes tau
-when fewer than k lie above it. Top-p rows without top-k gather candidates the same way with k = KF (`cand_k`),
-and the same pass adds up their total mass (`tmass`), for `triton_topp.topp_cand_kernel`. Larger k: radix
+when fewer than k lie above it. Top-p rows without top-k gather candidates the same way with k = KP
+(`cand_k`), and the same pass adds up their total mass (`tmass`), for `triton_topp.topp_cand_kernel`. Larger k: radix
 select on the ordered key of z (digits 11 / 11 / 10 bits; histograms 0-2 count, state 0-1 (prefix, remaining
 count)). Top-p (`triton_topp.py`) uses histograms 3-5, state 2-4 and state 5 slot 2, and the helpers here.
 """
@@ -87,23 +87,24 @@ def load_z(logits, sl, work, sw, row, offs, msk, invt, PROCESSED: tl.constexpr):
 
 
 @triton.jit
-def cand_k(recf, reci, recq, rs, rsq, row, KF, TOPP: tl.constexpr):
-    """How many of a row's largest keys its candidates must hold (0: the row gathers none): k for a sampled row
-    with top-k 0 < k <= KF; KF for a sampled top-p row without top-k (TOPP: the variant has top-p rows)."""
+def cand_k(recf, reci, recq, rs, rsq, row, KF, KP, TOPP: tl.constexpr):
+    """How many of a row's largest group maxima its candidates must hold (0: the row gathers none): k for a
+    sampled row with top-k 0 < k <= KF; KP for a sampled top-p row without top-k (TOPP: the variant has top-p
+    rows; their candidates may overflow the buffer, which `topp_cand_kernel` detects)."""
     k = tl.load(reci + row * rs + I_TOPK)
     kc = tl.where((k > 0) & (k <= KF), k, 0)
     if TOPP:
-        kc = tl.where((k == 0) & (tl.load(recq + row * rsq + Q_TOPP) > 0), KF, kc)
+        kc = tl.where((k == 0) & (tl.load(recq + row * rsq + Q_TOPP) > 0), KP, kc)
     return tl.where(tl.load(recf + row * rs + F_T) > 0, kc, 0)
 
 
 @triton.jit(do_not_specialize=("B", "M"))
-def topk_tau_kernel(recf, reci, recq, rs, rsq, gmax, st, B, M, NT, KF, TB: tl.constexpr, TOPP: tl.constexpr):
+def topk_tau_kernel(recf, reci, recq, rs, rsq, gmax, st, B, M, NT, KF, KP, TB: tl.constexpr, TOPP: tl.constexpr):
     """One program per row with k = `cand_k` > 0: tau, the k-th largest of the row's group maxima (int32 keys
     `[NT, B, M]`, every rank's; -2^31 when fewer than k groups), into state 5 slot 1. Fewer than k groups have a
     maximum above tau, so at most (k - 1) * G tokens lie above it, and at least k at or above it."""
     row = tl.program_id(0).to(tl.int64)
-    k = cand_k(recf, reci, recq, rs, rsq, row, KF, TOPP)
+    k = cand_k(recf, reci, recq, rs, rsq, row, KF, KP, TOPP)
     tau = tl.full((), -2147483648, tl.int64)
     if k > 0:
         i = tl.arange(0, TB)
@@ -121,7 +122,7 @@ def topk_tau_kernel(recf, reci, recq, rs, rsq, gmax, st, B, M, NT, KF, TB: tl.co
 
 @triton.jit(do_not_specialize=("B", "C"))
 def topk_compact_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, cand, ccount, tmass, B, V, CH, C,
-                        NT, KF, CAP, BLOCK: tl.constexpr, PROCESSED: tl.constexpr, TOPP: tl.constexpr,
+                        NT, KF, KP, CAP, BLOCK: tl.constexpr, PROCESSED: tl.constexpr, TOPP: tl.constexpr,
                         NPP2: tl.constexpr):
     """Rows with k = `cand_k` > 0: append the int32 key of every z above tau to the row's candidates `[B, CAP]`
     (order arbitrary; the count `[B]` by one atomic per block that has any). TOPP: rows without top-k also add
@@ -130,7 +131,7 @@ def topk_compact_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, 
     `tmass[1]` (`tmass` int64 `[2, B]`, one atomic per program)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    k = cand_k(recf, reci, recq, rs, rsq, row, KF, TOPP)
+    k = cand_k(recf, reci, recq, rs, rsq, row, KF, KP, TOPP)
     if k > 0:
         invt = tl.load(recf + row * rs + F_INVT)
         tau = tl.load(st + (5 * B + row) * 4 + 1)

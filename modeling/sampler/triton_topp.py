@@ -4,9 +4,10 @@ fixed-point mass q (`triton_numerics.mass`) of the allowed tokens, exactly (the 
 Two ways, both exact, per row:
 
   from candidates  `topp_cand_kernel`, one program per row, after the top-k candidate passes
-                   (`triton_select`): the candidates are every token above tau (tau: the KF-th largest group
-                   maximum, or the top-k row's own), so when their mass reaches the target the threshold lies
-                   among them, and a bisection over their keys finds it. Top-k rows (k <= KF) always resolve
+                   (`triton_select`): the candidates are every token above tau (tau: the KP-th largest group
+                   maximum, or the top-k row's own), so when their mass reaches the target (and none
+                   overflowed the buffer) the threshold lies among them, and a bisection over their keys finds
+                   it. Top-k rows (k <= KF) always resolve
                    this way: their allowed tokens are the candidates and (ties) the tokens at tau, which the
                    candidate pass counts. Rows whose mass is spread wider than the candidates (and rows with
                    k > KF) are left to
@@ -66,9 +67,12 @@ def topp_cand_kernel(recf, reci, recq, rs, rsq, parts, st, hist, cand, ccount, t
                             HAS_TOPK, TOPK_LARGE)
         tau = tl.load(st + (5 * B + row) * 4 + 1)
         cmass = tl.zeros((), tl.int64)
+        whole = tl.full((), 1, tl.int1)  # no rank's candidates overflowed CAP (top-p rows without top-k may)
         qrow = qbuf + row * (NT * CAP)
         for r in range(NT):
-            nr = tl.minimum(tl.load(ccount + r * B + row), CAP)
+            nr = tl.load(ccount + r * B + row)
+            whole = whole & (nr <= CAP)
+            nr = tl.minimum(nr, CAP)
             for s in range(0, nr, CB):
                 ii = s + tl.arange(0, CB)
                 ok = ii < nr
@@ -84,7 +88,7 @@ def topp_cand_kernel(recf, reci, recq, rs, rsq, parts, st, hist, cand, ccount, t
         target = top_p_target(total, fixed)
         if (k > 0) & (cmass < target):  # S(tau) = total >= target > S(tau + 1) = cmass
             res = key_tau
-        if cmass >= target:
+        if whole & (cmass >= target):
             lo = tl.maximum(key_lo, key_tau + 1)  # S(lo) = cmass >= target; S(2^32) = 0 < target
             hi = tl.full((), 4294967296, tl.int64)
             for _ in range(32):  # the largest K with S(K) = sum of q over candidates with key >= K >= target

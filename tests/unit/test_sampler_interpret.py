@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 from modeling.sampler import HostBatch, RowSpec, SamplerParams, SamplerVariant, sample
 from modeling.sampler import triton_sampler as ts
 
-ts.BLOCK, ts.MAX_CHUNK, ts.SELECT_BLOCK, ts.TOPK_GROUP = 256, 512, 64, 8  # groups of 8: top-p takes both ways
+ts.BLOCK, ts.MAX_CHUNK, ts.SELECT_BLOCK = 256, 512, 64
+ts.TOPK_GROUP, ts.TOPP_GROUPS = 8, 64  # more groups than top-p's candidates hold: it takes both ways
 CAPS = dict(max_bias=8, max_ban=4, max_penalty_tokens=16)
 V_TP, SPLIT = 2002, 1001
 

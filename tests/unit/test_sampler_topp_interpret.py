@@ -4,9 +4,10 @@ The sampled tokens of `test_sampler_interpret.py` change only when the threshold
 here the threshold key itself (the state the sample pass reads) is compared with the reference's `radix_select` on
 the same fixed-point masses, for rows that take either way of `triton_topp`: peaked, bulk, flat, few distinct
 values (ties across the threshold), a wide range (most masses 0), half the ids banned, top_p near 0 and near 1,
-with min-p and top-k before it, fp32 and bf16 logits. Groups of 8 ids make the 128 largest group maxima a small
-part of the row, so flat rows' candidates cannot hold the threshold (the radix finds it) while peaked rows' and
-top-k rows' do (the shortcut): both ways are pinned equal to the reference.
+with min-p and top-k before it, fp32 and bf16 logits. Groups of 8 ids and candidates above the 64th largest group
+maximum make the candidates a small part of the row, so flat rows' cannot hold the threshold (the radix finds it)
+while peaked rows' and top-k rows' do (the shortcut), and a run whose candidates overflow the buffer takes the
+radix: every way is pinned equal to the reference.
 """
 import pytest
 
@@ -57,8 +58,9 @@ def specs():
 
 
 out = {}
-for dtype in (torch.float32, torch.bfloat16):
-    x = logits(dtype)
+for dtype, groups in ((torch.float32, 64), (torch.bfloat16, 64), ("overflow", 400)):
+    ts.TOPP_GROUPS = groups  # 400 > the row's 375 groups: every token a candidate, more than the buffer holds
+    x = logits(torch.bfloat16 if dtype == "overflow" else dtype)
     b = x.shape[0]
     p = SamplerParams(b, "cpu", **CAPS)
     p.load(HostBatch.from_rows(specs(), vocab_size=V, **CAPS))
@@ -78,7 +80,7 @@ def results() -> dict:
     return run_interpreted(_CHILD, timeout_s=600)
 
 
-@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16", "overflow"])
 def test_top_p_threshold_equals_the_reference(results, dtype):
     r = results[dtype]
     assert r["key_lo_equal"]
@@ -96,3 +98,11 @@ def test_both_ways_are_taken(results, dtype):
     assert any(others) and not all(others), others
     assert r["resolved"][1] and r["resolved"][7]  # peaked rows (kind 1), without top-k
     assert not r["resolved"][8] and not r["resolved"][20]  # flat rows (kind 2), top_p 0.99
+
+
+def test_overflowing_candidates_take_the_radix(results):
+    """Candidates past the buffer (here: every token of rows with fewer groups than the top-p count) are
+    detected: those rows take the radix levels (and the threshold still equals the reference's, above)."""
+    r = results["overflow"]
+    assert all(r["resolved"][row] for row in range(24) if r["top_k"][row])
+    assert not any(r["resolved"][row] for row in range(24) if not r["top_k"][row])
