@@ -164,7 +164,7 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
         cands = group.gather(cands)
     sel = {"HAS_TOPK": variant.top_k, "TOPK_LARGE": variant.large_top_k}
     topp = {"TOPP": variant.top_p}
-    if gather_cands:  # k <= kf (top-p: kf): tau from the group maxima, the candidates above it
+    if gather_cands:  # k <= kf (top-p rows without top-k: TOPP_GROUPS): tau, the candidates above it
         tsel.topk_tau_kernel[(b,)](recf, reci, recq, rs, rsq, group.gather(gmax), st, b, m, nt, kf, TOPP_GROUPS,
                                    TB=shape.tb_k, **topp, num_warps=8, enable_fp_fusion=False)
         cap = kf * g  # > (k - 1) * g, the most candidates a top-k row can have over all ranks

@@ -7,10 +7,9 @@ Two ways, both exact, per row:
                    (`triton_select`): the candidates are every token above tau (tau: the KP-th largest group
                    maximum, or the top-k row's own), so when their mass reaches the target (and none
                    overflowed the buffer) the threshold lies among them, and a bisection over their keys finds
-                   it. Top-k rows (k <= KF) always resolve
-                   this way: their allowed tokens are the candidates and (ties) the tokens at tau, which the
-                   candidate pass counts. Rows whose mass is spread wider than the candidates (and rows with
-                   k > KF) are left to
+                   it. Top-k rows (k <= KF) always resolve this way: their allowed tokens are the candidates
+                   and (ties) the tokens at tau, which the candidate pass counts. Rows whose mass is spread
+                   wider than the candidates, whose candidates overflowed, or with k > KF are left to
   the radix        `topp_level_kernel`, levels 1-3: radix select on the key of z, each token weighted by q
                    (one int64 atomic per token and digit), passes over the whole row that skip resolved rows.
 
@@ -55,7 +54,8 @@ def topp_cand_kernel(recf, reci, recq, rs, rsq, parts, st, hist, cand, ccount, t
     """One program per row: the top-p threshold from the candidates (int32 keys - 2^31 `[NT, B, CAP]` and counts
     `[NT, B]`, every rank's; `tmass` int64 `[2, B]` summed over ranks: the total mass of rows without top-k, the
     tokens at tau of top-k rows) into state 5 slot 2, or 0 where they cannot hold it (rows without top-k whose
-    candidates hold less than the target; k > KF). `qbuf` int64 `[B, NT * CAP]`: the candidates' masses."""
+    candidates hold less than the target or overflowed CAP on some rank; k > KF). `qbuf` int64 `[B, NT * CAP]`:
+    the candidates' masses."""
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(recf + row * rs + F_T)
     fixed = tl.load(recq + row * rsq + Q_TOPP)
