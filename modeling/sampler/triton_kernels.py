@@ -150,18 +150,18 @@ def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hi
     invt = tl.load(recf + row * rs + F_INVT)
     seed = tl.load(recq + row * rsq + Q_SEED)
     position = tl.load(recq + row * rsq + Q_POS)
+    k = tl.load(reci + row * rs + I_TOPK)
+    m = row_zmax(parts, row, B, C, NT, NPP2)
+    key_lo = lowest_key(row, B, k, (t > 0) & (k > 0), t > 0, tl.load(recf + row * rs + F_LOGMINP), m, st, hist,
+                        KF, HAS_TOPK, TOPK_LARGE)
     if HAS_TOPP:
-        sp = st + (4 * B + row) * 4
-        key_lo = tl.load(sp)
-        d, _n = find_bin(hist + (5 * B + row) * HS, 1024, tl.load(sp + 2))
-        on_p = (t > 0) & (tl.load(recq + row * rsq + Q_TOPP) > 0)
-        res = resolved_threshold(st, B, row)
-        key_lo = tl.where(on_p, tl.maximum(key_lo, tl.where(res > 0, res, (tl.load(sp + 1) << 10) | d)), key_lo)
-    else:
-        k = tl.load(reci + row * rs + I_TOPK)
-        m = row_zmax(parts, row, B, C, NT, NPP2)
-        key_lo = lowest_key(row, B, k, (t > 0) & (k > 0), t > 0, tl.load(recf + row * rs + F_LOGMINP), m, st, hist,
-                         KF, HAS_TOPK, TOPK_LARGE)
+        if (t > 0) & (tl.load(recq + row * rsq + Q_TOPP) > 0):
+            thr = resolved_threshold(st, B, row)  # from the candidates, else the radix's last digit
+            if thr == 0:
+                sp = st + (4 * B + row) * 4
+                d, _n = find_bin(hist + (5 * B + row) * HS, 1024, tl.load(sp + 2))
+                thr = (tl.load(sp + 1) << 10) | d
+            key_lo = tl.maximum(key_lo, thr)
     greedy = t == 0
     bound = tl.where(greedy, 0.0, 17.0)  # > the largest noise value, 16.7
     lo = c * CH

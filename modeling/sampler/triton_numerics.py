@@ -108,6 +108,23 @@ def mass(z, m, allowed):
 
 
 @triton.jit
+def mass_sum(z, m, allowed):
+    """int64: the sum of `mass(z, m, allowed)` over a 1-D block of at most 2^15 tokens, bit for bit, with int32
+    work per token: q = hi 2^16 + lo, hi = floor(e 2^16) and lo = floor((e 2^16 - hi) 2^16) (both exact in fp32:
+    scaling by powers of two, and Sterbenz's lemma for the subtraction)."""
+    d = z - m
+    ok = allowed & (d >= -23.0)
+    dc = tl.minimum(tl.maximum(d, -23.0), 0.0)
+    e = tl.minimum(tl.where(ok, pexp(dc), 0.0), 1.0)
+    s = e * 65536.0
+    sf = tl.floor(s)
+    top = e >= 1.0  # mass caps q at 2^32 - 1
+    hi = tl.where(top, 65535, sf.to(tl.int32))
+    lo = tl.where(top, 65535, ((s - sf) * 65536.0).to(tl.int32))
+    return tl.sum(hi).to(tl.int64) * 65536 + tl.sum(lo).to(tl.int64)
+
+
+@triton.jit
 def gumbel_tile(g0, seed, position, R: tl.constexpr):
     """Gumbel noise fp32 `[R, 4]` for global ids g0 + 4 r + j (g0 a multiple of 4); seed, position int64."""
     ctr = ((g0 >> 2) + tl.arange(0, R)).to(tl.uint32)

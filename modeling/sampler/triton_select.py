@@ -17,7 +17,7 @@ count)). Top-p (`triton_topp.py`) uses histograms 3-5, state 2-4 and state 5 slo
 import triton
 import triton.language as tl
 
-from .triton_numerics import KEY_NEG_INF, mass, okey
+from .triton_numerics import KEY_NEG_INF, mass_sum, okey
 
 HS = tl.constexpr(2056)  # histogram row stride; slot 2048 = a mass sum (top-p, `triton_topp.py`)
 # scalar record columns (modeling.sampler.params)
@@ -155,7 +155,7 @@ def topk_compact_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, 
                 tl.store(cand + row * CAP + pos, (key - 2147483648).to(tl.int32), mask=sel & (pos < CAP))
             if TOPP:
                 if with_mass & (tl.max(z) >= m - 24.0):
-                    msum += tl.sum(mass(z, m, msk & (key >= key_lo)))
+                    msum += mass_sum(z, m, msk & (key >= key_lo))
                 at_tau += tl.sum((msk & (key - 2147483648 == tau)).to(tl.int64))
         if TOPP:
             if with_mass:

@@ -91,20 +91,32 @@ def topp_cand_kernel(recf, reci, recq, rs, rsq, parts, st, hist, cand, ccount, t
         if whole & (cmass >= target):
             lo = tl.maximum(key_lo, key_tau + 1)  # S(lo) = cmass >= target; S(2^32) = 0 < target
             hi = tl.full((), 4294967296, tl.int64)
-            for _ in range(32):  # the largest K with S(K) = sum of q over candidates with key >= K >= target
-                mid = lo + (hi - lo) // 2
-                acc = tl.zeros((), tl.int64)
-                for r in range(NT):
-                    nr = tl.minimum(tl.load(ccount + r * B + row), CAP)
-                    for s in range(0, nr, CB):
-                        ii = s + tl.arange(0, CB)
-                        ok = ii < nr
-                        key = tl.load(cand + (r * B + row) * CAP + ii, mask=ok, other=0).to(tl.int64) + 2147483648
-                        q = tl.load(qrow + r * CAP + ii, mask=ok, other=0)
-                        acc += tl.sum(tl.where(key >= mid, q, 0))
-                big = acc >= target
-                lo = tl.where(big, mid, lo)
-                hi = tl.where(big, hi, mid)
+            n0 = tl.minimum(tl.load(ccount + row), CAP)
+            if (NT == 1) & (n0 <= CB):  # one block of candidates: the bisection in registers
+                ii = tl.arange(0, CB)
+                key = tl.load(cand + row * CAP + ii, mask=ii < n0, other=0).to(tl.int64) + 2147483648
+                q = mass(z_of_key(key), m, (ii < n0) & (key >= key_lo))
+                for _ in range(32):  # the largest K with S(K) = sum of q over candidates with key >= K >= target
+                    mid = lo + (hi - lo) // 2
+                    big = tl.sum(tl.where(key >= mid, q, 0)) >= target
+                    lo = tl.where(big, mid, lo)
+                    hi = tl.where(big, hi, mid)
+            else:
+                tl.debug_barrier()  # qbuf's stores before any thread of the program reads them
+                for _ in range(32):
+                    mid = lo + (hi - lo) // 2
+                    acc = tl.zeros((), tl.int64)
+                    for r in range(NT):
+                        nr = tl.minimum(tl.load(ccount + r * B + row), CAP)
+                        for s in range(0, nr, CB):
+                            ii = s + tl.arange(0, CB)
+                            ok = ii < nr
+                            key = tl.load(cand + (r * B + row) * CAP + ii, mask=ok, other=0).to(tl.int64) + 2147483648
+                            q = tl.load(qrow + r * CAP + ii, mask=ok, other=0)
+                            acc += tl.sum(tl.where(key >= mid, q, 0))
+                    big = acc >= target
+                    lo = tl.where(big, mid, lo)
+                    hi = tl.where(big, hi, mid)
             res = lo
     tl.store(st + (5 * B + row) * 4 + 2, res)
 
@@ -114,45 +126,45 @@ def topp_level_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st
                       LEVEL: tl.constexpr, BLOCK: tl.constexpr, PROCESSED: tl.constexpr, HAS_TOPK: tl.constexpr,
                       TOPK_LARGE: tl.constexpr, NPP2: tl.constexpr):
     """Rows the candidates did not resolve: resolve the previous top-p digit (or, at LEVEL 1, key_lo), add the
-    masses q of allowed tokens by digit LEVEL of their key (and, at LEVEL 1, their total)."""
+    masses q of allowed tokens by digit LEVEL of their key (and, at LEVEL 1, their total). Other rows' programs
+    return at once (the sample pass reads this state only for the rows it serves)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = tl.load(recf + row * rs + F_T)
-    invt = tl.load(recf + row * rs + F_INVT)
     fixed = tl.load(recq + row * rsq + Q_TOPP)
-    on = (t > 0) & (fixed > 0) & (resolved_threshold(st, B, row) == 0)
-    m = row_zmax(parts, row, B, C, NT, NPP2)
-    if LEVEL == 1:
-        k = tl.load(reci + row * rs + I_TOPK)
-        key_lo = lowest_key(row, B, k, (t > 0) & (k > 0), t > 0, tl.load(recf + row * rs + F_LOGMINP), m, st, hist,
-                            KF, HAS_TOPK, TOPK_LARGE)
-        prefix = tl.full((), 0, tl.int64)
-        need = tl.full((), 0, tl.int64)
-        SHIFT_IN: tl.constexpr = 32
-        SHIFT_D: tl.constexpr = 21
-        DMASK: tl.constexpr = 2047
-    elif LEVEL == 2:
-        key_lo = tl.load(st + (2 * B + row) * 4)
-        total = tl.load(hist + (3 * B + row) * HS + 2048)
-        d, need = find_bin(hist + (3 * B + row) * HS, 2048, top_p_target(total, fixed))
-        prefix = d
-        SHIFT_IN: tl.constexpr = 21
-        SHIFT_D: tl.constexpr = 10
-        DMASK: tl.constexpr = 2047
-    else:
-        sp = st + (3 * B + row) * 4
-        key_lo = tl.load(sp)
-        d, need = find_bin(hist + (4 * B + row) * HS, 2048, tl.load(sp + 2))
-        prefix = (tl.load(sp + 1) << 11) | d
-        SHIFT_IN: tl.constexpr = 10
-        SHIFT_D: tl.constexpr = 0
-        DMASK: tl.constexpr = 1023
-    if c == 0:
-        sp = st + ((LEVEL + 1) * B + row) * 4
-        tl.store(sp, key_lo)
-        tl.store(sp + 1, prefix)
-        tl.store(sp + 2, need)
-    if on:
+    if (t > 0) & (fixed > 0) & (resolved_threshold(st, B, row) == 0):
+        invt = tl.load(recf + row * rs + F_INVT)
+        m = row_zmax(parts, row, B, C, NT, NPP2)
+        if LEVEL == 1:
+            k = tl.load(reci + row * rs + I_TOPK)
+            key_lo = lowest_key(row, B, k, k > 0, t > 0, tl.load(recf + row * rs + F_LOGMINP), m, st, hist, KF,
+                                HAS_TOPK, TOPK_LARGE)
+            prefix = tl.full((), 0, tl.int64)
+            need = tl.full((), 0, tl.int64)
+            SHIFT_IN: tl.constexpr = 32
+            SHIFT_D: tl.constexpr = 21
+            DMASK: tl.constexpr = 2047
+        elif LEVEL == 2:
+            key_lo = tl.load(st + (2 * B + row) * 4)
+            total = tl.load(hist + (3 * B + row) * HS + 2048)
+            d, need = find_bin(hist + (3 * B + row) * HS, 2048, top_p_target(total, fixed))
+            prefix = d
+            SHIFT_IN: tl.constexpr = 21
+            SHIFT_D: tl.constexpr = 10
+            DMASK: tl.constexpr = 2047
+        else:
+            sp = st + (3 * B + row) * 4
+            key_lo = tl.load(sp)
+            d, need = find_bin(hist + (4 * B + row) * HS, 2048, tl.load(sp + 2))
+            prefix = (tl.load(sp + 1) << 11) | d
+            SHIFT_IN: tl.constexpr = 10
+            SHIFT_D: tl.constexpr = 0
+            DMASK: tl.constexpr = 1023
+        if c == 0:
+            sp = st + ((LEVEL + 1) * B + row) * 4
+            tl.store(sp, key_lo)
+            tl.store(sp + 1, prefix)
+            tl.store(sp + 2, need)
         hrow = hist + ((LEVEL + 2) * B + row) * HS
         total = tl.zeros((), tl.int64)
         lo = c * CH
