@@ -17,7 +17,7 @@ bitonic `tl.topk` on unique int64 keys), reading back the raw logits of NP2 grou
 import triton
 import triton.language as tl
 
-from .triton_numerics import SENTINEL, gumbel_tile, okey, pack, unpack_id, unpack_value
+from .triton_numerics import NOISE_MAX, SENTINEL, gumbel_bits, gumbel_of, okey, pack, unpack_id, unpack_value
 from .triton_select import (
     F_FREQ,
     F_INVREP,
@@ -35,7 +35,7 @@ from .triton_select import (
     find_bin,
     load_z,
     lowest_key,
-    row_zmax,
+    row_zmax_id,
 )
 from .triton_topp import resolved_threshold
 
@@ -89,10 +89,11 @@ def patch_kernel(work, sw, recf, rs, li, lf, lrs, V, voff, OFF_BI: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=("B", "C"))
-def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, nmax, gmax, hist, B, V, CH, C, KF,
+def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, nmax, gmax, hist, B, V, CH, C, KF, voff,
                  BLOCK: tl.constexpr, N: tl.constexpr, GN: tl.constexpr, G: tl.constexpr,
                  GMAX: tl.constexpr, PROCESSED: tl.constexpr, TOPK_LARGE: tl.constexpr):
-    """Per chunk: raw max and sum of exp (log-softmax), max of z, (top-N) the int32 key of the largest raw logit
+    """Per chunk: raw max and sum of exp (log-softmax), max of z and the global id of one token holding it (as
+    int32 bits: `parts[row, c]` = rmax, rsum, zmax, id), (top-N) the int32 key of the largest raw logit
     of every GN consecutive ids (`nmax` `[B, C * CH / GN]`; ids past V: -2^31), (GMAX: top-k / top-p candidates)
     the int32 key of the largest z of every G consecutive ids (`gmax` `[B, C * CH / G]`), top-k level-1 counts
     of rows with k > KF."""
@@ -105,6 +106,7 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, nmax, gmax, hist, 
     rmax = float("-inf")
     rsum = 0.0
     zmax = float("-inf")
+    zid = tl.zeros((), tl.int32)
     hacc = tl.zeros([2048], tl.int32)
     lo = c * CH
     for s in range(0, CH, BLOCK):
@@ -119,7 +121,10 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, nmax, gmax, hist, 
             z = tl.load(work + row * sw + offs, mask=msk, other=float("-inf")) * invt
         else:
             z = raw * invt
-        zmax = tl.maximum(zmax, tl.max(z))
+        zb = tl.max(z)
+        if zb > zmax:
+            zid = tl.min(tl.where(z == zb, offs, 2147483647))
+        zmax = tl.maximum(zmax, zb)
         if GMAX:
             gk = tl.max(tl.reshape((okey(z) - 2147483648).to(tl.int32), [BLOCK // G, G]), axis=1)
             tl.store(gmax + row * (C * (CH // G)) + (lo + s) // G + tl.arange(0, BLOCK // G), gk)
@@ -133,17 +138,26 @@ def stats_kernel(logits, sl, work, sw, recf, reci, rs, parts, nmax, gmax, hist, 
     tl.store(pbase, rmax)
     tl.store(pbase + 1, rsum)
     tl.store(pbase + 2, zmax)
+    tl.store(pbase + 3, (voff + zid).to(tl.float32, bitcast=True))
     if TOPK_LARGE:
         ar = tl.arange(0, 2048)
         tl.atomic_add(hist + row * HS + ar, hacc.to(tl.int64), mask=hacc > 0)
 
 
+@triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
 @triton.jit(do_not_specialize=("B", "C"))
 def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hist, best, B, V, CH, C, NT, voff, KF,
                   BLOCK: tl.constexpr, PROCESSED: tl.constexpr, HAS_TOPK: tl.constexpr, TOPK_LARGE: tl.constexpr,
-                  HAS_TOPP: tl.constexpr, NPP2: tl.constexpr):
+                  HAS_TOPP: tl.constexpr, NPP2: tl.constexpr, SKIP: tl.constexpr):
     """Per chunk: the allowed token maximising z + Gumbel noise (z alone for greedy rows), lowest id on ties.
-    Tiles of `[BLOCK / 4, 4]` ids aligned to 4 globally: one Philox call serves 4 ids."""
+    Tiles of `[BLOCK / 4, 4]` ids aligned to 4 globally: one Philox call serves 4 ids. SKIP: a sampled tile's
+    logs are computed only where its largest z plus the noise of its largest random bits reaches the best score
+    so far, which starts at the score of a token holding the row's largest z (else every tile within NOISE_MAX
+    of the best score is computed); the same tokens either way."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = tl.load(recf + row * rs + F_T)
@@ -151,7 +165,7 @@ def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hi
     seed = tl.load(recq + row * rsq + Q_SEED)
     position = tl.load(recq + row * rsq + Q_POS)
     k = tl.load(reci + row * rs + I_TOPK)
-    m = row_zmax(parts, row, B, C, NT, NPP2)
+    m, mid = row_zmax_id(parts, row, B, C, NT, NPP2)
     key_lo = lowest_key(row, B, k, (t > 0) & (k > 0), t > 0, tl.load(recf + row * rs + F_LOGMINP), m, st, hist,
                         KF, HAS_TOPK, TOPK_LARGE)
     if HAS_TOPP:
@@ -163,7 +177,7 @@ def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hi
                 thr = (tl.load(sp + 1) << 10) | d
             key_lo = tl.maximum(key_lo, thr)
     greedy = t == 0
-    bound = tl.where(greedy, 0.0, 17.0)  # > the largest noise value, 16.7
+    bound = tl.where(greedy, 0.0, NOISE_MAX + 0.01)  # above any token's noise
     lo = c * CH
     hi = tl.minimum(lo + CH, V)
     g_lo = voff + lo
@@ -172,7 +186,13 @@ def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hi
     r = tl.arange(0, R)[:, None]
     j = tl.arange(0, 4)[None, :]
     top = tl.full((), SENTINEL, tl.int64)
+    # A tile whose best possible score is below top_score cannot hold the row's winner. It starts at a score the
+    # winner's is at least: that of a token holding the row's largest z (the largest z is always allowed).
     top_score = float("-inf")
+    if SKIP & (t != 0) & (m > float("-inf")) & (mid >= 0):
+        lane = tl.arange(0, 4)
+        gs = mid - mid % 4
+        top_score = m + tl.sum(tl.where(lane == mid - gs, gumbel_of(gumbel_bits(gs, seed, position, 1)), 0.0))
     for g0 in range(a, voff + hi, BLOCK):
         gid = g0 + 4 * r + j
         loc = gid - voff
@@ -180,16 +200,25 @@ def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hi
         z = load_z(logits, sl, work, sw, row, loc, msk, invt, PROCESSED)
         allowed = msk & (okey(z) >= key_lo)
         zb = tl.max(tl.where(allowed, z, float("-inf")))
-        if (zb > float("-inf")) & (zb + bound >= top_score):
-            if greedy:
-                score = z
-            else:
-                score = z + gumbel_tile(g0, seed, position, R)
-            pk = tl.where(allowed, pack(score, gid), SENTINEL)
-            bm = tl.max(pk)
-            sc = tl.max(tl.where(pk == bm, score, float("-inf")))
-            top_score = tl.where(bm > top, sc, top_score)
-            top = tl.maximum(top, bm)
+        go = (zb > float("-inf")) & (zb + bound >= top_score)
+        if go:
+            noise = tl.zeros([R, 4], tl.float32)
+            if t != 0:
+                bits = gumbel_bits(g0, seed, position, R)
+                # the tile's largest noise is that of its largest bits: the logs only where they can win
+                if SKIP:
+                    go = zb + (gumbel_of(tl.max(tl.where(allowed, bits, 0))) + 0.01) >= top_score
+                if go:
+                    noise = gumbel_of(bits)
+            if go:
+                score = tl.where(allowed, z + noise, float("-inf"))
+                smax = tl.reduce(score, None, _max_keep_nan)  # NaN where an allowed score is (pack ranks it high)
+                if (smax >= top_score) | (smax != smax):
+                    pk = tl.where(allowed, pack(score, gid), SENTINEL)
+                    bm = tl.max(pk)
+                    sc = tl.max(tl.where(pk == bm, score, float("-inf")))
+                    top_score = tl.where(bm > top, sc, top_score)
+                    top = tl.maximum(top, bm)
     rawbits = tl.zeros((), tl.int64)
     if top != SENTINEL:
         raw = tl.load(logits + row * sl + (unpack_id(top) - voff)).to(tl.float32)

@@ -124,9 +124,16 @@ def mass_sum(z, m, allowed):
     return tl.sum(hi).to(tl.int64) * 65536 + tl.sum(lo).to(tl.int64)
 
 
+# Gumbel noise -plog(-plog(u)) of the 2^23 possible u is strictly increasing in u's random bits, up to NOISE_MAX
+# (checked for every value by tests/unit/test_sampler_gumbel_bound.py): the largest bits of a tile give its
+# largest noise.
+NOISE_MAX = tl.constexpr(16.63553237915039)
+
+
 @triton.jit
-def gumbel_tile(g0, seed, position, R: tl.constexpr):
-    """Gumbel noise fp32 `[R, 4]` for global ids g0 + 4 r + j (g0 a multiple of 4); seed, position int64."""
+def gumbel_bits(g0, seed, position, R: tl.constexpr):
+    """The 23 random bits int32 `[R, 4]` (u = (2 bits + 1) 2^-24) of global ids g0 + 4 r + j (g0 a multiple of
+    4); seed, position int64. One Philox call serves 4 ids."""
     ctr = ((g0 >> 2) + tl.arange(0, R)).to(tl.uint32)
     zero = ctr * 0
     p_lo = zero + (position & 0xFFFFFFFF).to(tl.uint32)
@@ -136,7 +143,13 @@ def gumbel_tile(g0, seed, position, R: tl.constexpr):
     w0, w1, w2, w3 = philox(ctr, p_lo, p_hi, zero, s_lo, s_hi)
     j = tl.arange(0, 4)[None, :]
     w = tl.where(j == 0, w0[:, None], tl.where(j == 1, w1[:, None], tl.where(j == 2, w2[:, None], w3[:, None])))
-    u = ((w >> 9).to(tl.int32) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
+    return (w >> 9).to(tl.int32)
+
+
+@triton.jit
+def gumbel_of(bits):
+    """fp32 Gumbel noise of `gumbel_bits` (any shape, or a scalar): -log(-log(u)), `numerics.gumbel`'s rounding."""
+    u = (bits * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
     return -plog(-plog(u))
 
 

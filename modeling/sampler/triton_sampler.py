@@ -42,6 +42,9 @@ from .reference import SampleOutput
 
 BLOCK = 1024  # elements per inner step (tests lower it under the interpreter)
 MAX_CHUNK = 16384
+SAMPLE_BLOCK = 1024  # ids per step of the Gumbel-max kernel (smaller steps skip more of the noise's logs)
+SAMPLE_WARPS = 4
+SAMPLE_SKIP = True  # skip the noise's logs in tiles that cannot win (False: the plain path, the same tokens)
 TARGET_PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
 TOPK_GROUP = 32  # top-k: ids per group maximum (at least; doubled until the row's maxima fit TOPK_MAX_GROUPS)
 TOPK_MAX_GROUPS = 8192  # group maxima one program per row holds in registers
@@ -154,7 +157,7 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
     nmax = torch.empty((b, mn) if n else (1,), dtype=torch.int32, device=dev)
     common = (logits, sl, work, sw)
     flags = {"PROCESSED": variant.processed}
-    tk.stats_kernel[grid](*common, recf, reci, rs, parts, nmax, gmax, hist, b, v, ch, c, kf, BLOCK=BLOCK, N=n,
+    tk.stats_kernel[grid](*common, recf, reci, rs, parts, nmax, gmax, hist, b, v, ch, c, kf, voff, BLOCK=BLOCK, N=n,
                           GN=gn, G=g, GMAX=gather_cands, TOPK_LARGE=variant.large_top_k, **flags, **_OPTS)
     parts = group.gather(parts)
     cands = nmax  # one rank: finish selects the top N itself
@@ -195,7 +198,8 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
         state.update(st=st, hist=hist)
     best = torch.empty((b, c, 2), dtype=torch.int64, device=dev)
     tk.sample_kernel[grid](*common, recf, reci, recq, rs, rsq, parts, st, hist, best, b, v, ch, c, nt, voff, kf,
-                           BLOCK=BLOCK, **flags, **sel, HAS_TOPP=variant.top_p, NPP2=npp2, **_OPTS)
+                           BLOCK=min(BLOCK, SAMPLE_BLOCK), **flags, **sel, HAS_TOPP=variant.top_p, NPP2=npp2,
+                           SKIP=SAMPLE_SKIP, **{**_OPTS, "num_warps": SAMPLE_WARPS})
     best = group.gather(best)
     tokens = torch.empty((b,), dtype=torch.int64, device=dev)
     chosen = torch.empty((b,), dtype=torch.float32, device=dev)

@@ -62,6 +62,18 @@ def row_zmax(parts, row, B, C, NT, NPP2: tl.constexpr):
 
 
 @triton.jit
+def row_zmax_id(parts, row, B, C, NT, NPP2: tl.constexpr):
+    """(max z of the row, the global id int32 of a token holding it) from the partials `[NT, B, C, 4]`."""
+    i = tl.arange(0, NPP2)
+    ok = i < NT * C
+    base = ((i // C) * B + row) * C + i % C
+    zm = tl.load(parts + base * 4 + 2, mask=ok, other=float("-inf"))
+    m = tl.max(zm)
+    ids = tl.load(parts + base * 4 + 3, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+    return m, tl.max(tl.where(ok & (zm == m), ids, -1))
+
+
+@triton.jit
 def lowest_key(row, B, k, topk_on, sampled, log_min_p, m, st, hist, KF, HAS_TOPK: tl.constexpr,
             TOPK_LARGE: tl.constexpr):
     """Lowest allowed ordered key after top-k and min-p (always above -inf)."""
