@@ -17,7 +17,17 @@ bitonic `tl.topk` on unique int64 keys), reading back the raw logits of NP2 grou
 import triton
 import triton.language as tl
 
-from .triton_numerics import NOISE_MAX, SENTINEL, gumbel_bits, gumbel_of, okey, pack, unpack_id, unpack_value
+from .triton_numerics import (
+    NOISE_MAX,
+    SENTINEL,
+    gumbel_bits,
+    gumbel_of,
+    noise_bound,
+    okey,
+    pack,
+    unpack_id,
+    unpack_value,
+)
 from .triton_select import (
     F_FREQ,
     F_INVREP,
@@ -155,9 +165,9 @@ def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hi
                   HAS_TOPP: tl.constexpr, NPP2: tl.constexpr, SKIP: tl.constexpr):
     """Per chunk: the allowed token maximising z + Gumbel noise (z alone for greedy rows), lowest id on ties.
     Tiles of `[BLOCK / 4, 4]` ids aligned to 4 globally: one Philox call serves 4 ids. SKIP: a sampled tile's
-    logs are computed only where its largest z plus the noise of its largest random bits reaches the best score
-    so far, which starts at the score of a token holding the row's largest z (else every tile within NOISE_MAX
-    of the best score is computed); the same tokens either way."""
+    logs are computed only where its largest z plus `noise_bound` of its largest random bits reaches the best
+    score so far, which starts at the score of a token holding the row's largest z (else every tile within
+    NOISE_MAX of the best score is computed); the same tokens either way."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = tl.load(recf + row * rs + F_T)
@@ -177,7 +187,7 @@ def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hi
                 thr = (tl.load(sp + 1) << 10) | d
             key_lo = tl.maximum(key_lo, thr)
     greedy = t == 0
-    bound = tl.where(greedy, 0.0, NOISE_MAX + 0.01)  # above any token's noise
+    bound = tl.where(greedy, 0.0, NOISE_MAX)
     lo = c * CH
     hi = tl.minimum(lo + CH, V)
     g_lo = voff + lo
@@ -205,9 +215,8 @@ def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hi
             noise = tl.zeros([R, 4], tl.float32)
             if t != 0:
                 bits = gumbel_bits(g0, seed, position, R)
-                # the tile's largest noise is that of its largest bits: the logs only where they can win
-                if SKIP:
-                    go = zb + (gumbel_of(tl.max(tl.where(allowed, bits, 0))) + 0.01) >= top_score
+                if SKIP:  # the logs only where the tile's largest z plus its largest noise can win
+                    go = zb + noise_bound(tl.max(tl.where(allowed, bits, 0))) >= top_score
                 if go:
                     noise = gumbel_of(bits)
             if go:

@@ -124,10 +124,18 @@ def mass_sum(z, m, allowed):
     return tl.sum(hi).to(tl.int64) * 65536 + tl.sum(lo).to(tl.int64)
 
 
-# Gumbel noise -plog(-plog(u)) of the 2^23 possible u is strictly increasing in u's random bits, up to NOISE_MAX
-# (checked for every value by tests/unit/test_sampler_gumbel_bound.py): the largest bits of a tile give its
-# largest noise.
-NOISE_MAX = tl.constexpr(16.63553237915039)
+NOISE_MAX = tl.constexpr(16.65)  # above the largest Gumbel noise, 24 ln 2 = 16.6355
+
+
+@triton.jit
+def noise_bound(bits):
+    """An upper bound of `gumbel_of(bits)`, non-decreasing in bits, from integer work: -log(-log u) <=
+    -log(1 - u) = ln 2 (24 - log2 n) for n = 2^24 (1 - u) = 2^24 - 2 bits - 1 >= 1, with floor(log2 n) read from
+    n's exponent as fp32 (exact below 2^24); plus 0.01 for the logs' rounding (tests/unit/
+    test_sampler_gumbel_bound.py checks every value)."""
+    n = (16777215 - 2 * bits).to(tl.float32)
+    e = (n.to(tl.int32, bitcast=True) >> 23) - 127
+    return (24 - e).to(tl.float32) * 0.6931471805599453 + 0.01
 
 
 @triton.jit
