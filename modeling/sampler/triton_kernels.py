@@ -199,10 +199,13 @@ def sample_kernel(logits, sl, work, sw, recf, reci, recq, rs, rsq, parts, st, hi
     # A tile whose best possible score is below top_score cannot hold the row's winner. It starts at a score the
     # winner's is at least: that of a token holding the row's largest z (the largest z is always allowed).
     top_score = float("-inf")
-    if SKIP & (t != 0) & (m > float("-inf")) & (mid >= 0):
-        lane = tl.arange(0, 4)
-        gs = mid - mid % 4
-        top_score = m + tl.sum(tl.where(lane == mid - gs, gumbel_of(gumbel_bits(gs, seed, position, 1)), 0.0))
+    if SKIP & (m > float("-inf")) & (mid >= 0):
+        if greedy:
+            top_score = m
+        else:
+            lane = tl.arange(0, 4)
+            gs = mid - mid % 4
+            top_score = m + tl.sum(tl.where(lane == mid - gs, gumbel_of(gumbel_bits(gs, seed, position, 1)), 0.0))
     for g0 in range(a, voff + hi, BLOCK):
         gid = g0 + 4 * r + j
         loc = gid - voff
