@@ -12,7 +12,9 @@ it.
 models give: top-p's nucleus runs to many thousands of ids), `zipf` (log-probabilities -1.5 ln(rank), ranks
 shuffled: entropy 3.2 nats, top-1 0.38, a nucleus of 57 ids at top_p 0.9 and 218 at 0.95, nearer a trained
 model's next-token distribution).
-Prints the ratio to argmax and the added microseconds; the JSON holds every number.
+`--tile-skip both` adds each case on the plain path (`triton_sampler.SAMPLE_SKIP` off: the noise of every tile
+within reach computed; the same tokens); `--gumbel-step` / `--gumbel-warps` set the Gumbel-max kernel's ids per
+step and warps. Prints the ratio to argmax and the added microseconds; the JSON holds every number.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 from bench.common import machine, write_json
 from modeling.sampler import HostBatch, RowSpec, SamplerParams, SamplerVariant, sample
+from modeling.sampler import triton_sampler as ts
 
 CASES: dict[str, tuple[dict, SamplerVariant, int]] = {
     "T=1 top_p=0.9": ({"temperature": 1.0, "top_p": 0.9}, SamplerVariant(top_p=True), 0),
@@ -91,8 +94,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
     ap.add_argument("--logits", default="model", choices=sorted(LOGITS), help="the rows' logits (see above)")
+    ap.add_argument("--tile-skip", default="on", choices=("on", "off", "both"),
+                    help="the Gumbel-max kernel's tile skip (both: each case with and without it)")
+    ap.add_argument("--gumbel-step", type=int, default=ts.SAMPLE_BLOCK, help="ids per step of the Gumbel-max kernel")
+    ap.add_argument("--gumbel-warps", type=int, default=ts.SAMPLE_WARPS)
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
+    ts.SAMPLE_BLOCK, ts.SAMPLE_WARPS = args.gumbel_step, args.gumbel_warps
+    skips = {"on": (True,), "off": (False,), "both": (True, False)}[args.tile_skip]
     dev = torch.device("cuda")
     batches = [int(b) for b in args.batches.split(",")]
     cases = [c.strip() for c in args.cases.split(",")]
@@ -107,8 +116,12 @@ def main(argv: list[str] | None = None) -> None:
             params.load(HostBatch.from_rows(specs, vocab_size=args.vocab, max_bias=32, max_ban=8,
                                             max_penalty_tokens=64))
             torch.cuda.synchronize()
-            row[name] = graph_us(lambda: sample(logits, params, num_logprobs=n, variant=variant), args.calls,
-                                 args.replays)
+            for skip in skips:
+                ts.SAMPLE_SKIP = skip
+                key = name if skip or len(skips) == 1 else f"{name} [no skip]"
+                row[key] = graph_us(lambda: sample(logits, params, num_logprobs=n, variant=variant), args.calls,
+                                    args.replays)
+            ts.SAMPLE_SKIP = True
         rows.append(row)
         logits = None  # free it before the next batch size
     cases = [c for c in rows[0] if c not in ("batch", "argmax_us")]
@@ -120,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         cells = [f"{r[c]:7.1f} ({r[c] / r['argmax_us']:4.1f}x +{r[c] - r['argmax_us']:6.1f})" for c in cases]
         print(f"{r['batch']:>5} {r['argmax_us']:9.1f} | " + " | ".join(f"{c:>24}" for c in cells))
     write_json(args.out, {"machine": machine(), "logits": args.logits, "vocab": args.vocab, "calls": args.calls,
-                          "replays": args.replays, "rows": rows})
+                          "replays": args.replays, "tile_skip": args.tile_skip, "gumbel_step": args.gumbel_step,
+                          "gumbel_warps": args.gumbel_warps, "rows": rows})
 
 
 if __name__ == "__main__":
