@@ -42,7 +42,7 @@ from .reference import SampleOutput
 
 BLOCK = 1024  # elements per inner step (tests lower it under the interpreter)
 MAX_CHUNK = 16384
-SAMPLE_BLOCK = 1024  # ids per step of the Gumbel-max kernel (smaller steps skip more of the noise's logs)
+SAMPLE_BLOCK = 512  # ids per step of the Gumbel-max kernel (smaller steps skip more of the noise's logs)
 SAMPLE_WARPS = 4
 SAMPLE_SKIP = True  # skip the noise's logs in tiles that cannot win (False: the plain path, the same tokens)
 TARGET_PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
