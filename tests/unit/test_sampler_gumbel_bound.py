@@ -5,10 +5,10 @@ rests on, and that the tokens stay the reference's.
    with the reference numerics (the kernel's rounding, op for op), and non-decreasing in them, so the bound of a
    tile's largest bits is at least every token's noise; no noise exceeds `NOISE_MAX`.
 2. Under the CPU interpreter, with 32-id steps and 256-id chunks (many tiles a chunk, so tiles are skipped both
-   before and after the chunk's first candidate), sampled rows of several shapes give the reference's tokens and
-   chosen logprobs, with temperature, top-k, min-p and top-p, rows whose largest z is tied, all banned but a few,
-   and greedy rows beside them; the plain path (`SAMPLE_SKIP` off) gives the same tokens, and computes the noise
-   of more tiles.
+   before and after the chunk's first candidate), sampled rows of several shapes (16 rows of 1031 ids, 2 seeds)
+   give the reference's tokens and chosen logprobs, with temperature, top-k, min-p and top-p, rows whose largest
+   z is tied, all banned but a few, and greedy rows beside them; the plain path (`SAMPLE_SKIP` off) gives the
+   same tokens, and computes the noise of more tiles.
 """
 import pytest
 import torch
@@ -44,7 +44,7 @@ from modeling.sampler import triton_numerics as tn
 ts.BLOCK, ts.MAX_CHUNK, ts.SELECT_BLOCK, ts.TOPK_GROUP, ts.TOPP_GROUPS = 256, 256, 64, 8, 64
 ts.SAMPLE_BLOCK = 32
 CAPS = dict(max_bias=8, max_ban=4, max_penalty_tokens=16)
-V = 2053
+V = 1031
 
 
 def logits():
@@ -91,7 +91,7 @@ def run(x, rows, variant, backend):
 x = logits()
 variant = SamplerVariant(top_k=True, top_p=True)
 out = {"tokens": [], "lp": []}
-for seed in range(3):
+for seed in range(2):
     rows = specs(seed)
     a, b = run(x, rows, variant, "triton"), run(x, rows, variant, "torch")
     out["tokens"].append([a.tokens.tolist(), b.tokens.tolist()])
