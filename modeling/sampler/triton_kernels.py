@@ -45,6 +45,7 @@ from .triton_select import (
     find_bin,
     load_z,
     lowest_key,
+    row_chunks,
     row_zmax_id,
 )
 from .triton_topp import resolved_threshold
@@ -304,9 +305,7 @@ def finish_kernel(parts, cands, best, logits, sl, nmax, tokens, chosen, top_ids,
     """One program per row: log-sum-exp, the winning chunk's token, the top N: `local_top` of the whole row
     (LOCAL, one rank), else the N largest of every rank's top N (`cands` `[NT, B, NP2]`, topn_kernel)."""
     row = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, NPP2)
-    ok = i < NT * C
-    base = ((i // C) * B + row) * C + i % C
+    base, ok = row_chunks(row, B, C, NT, NPP2)
     mx = tl.load(parts + base * 4, mask=ok, other=float("-inf"))
     sm = tl.load(parts + base * 4 + 1, mask=ok, other=0.0)
     big = tl.max(mx)

@@ -53,20 +53,24 @@ def digit_hist(digits, mask, NB: tl.constexpr):
 
 
 @triton.jit
+def row_chunks(row, B, C, NT, NPP2: tl.constexpr):
+    """(the row's entries of the per-chunk partials `[NT, B, C, ...]` over every rank, `[NPP2]`, and which are
+    real: NPP2 >= NT * C)."""
+    i = tl.arange(0, NPP2)
+    return ((i // C) * B + row) * C + i % C, i < NT * C
+
+
+@triton.jit
 def row_zmax(parts, row, B, C, NT, NPP2: tl.constexpr):
     """Max of the processed, tempered logits over every chunk of every rank (partials `[NT, B, C, 4]`)."""
-    i = tl.arange(0, NPP2)
-    ok = i < NT * C
-    base = ((i // C) * B + row) * C + i % C
+    base, ok = row_chunks(row, B, C, NT, NPP2)
     return tl.max(tl.load(parts + base * 4 + 2, mask=ok, other=float("-inf")))
 
 
 @triton.jit
 def row_zmax_id(parts, row, B, C, NT, NPP2: tl.constexpr):
     """(max z of the row, the global id int32 of a token holding it) from the partials `[NT, B, C, 4]`."""
-    i = tl.arange(0, NPP2)
-    ok = i < NT * C
-    base = ((i // C) * B + row) * C + i % C
+    base, ok = row_chunks(row, B, C, NT, NPP2)
     zm = tl.load(parts + base * 4 + 2, mask=ok, other=float("-inf"))
     m = tl.max(zm)
     ids = tl.load(parts + base * 4 + 3, mask=ok, other=0.0).to(tl.int32, bitcast=True)
