@@ -43,6 +43,19 @@ def z_of_key(key):
 
 
 @triton.jit
+def cand_key(cand, at, ok):
+    """Candidates at `cand + at` (int32 keys - 2^31, loaded where `ok`) -> their int64 keys in [0, 2^32)."""
+    return tl.load(cand + at, mask=ok, other=0).to(tl.int64) + 2147483648
+
+
+@triton.jit
+def cand_key_mass(cand, at, ok, m, key_lo):
+    """`cand_key` and the candidates' masses q (0 where not `ok` or below `key_lo`)."""
+    key = cand_key(cand, at, ok)
+    return key, mass(z_of_key(key), m, ok & (key >= key_lo))
+
+
+@triton.jit
 def resolved_threshold(st, B, row):
     """The row's threshold found from candidates (state 5 slot 2), 0 when the radix levels find it."""
     return tl.load(st + (5 * B + row) * 4 + 2)
@@ -76,8 +89,7 @@ def topp_cand_kernel(recf, reci, recq, rs, rsq, parts, st, hist, cand, ccount, t
             for s in range(0, nr, CB):
                 ii = s + tl.arange(0, CB)
                 ok = ii < nr
-                key = tl.load(cand + (r * B + row) * CAP + ii, mask=ok, other=0).to(tl.int64) + 2147483648
-                q = mass(z_of_key(key), m, ok & (key >= key_lo))
+                _key, q = cand_key_mass(cand, (r * B + row) * CAP + ii, ok, m, key_lo)
                 tl.store(qrow + r * CAP + ii, q, mask=ok)
                 cmass += tl.sum(q)
         # top-k rows: the allowed tokens are the candidates and, when key_lo = key_k = tau (fewer than k
@@ -94,8 +106,7 @@ def topp_cand_kernel(recf, reci, recq, rs, rsq, parts, st, hist, cand, ccount, t
             n0 = tl.minimum(tl.load(ccount + row), CAP)
             if (NT == 1) & (n0 <= CB):  # one block of candidates: the bisection in registers
                 ii = tl.arange(0, CB)
-                key = tl.load(cand + row * CAP + ii, mask=ii < n0, other=0).to(tl.int64) + 2147483648
-                q = mass(z_of_key(key), m, (ii < n0) & (key >= key_lo))
+                key, q = cand_key_mass(cand, row * CAP + ii, ii < n0, m, key_lo)  # the gather loop's one block
                 for _ in range(32):  # the largest K with S(K) = sum of q over candidates with key >= K >= target
                     mid = lo + (hi - lo) // 2
                     big = tl.sum(tl.where(key >= mid, q, 0)) >= target
@@ -111,7 +122,7 @@ def topp_cand_kernel(recf, reci, recq, rs, rsq, parts, st, hist, cand, ccount, t
                         for s in range(0, nr, CB):
                             ii = s + tl.arange(0, CB)
                             ok = ii < nr
-                            key = tl.load(cand + (r * B + row) * CAP + ii, mask=ok, other=0).to(tl.int64) + 2147483648
+                            key = cand_key(cand, (r * B + row) * CAP + ii, ok)
                             q = tl.load(qrow + r * CAP + ii, mask=ok, other=0)
                             acc += tl.sum(tl.where(key >= mid, q, 0))
                     big = acc >= target
