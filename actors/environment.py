@@ -26,6 +26,7 @@ from parallel.options import (DEEPEP_MAX_TOKENS_ENV, TP_ALLREDUCE_ENV, TP_FUSED_
 
 LOG_DIR_ENV = "GRAPHLINE_LOG_DIR"
 ADMIN_TOKEN_ENV = "GRAPHLINE_ADMIN_TOKEN"
+API_KEY_ENV = "GRAPHLINE_API_KEY"
 
 
 OPTION_VARIABLES = (PDL_ENV, GEMV_ENV, GEMV_ROWS_ENV, DECODE_SINGLE_LAUNCH_ENV, DECODE_PREFETCH_ENV,
@@ -134,6 +135,11 @@ def log_dir(environ: Mapping[str, str] = os.environ) -> Optional[str]:
 def admin_token(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     """`GRAPHLINE_ADMIN_TOKEN` as set (empty included), or None when unset."""
     return environ.get(ADMIN_TOKEN_ENV)
+
+
+def api_key(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """`GRAPHLINE_API_KEY` as set (empty included), or None when unset."""
+    return environ.get(API_KEY_ENV)
 
 
 def child_environ(**extra: str) -> dict[str, str]:

@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from pathlib import Path
 from typing import Mapping, Optional
 
 from actors.environment import ADMIN_TOKEN_ENV as TOKEN_ENV
-from actors.environment import admin_token
+from launch.credentials import ADMIN_TOKEN, CredentialError, bearer_matches
 from launch.protocol import ApiError
 _LOOPBACK_NAMES = ("localhost", "localhost.", "ip6-localhost")
 
 
-class AdminTokenError(ValueError):
-    """The admin token options are contradictory or name an unusable token."""
+AdminTokenError = CredentialError  # the admin token's options are contradictory or name an unusable token
 
 
 def is_loopback(host: str) -> bool:
@@ -51,26 +49,8 @@ def _host_of(host_header: str) -> str:
 
 def resolve_admin_token(token: Optional[str], token_file: Optional[str],
                         environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """The admin token from `--admin-token-file`, `--admin-token` or `GRAPHLINE_ADMIN_TOKEN` (in that order;
-    giving both options is an error). Surrounding whitespace of a file is dropped; an empty token is an error."""
-    if token is not None and token_file is not None:
-        raise AdminTokenError("give --admin-token or --admin-token-file, not both")
-    if token_file is not None:
-        try:
-            token = Path(token_file).read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise AdminTokenError(f"cannot read --admin-token-file {token_file}: {exc.__class__.__name__}") from None
-        source = f"--admin-token-file {token_file}"
-    elif token is not None:
-        source = "--admin-token"
-    else:
-        token = (admin_token() if environ is None else environ.get(TOKEN_ENV)) or None
-        source = TOKEN_ENV
-    if token is not None and not token.strip():
-        raise AdminTokenError(f"the admin token from {source} is empty")
-    if token is not None and any(c in token for c in "\r\n"):
-        raise AdminTokenError(f"the admin token from {source} spans several lines")
-    return token
+    """The admin token from `--admin-token-file`, `--admin-token` or `GRAPHLINE_ADMIN_TOKEN` (`Secret.resolve`)."""
+    return ADMIN_TOKEN.resolve(token, token_file, environ)
 
 
 def require_token_off_loopback(host: str, token: Optional[str]) -> None:
@@ -98,7 +78,5 @@ def check_admin_request(method: str, headers: Mapping[str, str], scheme: str, to
             raise ApiError(403, "without an admin token, admin requests are only accepted under a loopback host "
                                 "name", None, "forbidden_host")
         return
-    auth = headers.get("Authorization", "")
-    expected = f"Bearer {token}".encode()
-    if not hmac.compare_digest(auth.encode("utf-8", "surrogateescape"), expected):
+    if not bearer_matches(headers, token):
         raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin token>'", None, "unauthorized")

@@ -38,6 +38,8 @@ import numpy as np
 
 from launch.bench_chat import (ChatPrompts, load_bench_tokenizer, one_chat_request, print_ratios, ratios,
                                stream_events, timings)
+from actors.environment import API_KEY_ENV
+from launch.credentials import API_KEY, CredentialError
 from launch.options import LaunchError
 
 APIS = ("completions", "chat")
@@ -64,11 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sampled / greedy ratios")
     p.add_argument("--api", default="completions", help="completions, chat, or both side by side: completions,chat")
     p.add_argument("--tokenizer", default=None, help="with chat: the served checkpoint's directory (default --model)")
+    p.add_argument("--api-key", default=None,
+                   help="send 'Authorization: Bearer KEY' (a server with an API key; default: the GRAPHLINE_API_KEY "
+                        "environment variable, which a server this command starts inherits)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--out", default=str(Path("artifacts") / "serve_bench.json"))
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, float]:
+def start_server(args: argparse.Namespace, api_key: Optional[str] = None) -> tuple[subprocess.Popen, str, float]:
+    """`graphline serve` on 127.0.0.1, any free port; `api_key` (not None) travels in its environment (never argv)."""
     cmd = [sys.executable, "-m", "launch", "serve", "--model", args.model, "--executor", args.executor,
            "--tp", str(args.tp), "--dp", str(args.dp), "--max-model-len", str(args.max_model_len),
            "--host", "127.0.0.1", "--port", "0", "--no-progress", *args.server_arg]
@@ -76,7 +82,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, float
         cmd.append("--eager")
     from actors.environment import child_environ
 
-    env = child_environ(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    env = child_environ(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1",
+                        **({API_KEY_ENV: api_key} if api_key is not None else {}))
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -134,16 +141,17 @@ def _prompts(api: str, clients: int, per_client: int, prompt_len: int, vocab: in
 
 async def run_level(url: str, model: str, clients: int, per_client: int, prompt_len: int, max_tokens: int,
                     vocab: int, sampling: Optional[dict] = None, api: str = "completions",
-                    chat: Optional[ChatPrompts] = None) -> dict:
+                    chat: Optional[ChatPrompts] = None, headers: Optional[dict] = None) -> dict:
     """One concurrency level of `api` requests; `chat` (prompt maker) is needed for chat and makes completion
-    prompts templated conversations."""
+    prompts templated conversations; `headers` go with every request (`auth_headers`)."""
     import aiohttp
 
     sampling = {"temperature": 0.0, "ignore_eos": True} if sampling is None else sampling
     prompts = _prompts(api, clients, per_client, prompt_len, vocab, chat)
     send = one_chat_request if api == "chat" else one_request
     timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=clients + 4)) as s:
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=clients + 4),
+                                     headers=headers) as s:
         async def client(i: int) -> list[dict]:
             out = []
             for prompt, ntok in prompts[i]:
@@ -176,11 +184,19 @@ async def run_level(url: str, model: str, clients: int, per_client: int, prompt_
     }
 
 
-async def _first_answer(url: str, model: Optional[str]) -> tuple[str, int]:
+def auth_headers(api_key: Optional[str]) -> dict:
+    """The headers of a request to a server with API key `api_key` (none without one)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
+
+
+async def _first_answer(url: str, model: Optional[str], headers: Optional[dict] = None) -> tuple[str, int]:
     import aiohttp
 
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=headers) as s:
         async with s.get(f"{url}/v1/models") as r:
+            if r.status != 200:
+                hint = " (the server needs an API key: --api-key or GRAPHLINE_API_KEY)" if r.status == 401 else ""
+                raise LaunchError(f"GET {url}/v1/models: HTTP {r.status}{hint}: {(await r.text())[:300]}")
             info = (await r.json())["data"][0]
         name = model or info["id"]
         async with s.get(f"{url}/status") as r:
@@ -204,15 +220,21 @@ async def _armed_counts(url: str) -> list:
 def run(args: argparse.Namespace) -> int:
     proc, t0 = None, None
     url = args.url
-    result: dict = {"model": args.model, "config": {k: v for k, v in vars(args).items() if k != "func"}}
+    result: dict = {"model": args.model,
+                    "config": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}}
+    try:
+        api_key = API_KEY.resolve(args.api_key, None)
+    except CredentialError as exc:
+        raise LaunchError(str(exc)) from None
+    headers = auth_headers(api_key)
     apis = list(dict.fromkeys(a.strip() for a in args.api.split(",") if a.strip()))
     if not apis or any(a not in APIS for a in apis):
         raise LaunchError(f"--api {args.api!r}: use completions, chat or completions,chat")
     chat = ChatPrompts(load_bench_tokenizer(args.tokenizer or args.model)) if "chat" in apis else None
     try:
         if url is None:
-            proc, url, t0 = start_server(args)
-        name, vocab = asyncio.run(_first_answer(url, None))
+            proc, url, t0 = start_server(args, args.api_key)
+        name, vocab = asyncio.run(_first_answer(url, None, headers))
         if t0 is not None:
             result["startup_to_first_answer_s"] = time.perf_counter() - t0
         levels = []
@@ -222,12 +244,12 @@ def run(args: argparse.Namespace) -> int:
         for api in apis:  # warm-up
             for _, sampling in modes:
                 asyncio.run(run_level(url, name, 1, 1, args.prompt_len, min(8, args.max_tokens), vocab, sampling,
-                                      api, chat))
+                                      api, chat, headers))
         for c in [int(x) for x in args.concurrency.split(",") if x]:
             for api in apis:
                 for label, sampling in modes:
                     lv = asyncio.run(run_level(url, name, c, args.requests_per_client, args.prompt_len,
-                                               args.max_tokens, vocab, sampling, api, chat))
+                                               args.max_tokens, vocab, sampling, api, chat, headers))
                     lv["sampling"] = label
                     lv["armed_decode_after"] = asyncio.run(_armed_counts(url))
                     levels.append(lv)

@@ -30,6 +30,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--admin-token", default=None,
                    help="the admin token itself (visible to every user of the machine in `ps`: prefer "
                         "--admin-token-file)")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (the OpenAI client's api_key), KEY read from "
+                        "PATH (also: the GRAPHLINE_API_KEY environment variable); /health, /status, /metrics and "
+                        "the dashboard stay open")
+    s.add_argument("--api-key", default=None,
+                   help="the API key itself (visible to every user of the machine in `ps`: prefer --api-key-file)")
     s.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="chat completions return the model's think block (<think> ... </think>) as "
                         "message.reasoning_content (streamed: delta.reasoning_content) and the rest as content")
@@ -47,14 +53,20 @@ def run_serve(args: argparse.Namespace) -> int:
     from launch.metrics import ServerMetrics
     from launch.server import ServerState
 
-    from launch.admin import AdminTokenError, require_token_off_loopback, resolve_admin_token
+    from launch.admin import is_loopback, require_token_off_loopback, resolve_admin_token
+    from launch.credentials import API_KEY, CredentialError
     from launch.options import LaunchError
 
     try:  # before anything starts: a bad security configuration fails in milliseconds
         admin_token = resolve_admin_token(args.admin_token, args.admin_token_file)
         require_token_off_loopback(args.host, admin_token)
-    except AdminTokenError as exc:
+        api_key = API_KEY.resolve(args.api_key, args.api_key_file)
+    except CredentialError as exc:
         raise LaunchError(str(exc)) from None
+    if api_key is None and not is_loopback(args.host):
+        print(f"graphline: warning: --host {args.host} is not a loopback address and no API key is configured: "
+              f"/v1/* answers anyone who reaches the port (pass --api-key-file PATH or set GRAPHLINE_API_KEY)",
+              file=sys.stderr, flush=True)
     tokenizer = load_tokenizer(args.model)
     if args.reasoning_parser is not None:
         try:  # before any rank starts: a checkpoint without think tags fails in a second
@@ -77,7 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
             model_aliases=(args.model,) if args.model != served_model_name(args) else (),
             tokenizer=tokenizer, deployment=deployment_summary(args, kind),
             startup={"executor": timings, "engine_ready_s": time.perf_counter() - t0}, admin_token=admin_token,
-            generation_defaults=defaults, reasoning_parser=args.reasoning_parser,
+            api_key=api_key, generation_defaults=defaults, reasoning_parser=args.reasoning_parser,
             tool_call_parser=args.tool_call_parser,
         )
         asyncio.run(_serve(state, args, t0))

@@ -19,6 +19,7 @@ from engine.errors import RequestError
 from engine.request import new_request_id
 from launch.admin import check_admin_request
 from launch.chat import parse_chat_request
+from launch.credentials import check_api_key
 from launch.defaults import GenerationDefaults
 from launch.generation import ENGINE_FAILED, Shape, generate, log_failure
 from launch.metrics import CONTENT_TYPE, ServerMetrics
@@ -43,6 +44,7 @@ class ServerState:
     deployment: dict = field(default_factory=dict)
     startup: dict = field(default_factory=dict)
     admin_token: Optional[str] = None
+    api_key: Optional[str] = None  # when set, every request under /v1/ needs it (`launch.credentials`)
     started_at: float = field(default_factory=time.time)
     ready_at: Optional[float] = None
     generation_defaults: Optional[dict] = None
@@ -114,6 +116,12 @@ async def _errors(request: web.Request, handler):
         resp = _error(500, f"internal server error (reference {ref})", None, "internal_error", "server_error")
     state.metrics.http_request(endpoint, resp.status)
     return resp
+
+
+@web.middleware
+async def _api_key_auth(request: web.Request, handler):
+    check_api_key(request.path, request.method, request.headers, request.app[STATE].api_key)
+    return await handler(request)
 
 
 PARSE_INLINE_BYTES = 32 * 1024  # larger bodies with a tokenizer are parsed (tokenised, templated) in a worker
@@ -199,7 +207,7 @@ async def current_status(state: ServerState) -> dict:
         "model": state.model_name, "health": _health_word(state),
         "deployment": state.deployment, "startup": state.startup, "started_at": state.started_at,
         "uptime_s": time.time() - state.started_at, "tokenizer": state.tokenizer is not None,
-        "admin_auth": state.admin_token is not None,
+        "admin_auth": state.admin_token is not None, "api_auth": state.api_key is not None,
     }, list(state.engine.reset_log), list(state.engine.failure_log))
     state.metrics.update_status(doc)
     return doc
@@ -250,7 +258,7 @@ async def index(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=state.limits.max_body_bytes)
+    app = web.Application(middlewares=[_errors, _api_key_auth], client_max_size=state.limits.max_body_bytes)
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

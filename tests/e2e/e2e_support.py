@@ -56,8 +56,9 @@ class Server:
 
 
 def start_server(cmd: list[str], timeout: float = 240.0, env: Optional[dict] = None) -> Server:
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1", **(env or {})}
+    inherited = {k: v for k, v in os.environ.items() if k != "GRAPHLINE_API_KEY"}  # only a test's own key
+    env = {**inherited, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           **(env or {})}
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
