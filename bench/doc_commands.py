@@ -38,7 +38,7 @@ def expect_fail(cmd: list[str], needle: str, timeout: float = 300) -> tuple[bool
 
 
 def serve_once(extra: list[str], body: dict | None = None, timeout: float = 240, path: str = "/v1/completions",
-               env: dict | None = None) -> tuple[bool, str]:
+               env: dict | None = None, headers: dict | None = None) -> tuple[bool, str]:
     cmd = [sys.executable, "-m", "launch", "serve", "--port", "0", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -55,7 +55,7 @@ def serve_once(extra: list[str], body: dict | None = None, timeout: float = 240,
             return False, "did not start"
         data = json.dumps(body or {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}).encode()
         req = urllib.request.Request(url.replace("0.0.0.0", "127.0.0.1") + path, data=data,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
         with urllib.request.urlopen(req, timeout=120) as r:
             out = json.loads(r.read())
         ch = out["choices"][0]
@@ -134,6 +134,11 @@ def rows(ckpt: Path, token_file: Path) -> list[tuple[str, callable]]:
         ("serve --host 0.0.0.0 with GRAPHLINE_ADMIN_TOKEN", s("--executor", "local", "--host", "0.0.0.0",
                                                              env={"GRAPHLINE_ADMIN_TOKEN": "t0k3n"})),
         ("serve --host 0.0.0.0 --admin-token T", s("--executor", "local", "--host", "0.0.0.0", "--admin-token", "t")),
+        ("serve --api-key-file F (requests carry Authorization: Bearer KEY)",
+         s("--executor", "local", "--api-key-file", str(token_file), headers={"Authorization": "Bearer s3cret"})),
+        ("serve --api-key K", s("--executor", "local", "--api-key", "k3y", headers={"Authorization": "Bearer k3y"})),
+        ("serve with GRAPHLINE_API_KEY", s("--executor", "local", env={"GRAPHLINE_API_KEY": "k3y"},
+                                           headers={"Authorization": "Bearer k3y"})),
         ("serve --host 0.0.0.0 without a token: refused",
          lambda: expect_fail([py, "-m", "launch", "serve", *TINY, "--host", "0.0.0.0", "--port", "0"], "token")),
         ("serve --model <checkpoint dir>: chat completions", lambda: serve_once(
