@@ -129,6 +129,29 @@ def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
     return [int(t) for t in ids]
 
 
+def chat_prompt(body: dict, ctx: ParseContext, tools: Optional[list[dict]]) -> list[int]:
+    """The conversation's token ids: the request's `messages` through the chat template, with its
+    `add_generation_prompt` (default true), `continue_final_message` and `chat_template_kwargs`, and `tools` (parsed
+    by the caller). Shared by chat completions and `/tokenize`, so both count the same tokens."""
+    messages = parse_messages(body.get("messages"), ctx)
+    add_gen = body.get("add_generation_prompt")
+    add_gen = True if add_gen is None else check_bool("add_generation_prompt", add_gen)
+    cont = body.get("continue_final_message")
+    cont = False if cont is None else check_bool("continue_final_message", cont)
+    if add_gen and cont:
+        raise RequestError("'continue_final_message' needs 'add_generation_prompt': false", "continue_final_message",
+                           "invalid_value")
+    kwargs = _template_kwargs(body.get("chat_template_kwargs"))
+    tok = ctx.tokenizer
+    if tok is None:
+        raise ApiError(400, "this model has no tokenizer: chat completions need one (use /v1/completions with "
+                            "token ids)", "messages", "no_tokenizer")
+    if not getattr(tok, "chat_template", None):
+        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages",
+                       "no_chat_template")
+    return render_chat(tok, messages, add_gen, cont, kwargs, tools)
+
+
 def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     body = require_object(body)
     parse_model(body, ctx)
@@ -150,23 +173,7 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     top_n = None if top is None else check_int("top_logprobs", top, 0, LOGPROBS_MAX)
     if top_n is not None and not want:
         raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
-    messages = parse_messages(body.get("messages"), ctx)
-    add_gen = body.get("add_generation_prompt")
-    add_gen = True if add_gen is None else check_bool("add_generation_prompt", add_gen)
-    cont = body.get("continue_final_message")
-    cont = False if cont is None else check_bool("continue_final_message", cont)
-    if add_gen and cont:
-        raise RequestError("'continue_final_message' needs 'add_generation_prompt': false", "continue_final_message",
-                           "invalid_value")
-    kwargs = _template_kwargs(body.get("chat_template_kwargs"))
-    tok = ctx.tokenizer
-    if tok is None:
-        raise ApiError(400, "this model has no tokenizer: chat completions need one (use /v1/completions with "
-                            "token ids)", "messages", "no_tokenizer")
-    if not getattr(tok, "chat_template", None):
-        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages",
-                       "no_chat_template")
-    prompt = render_chat(tok, messages, add_gen, cont, kwargs, tools)
+    prompt = chat_prompt(body, ctx, tools)
     if len(prompt) >= ctx.max_model_len:
         raise RequestError(f"the messages have {len(prompt)} tokens; this model's maximum context length is "
                            f"{ctx.max_model_len} tokens (prompt + at least one new token)", "messages",

@@ -5,7 +5,8 @@ dropped), else the value option (`--admin-token` / `--api-key`, visible in `ps`)
 (`GRAPHLINE_ADMIN_TOKEN` / `GRAPHLINE_API_KEY`); resolved once on the driver before anything starts. Requests carry
 it as `Authorization: Bearer SECRET`, compared in constant time (`hmac.compare_digest`).
 
-With an API key, every request under `/v1/` (completions, chat completions, models) needs it: 401 otherwise, with
+With an API key, every request under `/v1/` (completions, chat completions, models) and to `/tokenize` and
+`/detokenize` needs it: 401 otherwise, with
 OpenAI's error body (`code: invalid_api_key`), which the official client raises as `AuthenticationError`.
 `/health`, `/status`, `/metrics` and the dashboard stay open, as in vLLM; `/admin/*` has its own token.
 """
@@ -58,6 +59,9 @@ ADMIN_TOKEN = Secret("admin token", "--admin-token", ADMIN_TOKEN_ENV, admin_toke
 API_KEY = Secret("API key", "--api-key", API_KEY_ENV, api_key)
 
 
+KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*
+
+
 def bearer_matches(headers: Mapping[str, str], secret: str) -> bool:
     """Whether the request's `Authorization` header is exactly `Bearer <secret>` (constant-time comparison)."""
     auth = headers.get("Authorization", "")
@@ -65,9 +69,9 @@ def bearer_matches(headers: Mapping[str, str], secret: str) -> bool:
 
 
 def check_api_key(path: str, method: str, headers: Mapping[str, str], key: Optional[str]) -> None:
-    """Raise `ApiError` 401 (`invalid_api_key`) for a request under `/v1/` without the API key, when one is set.
-    OPTIONS requests pass (no credentials in a CORS preflight)."""
-    if key is None or method == "OPTIONS" or not (path == "/v1" or path.startswith("/v1/")):
+    """Raise `ApiError` 401 (`invalid_api_key`) for a request under `/v1/` or to `/tokenize` / `/detokenize`
+    without the API key, when one is set. OPTIONS requests pass (no credentials in a CORS preflight)."""
+    if key is None or method == "OPTIONS" or not (path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS):
         return
     if not bearer_matches(headers, key):
         raise ApiError(401, "this server needs an API key: send 'Authorization: Bearer <API key>'", None,

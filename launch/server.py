@@ -27,6 +27,7 @@ from launch.protocol import (ApiError, GenerationRequest, ParseContext, Protocol
                              parse_json_body)
 from launch.reasoning import ThinkTags, think_tags
 from launch.status import build_status
+from launch.tokenize_api import detokenize, tokenize
 
 STATIC_DIR = Path(__file__).parent / "static"
 
@@ -161,6 +162,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                           Shape(True, state.tokenizer, state.think_tags, greq.parse_tool_calls))
 
 
+async def tokenize_route(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE]
+    return web.json_response(await _parse(request, state, tokenize))
+
+
+async def detokenize_route(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE]
+    return web.json_response(await _parse(request, state, detokenize))
+
+
 # ---- models, health, status, metrics
 def _model_card(state: ServerState, name: str) -> dict:
     return {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "graphline",
@@ -262,6 +273,8 @@ def build_app(state: ServerState) -> web.Application:
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize_route)
+    app.router.add_post("/detokenize", detokenize_route)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model_id:.+}", model)
     app.router.add_get("/health", health)

@@ -44,6 +44,7 @@ def test_bearer_matches_only_the_exact_header(auth, ok):
 @pytest.mark.parametrize("path, method, needs", [
     ("/v1/completions", "POST", True), ("/v1/chat/completions", "POST", True), ("/v1/models", "GET", True),
     ("/v1/models/tiny", "GET", True), ("/v1/unknown", "GET", True), ("/v1", "GET", True),
+    ("/tokenize", "POST", True), ("/detokenize", "POST", True), ("/tokenizer", "POST", False),
     ("/v1/completions", "OPTIONS", False), ("/health", "GET", False), ("/health/live", "GET", False),
     ("/metrics", "GET", False), ("/status", "GET", False), ("/dashboard", "GET", False), ("/", "GET", False),
     ("/admin/reset", "POST", False), ("/v10/completions", "POST", False), ("/static/app.js", "GET", False),
