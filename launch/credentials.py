@@ -6,8 +6,8 @@ dropped), else the value option (`--admin-token` / `--api-key`, visible in `ps`)
 it as `Authorization: Bearer SECRET`, compared in constant time (`hmac.compare_digest`).
 
 With an API key, every request under `/v1/` (completions, chat completions, models) and to `/tokenize` and
-`/detokenize` needs it: 401 otherwise, with
-OpenAI's error body (`code: invalid_api_key`), which the official client raises as `AuthenticationError`.
+`/detokenize` needs it: 401 otherwise, with OpenAI's error body (`code: invalid_api_key`), which the official
+client raises as `AuthenticationError`.
 `/health`, `/status`, `/metrics` and the dashboard stay open, as in vLLM; `/admin/*` has its own token.
 """
 from __future__ import annotations
