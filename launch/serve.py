@@ -36,6 +36,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "the dashboard stay open")
     s.add_argument("--api-key", default=None,
                    help="the API key itself (visible to every user of the machine in `ps`: prefer --api-key-file)")
+    s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated origins (e.g. https://app.example.com) whose web pages may call /v1/*, "
+                        "/tokenize and /detokenize from a browser, or '*' for any; default: none (same origin only)")
     s.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="chat completions return the model's think block (<think> ... </think>) as "
                         "message.reasoning_content (streamed: delta.reasoning_content) and the rest as content")
@@ -54,6 +57,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from launch.server import ServerState
 
     from launch.admin import is_loopback, require_token_off_loopback, resolve_admin_token
+    from launch.cors import OriginsError, parse_origins
     from launch.credentials import API_KEY, CredentialError
     from launch.options import LaunchError
 
@@ -61,7 +65,8 @@ def run_serve(args: argparse.Namespace) -> int:
         admin_token = resolve_admin_token(args.admin_token, args.admin_token_file)
         require_token_off_loopback(args.host, admin_token)
         api_key = API_KEY.resolve(args.api_key, args.api_key_file)
-    except CredentialError as exc:
+        allowed_origins = parse_origins(args.allowed_origins)
+    except (CredentialError, OriginsError) as exc:
         raise LaunchError(str(exc)) from None
     if api_key is None and not is_loopback(args.host):
         print(f"graphline: warning: --host {args.host} is not a loopback address and no API key is configured: "
@@ -89,8 +94,8 @@ def run_serve(args: argparse.Namespace) -> int:
             model_aliases=(args.model,) if args.model != served_model_name(args) else (),
             tokenizer=tokenizer, deployment=deployment_summary(args, kind),
             startup={"executor": timings, "engine_ready_s": time.perf_counter() - t0}, admin_token=admin_token,
-            api_key=api_key, generation_defaults=defaults, reasoning_parser=args.reasoning_parser,
-            tool_call_parser=args.tool_call_parser,
+            api_key=api_key, allowed_origins=allowed_origins, generation_defaults=defaults,
+            reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         )
         asyncio.run(_serve(state, args, t0))
     finally:

@@ -19,6 +19,7 @@ from engine.errors import RequestError
 from engine.request import new_request_id
 from launch.admin import check_admin_request
 from launch.chat import parse_chat_request
+from launch.cors import preflight, response_headers
 from launch.credentials import check_api_key
 from launch.defaults import GenerationDefaults
 from launch.generation import ENGINE_FAILED, Shape, generate, log_failure
@@ -46,6 +47,7 @@ class ServerState:
     startup: dict = field(default_factory=dict)
     admin_token: Optional[str] = None
     api_key: Optional[str] = None  # when set, every request under /v1/ needs it (`launch.credentials`)
+    allowed_origins: tuple[str, ...] = ()  # origins whose pages may call the API (`launch.cors`); () = none
     started_at: float = field(default_factory=time.time)
     ready_at: Optional[float] = None
     generation_defaults: Optional[dict] = None
@@ -117,6 +119,20 @@ async def _errors(request: web.Request, handler):
         resp = _error(500, f"internal server error (reference {ref})", None, "internal_error", "server_error")
     state.metrics.http_request(endpoint, resp.status)
     return resp
+
+
+@web.middleware
+async def _cors_preflight(request: web.Request, handler):
+    if request.method == "OPTIONS":
+        headers = preflight(request.path, request.headers, request.app[STATE].allowed_origins)
+        if headers is not None:
+            return web.Response(status=204, headers=headers)
+    return await handler(request)
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response (streams and errors too), before its headers go out."""
+    response.headers.update(response_headers(request.path, request.headers, request.app[STATE].allowed_origins))
 
 
 @web.middleware
@@ -269,8 +285,10 @@ async def index(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[_errors, _api_key_auth], client_max_size=state.limits.max_body_bytes)
+    app = web.Application(middlewares=[_errors, _cors_preflight, _api_key_auth],
+                          client_max_size=state.limits.max_body_bytes)
     app[STATE] = state
+    app.on_response_prepare.append(_cors_headers)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize_route)
