@@ -139,6 +139,9 @@ def rows(ckpt: Path, token_file: Path) -> list[tuple[str, callable]]:
         ("serve --api-key K", s("--executor", "local", "--api-key", "k3y", headers={"Authorization": "Bearer k3y"})),
         ("serve with GRAPHLINE_API_KEY", s("--executor", "local", env={"GRAPHLINE_API_KEY": "k3y"},
                                            headers={"Authorization": "Bearer k3y"})),
+        ("serve --allowed-origins http://localhost:3000 (a request from that origin)",
+         s("--executor", "local", "--allowed-origins", "http://localhost:3000",
+           headers={"Origin": "http://localhost:3000"})),
         ("serve --host 0.0.0.0 without a token: refused",
          lambda: expect_fail([py, "-m", "launch", "serve", *TINY, "--host", "0.0.0.0", "--port", "0"], "token")),
         ("serve --model <checkpoint dir>: chat completions", lambda: serve_once(
