@@ -4,6 +4,7 @@ install -y chromium`; the tests skip without it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import re
@@ -11,7 +12,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 import aiohttp
 
@@ -99,3 +100,22 @@ async def chromium() -> tuple[subprocess.Popen, str, str]:
             break
     proc.kill()
     raise AssertionError("Chromium did not open its DevTools endpoint")
+
+
+@contextlib.asynccontextmanager
+async def browser_page() -> AsyncIterator[tuple[aiohttp.ClientSession, DevTools]]:
+    """A fresh headless Chromium with one blank page attached: (an aiohttp session the test may use too, the page's
+    `DevTools`). On exit the event reader stops, the browser is killed and its profile removed."""
+    proc, ws_url, profile = await chromium()
+    try:
+        async with aiohttp.ClientSession() as s, s.ws_connect(ws_url, max_msg_size=0) as ws:
+            cdp = DevTools(ws)
+            await cdp.open_page()
+            try:
+                yield s, cdp
+            finally:
+                cdp._reader.cancel()
+    finally:
+        proc.kill()
+        proc.wait(10)
+        shutil.rmtree(profile, ignore_errors=True)

@@ -95,6 +95,34 @@ def serve_checkpoint(directory, *extra: str, max_model_len: int = 128, max_decod
                                   "--pcg-max-tokens", "0", "--no-progress", "--port", "0", *extra))
 
 
+SECRET_VARIABLES = ("GRAPHLINE_ADMIN_TOKEN", "GRAPHLINE_API_KEY")
+
+
+def clean_env(**extra: str) -> dict:
+    """This process's environment without the server's secrets (a test sets its own), no Ray usage reporting, one
+    OpenMP thread; `extra` on top."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
+    return {**env, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", **extra}
+
+
+def loopback_url(url: str) -> str:
+    """`http://HOST:PORT` of a server bound to any address -> `http://127.0.0.1:PORT` (tests talk to loopback only)."""
+    return re.sub(r"^http://[^/]+:(\d+)$", r"http://127.0.0.1:\1", url)
+
+
+def assert_serve_refuses(serve_args: list[str], extra: list[str], needle: str, empty_file) -> None:
+    """`graphline serve *serve_args *extra` (an `EMPTY` in `extra`: the path `empty_file`, written blank) stops before
+    serving: exit code 2 and one stderr line `graphline serve: error: ...` holding `needle`."""
+    empty_file.write_text("  \n")
+    args = [str(empty_file) if a == "EMPTY" else a for a in extra]
+    out = subprocess.run(graphline("serve", *serve_args, *args), cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env=clean_env())
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("graphline serve: error: ") and needle in lines[0], out.stderr
+    assert "serving" not in out.stdout
+
+
 def openai_client(srv: Server):
     """The official `openai` client of `srv` (no retries: a failure shows as it is)."""
     import openai

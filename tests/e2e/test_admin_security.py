@@ -6,29 +6,15 @@ the test needs it, but every request goes to 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import shutil
-import subprocess
 
 import aiohttp
 import pytest
 
-from cdp import CHROMIUM, DevTools, chromium
-from e2e_support import REPO, TINY_ARGS, graphline, start_server
+from cdp import CHROMIUM, browser_page
+from e2e_support import TINY_ARGS, assert_serve_refuses, clean_env, graphline, loopback_url, start_server
 
 TOKEN = "tok-" + "7f3a9c" * 4
 LOCAL = [*TINY_ARGS, "--executor", "local", "--port", "0"]
-
-
-def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "GRAPHLINE_ADMIN_TOKEN"}
-    env.update({"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", **extra})
-    return env
-
-
-def _loopback(url: str) -> str:
-    return re.sub(r"^http://[^/]+:(\d+)$", r"http://127.0.0.1:\1", url)
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -40,21 +26,13 @@ def _loopback(url: str) -> str:
     (["--admin-token-file", "EMPTY"], "is empty"),
 ])
 def test_serve_refuses_insecure_admin_configurations(tmp_path, extra, needle):
-    empty = tmp_path / "empty"
-    empty.write_text("  \n")
-    args = [str(empty) if a == "EMPTY" else a for a in extra]
-    out = subprocess.run(graphline("serve", *LOCAL, *args), cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env=_env())
-    assert out.returncode == 2, out.stdout + out.stderr
-    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("graphline serve: error: ") and needle in lines[0], out.stderr
-    assert "serving" not in out.stdout
+    assert_serve_refuses(LOCAL, extra, needle, tmp_path / "empty")
 
 
-def test_a_token_from_the_environment_is_enough_off_loopback():
-    srv = start_server(graphline("serve", *LOCAL, "--host", "0.0.0.0"), env=_env(GRAPHLINE_ADMIN_TOKEN=TOKEN))
+def test_a_token_from_the_environment_is_enough_offloopback_url():
+    srv = start_server(graphline("serve", *LOCAL, "--host", "0.0.0.0"), env=clean_env(GRAPHLINE_ADMIN_TOKEN=TOKEN))
     try:
-        url = _loopback(srv.url)
+        url = loopback_url(srv.url)
         assert srv.url.startswith("http://0.0.0.0:") and url.startswith("http://127.0.0.1:")
 
         async def main():
@@ -74,8 +52,8 @@ def token_server(tmp_path_factory):
     f = tmp_path_factory.mktemp("admin") / "token"
     f.write_text(TOKEN + "\n")
     f.chmod(0o600)
-    srv = start_server(graphline("serve", *LOCAL, "--host", "0.0.0.0", "--admin-token-file", str(f)), env=_env())
-    srv.url = _loopback(srv.url)
+    srv = start_server(graphline("serve", *LOCAL, "--host", "0.0.0.0", "--admin-token-file", str(f)), env=clean_env())
+    srv.url = loopback_url(srv.url)
     yield srv
     srv.stop()
 
@@ -124,47 +102,38 @@ def test_dashboard_reset_button_with_the_token_in_chromium(token_server):
     url = token_server.url
 
     async def main():
-        proc, ws_url, profile = await chromium()
-        try:
-            async with aiohttp.ClientSession() as s, s.ws_connect(ws_url, max_msg_size=0) as ws:
-                cdp = DevTools(ws)
-                await cdp.open_page()
-                await cdp.send("Page.navigate", {"url": url + "/dashboard"})
-                await cdp.until("document.body && document.body.dataset.loaded === '1'")
-                start = await _resets(s, url)
-                msg = "document.getElementById('reset-msg').textContent"
+        async with browser_page() as (s, cdp):
+            await cdp.send("Page.navigate", {"url": url + "/dashboard"})
+            await cdp.until("document.body && document.body.dataset.loaded === '1'")
+            start = await _resets(s, url)
+            msg = "document.getElementById('reset-msg').textContent"
 
-                # 1. a wrong token: the page asks once, gets 401, asks again (cancelled) and says so
-                cdp.answers = [(True, ""), (True, "wrong-token"), (False, "")]
-                await cdp.click("reset-btn")
-                first = await cdp.until(f"{msg}.includes('401') && {msg}")
-                kinds1 = [d["type"] for d in cdp.dialogs]
-                stored1 = await cdp.eval("sessionStorage.getItem('graphline.adminToken')")
-                after1 = await _resets(s, url)
+            # 1. a wrong token: the page asks once, gets 401, asks again (cancelled) and says so
+            cdp.answers = [(True, ""), (True, "wrong-token"), (False, "")]
+            await cdp.click("reset-btn")
+            first = await cdp.until(f"{msg}.includes('401') && {msg}")
+            kinds1 = [d["type"] for d in cdp.dialogs]
+            stored1 = await cdp.eval("sessionStorage.getItem('graphline.adminToken')")
+            after1 = await _resets(s, url)
 
-                # 2. the right token: reset done, the token kept in sessionStorage
-                cdp.dialogs.clear()
-                cdp.answers = [(True, ""), (True, TOKEN)]
-                await cdp.click("reset-btn")
-                second = await cdp.until(f"{msg}.startsWith('reset done') && {msg}")
-                kinds2 = [d["type"] for d in cdp.dialogs]
-                stored2 = await cdp.eval("sessionStorage.getItem('graphline.adminToken')")
-                after2 = await _resets(s, url)
+            # 2. the right token: reset done, the token kept in sessionStorage
+            cdp.dialogs.clear()
+            cdp.answers = [(True, ""), (True, TOKEN)]
+            await cdp.click("reset-btn")
+            second = await cdp.until(f"{msg}.startsWith('reset done') && {msg}")
+            kinds2 = [d["type"] for d in cdp.dialogs]
+            stored2 = await cdp.eval("sessionStorage.getItem('graphline.adminToken')")
+            after2 = await _resets(s, url)
 
-                # 3. again: only the confirmation, no token prompt (the stored token is sent)
-                cdp.dialogs.clear()
-                cdp.answers = [(True, "")]
-                await cdp.eval("document.getElementById('reset-msg').textContent = ''")
-                await cdp.click("reset-btn")
-                await cdp.until(f"{msg}.startsWith('reset done')")
-                kinds3 = [d["type"] for d in cdp.dialogs]
-                after3 = await _resets(s, url)
-                await cdp.until(f"document.getElementById('resets-count').textContent === '{after3}'")
-                cdp._reader.cancel()
-        finally:
-            proc.kill()
-            proc.wait(10)
-            shutil.rmtree(profile, ignore_errors=True)
+            # 3. again: only the confirmation, no token prompt (the stored token is sent)
+            cdp.dialogs.clear()
+            cdp.answers = [(True, "")]
+            await cdp.eval("document.getElementById('reset-msg').textContent = ''")
+            await cdp.click("reset-btn")
+            await cdp.until(f"{msg}.startsWith('reset done')")
+            kinds3 = [d["type"] for d in cdp.dialogs]
+            after3 = await _resets(s, url)
+            await cdp.until(f"document.getElementById('resets-count').textContent === '{after3}'")
         return start, first, kinds1, stored1, after1, second, kinds2, stored2, after2, kinds3, after3
 
     start, first, kinds1, stored1, after1, second, kinds2, stored2, after2, kinds3, after3 = \

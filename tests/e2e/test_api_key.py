@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
 
 import aiohttp
 import pytest
 
-from e2e_support import REPO, TINY_ARGS, graphline, start_server
+from e2e_support import REPO, TINY_ARGS, assert_serve_refuses, clean_env, graphline, loopback_url, start_server
 
 openai = pytest.importorskip("openai")
 
@@ -23,23 +22,14 @@ LOCAL = [*TINY_ARGS, "--executor", "local", "--port", "0"]
 PROMPT = [17, 4, 250, 31, 8]
 
 
-def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("GRAPHLINE_API_KEY", "GRAPHLINE_ADMIN_TOKEN")}
-    return {**env, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", **extra}
-
-
-def _loopback(url: str) -> str:
-    return re.sub(r"^http://[^/]+:(\d+)$", r"http://127.0.0.1:\1", url)
-
-
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("keys")
     (d / "key").write_text(KEY + "\n")
     (d / "admin").write_text(ADMIN + "\n")
     srv = start_server(graphline("serve", *LOCAL, "--host", "0.0.0.0", "--api-key-file", str(d / "key"),
-                                 "--admin-token-file", str(d / "admin")), env=_env())
-    srv.url = _loopback(srv.url)
+                                 "--admin-token-file", str(d / "admin")), env=clean_env())
+    srv.url = loopback_url(srv.url)
     yield srv
     srv.stop()
 
@@ -95,16 +85,16 @@ def test_bench_with_the_key(keyed_server, tmp_path):
     base = ["bench", "--url", keyed_server.url, "--concurrency", "1", "--requests-per-client", "2",
             "--prompt-len", "8", "--max-tokens", "4"]
     ok = subprocess.run(graphline(*base, "--api-key", KEY, "--out", str(tmp_path / "ok.json")), cwd=REPO,
-                        capture_output=True, text=True, timeout=180, env=_env())
+                        capture_output=True, text=True, timeout=180, env=clean_env())
     assert ok.returncode == 0, ok.stdout + ok.stderr
     result = json.loads((tmp_path / "ok.json").read_text())
     assert result["levels"][0]["requests"] == 2 and result["levels"][0]["output_tokens"] == 8
     assert KEY not in (tmp_path / "ok.json").read_text()  # the key is not written into the results
     from_env = subprocess.run(graphline(*base, "--out", str(tmp_path / "env.json")), cwd=REPO, capture_output=True,
-                              text=True, timeout=180, env=_env(GRAPHLINE_API_KEY=KEY))
+                              text=True, timeout=180, env=clean_env(GRAPHLINE_API_KEY=KEY))
     assert from_env.returncode == 0, from_env.stdout + from_env.stderr
     bad = subprocess.run(graphline(*base, "--out", str(tmp_path / "bad.json")), cwd=REPO, capture_output=True,
-                         text=True, timeout=180, env=_env())
+                         text=True, timeout=180, env=clean_env())
     assert bad.returncode == 2 and "HTTP 401" in bad.stderr and "--api-key" in bad.stderr, bad.stderr
 
 
@@ -114,20 +104,13 @@ def test_bench_with_the_key(keyed_server, tmp_path):
     (["--api-key-file", "EMPTY"], "the API key from --api-key-file"),
 ])
 def test_serve_refuses_bad_key_options(tmp_path, extra, needle):
-    empty = tmp_path / "empty"
-    empty.write_text("\n")
-    args = [str(empty) if a == "EMPTY" else a for a in extra]
-    out = subprocess.run(graphline("serve", *LOCAL, *args), cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env=_env())
-    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("graphline serve: error: "), out.stderr
-    assert needle in lines[0] and "serving" not in out.stdout
+    assert_serve_refuses(LOCAL, extra, needle, tmp_path / "empty")
 
 
 def test_off_loopback_without_a_key_warns(tmp_path):
-    srv = start_server(graphline("serve", *LOCAL, "--host", "0.0.0.0"), env=_env(GRAPHLINE_ADMIN_TOKEN=ADMIN))
+    srv = start_server(graphline("serve", *LOCAL, "--host", "0.0.0.0"), env=clean_env(GRAPHLINE_ADMIN_TOKEN=ADMIN))
     try:
-        url = _loopback(srv.url)
+        url = loopback_url(srv.url)
         r = _client(url, "anything").completions.create(model="qwen3-tiny", prompt=PROMPT, max_tokens=2)
         assert len(r.choices[0].model_extra["token_ids"]) == 2  # no key configured: open
     finally:

@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
-import shutil
 import threading
 
 import aiohttp
 import pytest
 
-from cdp import CHROMIUM, DevTools, chromium
+from cdp import CHROMIUM, browser_page
 from e2e_support import TINY_ARGS, graphline, start_server
 
 KEY = "sk-cors-" + "9d2e" * 4
@@ -106,28 +105,19 @@ def test_a_browser_page_of_the_allowed_origin_reads_the_api(srv, pages):
         return FETCH % {"url": json.dumps(srv.url + path), "headers": json.dumps(headers), "body": json.dumps(body)}
 
     async def main():
-        proc, ws_url, profile = await chromium()
-        try:
-            async with aiohttp.ClientSession() as s, s.ws_connect(ws_url, max_msg_size=0) as ws:
-                cdp = DevTools(ws)
-                await cdp.open_page()
-                got = {}
-                for origin in (allowed, other):
-                    await cdp.send("Page.navigate", {"url": origin + "/"})
-                    await cdp.until("document.readyState === 'complete' && document.title === 'client'")
-                    got[origin, "plain"] = await cdp.eval(fetch("/v1/completions", auth,
-                                                                {"prompt": [1, 2, 3], "max_tokens": 3}))
-                    got[origin, "stream"] = await cdp.eval(fetch("/v1/completions", auth, {
-                        "prompt": [1, 2, 3], "max_tokens": 3, "stream": True}))
-                    got[origin, "wrong key"] = await cdp.eval(fetch(
-                        "/v1/completions", {**auth, "Authorization": "Bearer wrong"}, {"prompt": [1], "max_tokens": 1}))
-                    got[origin, "admin"] = await cdp.eval(fetch("/admin/reset", {"Content-Type": "application/json"},
-                                                                {}))
-                cdp._reader.cancel()
-        finally:
-            proc.kill()
-            proc.wait(10)
-            shutil.rmtree(profile, ignore_errors=True)
+        async with browser_page() as (_session, cdp):
+            got = {}
+            for origin in (allowed, other):
+                await cdp.send("Page.navigate", {"url": origin + "/"})
+                await cdp.until("document.readyState === 'complete' && document.title === 'client'")
+                got[origin, "plain"] = await cdp.eval(fetch("/v1/completions", auth,
+                                                            {"prompt": [1, 2, 3], "max_tokens": 3}))
+                got[origin, "stream"] = await cdp.eval(fetch("/v1/completions", auth, {
+                    "prompt": [1, 2, 3], "max_tokens": 3, "stream": True}))
+                got[origin, "wrong key"] = await cdp.eval(fetch(
+                    "/v1/completions", {**auth, "Authorization": "Bearer wrong"}, {"prompt": [1], "max_tokens": 1}))
+                got[origin, "admin"] = await cdp.eval(fetch("/admin/reset", {"Content-Type": "application/json"},
+                                                            {}))
         return {k: json.loads(v) for k, v in got.items()}
 
     got = asyncio.run(asyncio.wait_for(main(), 180))
