@@ -41,6 +41,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from engine.engine_status import EngineStatus
 from engine.events import log_event
+from engine.grammar import TokenGrammar
 from engine.llm_engine import EngineStepError, LLMEngine, RoundRejectedError, StepInfo
 from engine.request import Request, RequestError, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -133,8 +134,8 @@ class AsyncLLMEngine(EngineStatus):
     # ---- requests (event-loop thread)
     def make_request(self, prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,
                      max_tokens: Optional[int] = 16, stop_token_ids: Sequence[int] = (),
-                     request_id: Optional[str] = None) -> Request:
-        return self.engine.make_request(prompt_token_ids, sampling, max_tokens, stop_token_ids, request_id)
+                     request_id: Optional[str] = None, grammar: Optional[TokenGrammar] = None) -> Request:
+        return self.engine.make_request(prompt_token_ids, sampling, max_tokens, stop_token_ids, request_id, grammar)
 
     def make_samples(self, request: Request, n: int, fit_max_tokens: bool = False) -> list[Request]:
         """The n requests of n samples of `request`'s prompt (`LLMEngine.make_samples`); submit them in order."""

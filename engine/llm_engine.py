@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from actors.batch import BatchError
 from engine.executor import executor_max_model_len
+from engine.grammar import TokenGrammar
 from engine.recovery import EngineRecovery, EngineStepError, RoundRejectedError
 from engine.request import FinishReason, ModelLimits, Request, RequestError, RequestOutput, validate_request
 from engine.samples import check_samples_fit, max_sample_tokens, sample_requests
@@ -113,9 +114,9 @@ class LLMEngine(EngineRecovery):
 
     def make_request(self, prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,
                      max_tokens: Optional[int] = 16, stop_token_ids: Sequence[int] = (),
-                     request_id: Optional[str] = None) -> Request:
-        """Build and validate a request (raises `RequestError`); schedules nothing."""
-        req = Request.make(prompt_token_ids, sampling, max_tokens, stop_token_ids, request_id)
+                     request_id: Optional[str] = None, grammar: Optional[TokenGrammar] = None) -> Request:
+        """Build and validate a request (raises `RequestError`); schedules nothing. `grammar`: `engine.grammar`."""
+        req = Request.make(prompt_token_ids, sampling, max_tokens, stop_token_ids, request_id, grammar)
         validate_request(req, self.limits)
         return req
 

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from engine.errors import RequestError
+from engine.grammar import TokenGrammar, mask_words
 from engine.sampling_params import INT32_MAX, SamplingParams
 
 _ids = itertools.count()
@@ -44,7 +45,9 @@ class Request:
     stop_token_ids: generation ends when one is sampled (it is the last output token, counted, its text not
     returned; at most `MAX_STOP_TOKEN_IDS`); the engine adds the model's EOS ids unless `sampling.ignore_eos`.
     sampling: `engine.sampling_params.SamplingParams`. parent_id: another sample of the same prompt (`n > 1`,
-    `engine.samples`): this request waits until that one has computed the prompt, then shares its cached blocks."""
+    `engine.samples`): this request waits until that one has computed the prompt, then shares its cached blocks.
+    grammar: the constraint every generated token obeys (`engine.grammar`; the HTTP layer's `response_format`), None
+    = free text."""
 
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
@@ -53,11 +56,12 @@ class Request:
     request_id: str = field(default_factory=new_request_id)
     arrival_time: float = field(default_factory=time.monotonic)
     parent_id: Optional[str] = None
+    grammar: Optional[TokenGrammar] = None
 
     @staticmethod
     def make(prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,
              max_tokens: Optional[int] = 16, stop_token_ids: Sequence[int] = (),
-             request_id: Optional[str] = None) -> "Request":
+             request_id: Optional[str] = None, grammar: Optional[TokenGrammar] = None) -> "Request":
         """Build a request from loose inputs; type and range errors become `RequestError` (nothing is validated
         against the model here: see `validate_request`). `sampling` may be a legacy
         object with the same attributes (converted field by field)."""
@@ -91,9 +95,11 @@ class Request:
                                    "invalid_type")
         sampling = SamplingParams() if sampling is None else SamplingParams.coerce(sampling)
         kw = {} if request_id is None else {"request_id": str(request_id)}
+        if grammar is not None and not isinstance(grammar, TokenGrammar):
+            raise RequestError("the grammar must be an engine.grammar.TokenGrammar", "response_format", "invalid_type")
         return Request(ids, sampling,
                        None if max_tokens is None else int(max_tokens),
-                       frozenset(int(t) for t in stop_token_ids), **kw)
+                       frozenset(int(t) for t in stop_token_ids), grammar=grammar, **kw)
 
 
 def _tid(t: int) -> str:
@@ -145,6 +151,9 @@ def validate_request(req: Request, limits: ModelLimits) -> None:
     if req.max_tokens is not None and req.sampling.min_tokens > req.max_tokens:
         raise RequestError(f"min_tokens ({req.sampling.min_tokens}) exceeds max_tokens ({req.max_tokens})",
                            "min_tokens", "invalid_value")
+    if req.grammar is not None and req.grammar.words != mask_words(limits.vocab_size):
+        raise RequestError(f"the grammar was compiled for another vocabulary ({32 * req.grammar.words} ids at most; "
+                           f"this model has {limits.vocab_size})", "response_format", "invalid_value")
     if n >= limits.max_model_len:
         raise RequestError(f"the prompt has {n} tokens; this model's maximum context length is "
                            f"{limits.max_model_len} tokens (prompt + at least one new token)", "prompt",

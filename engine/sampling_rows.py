@@ -1,9 +1,10 @@
 """The rarer per-row sampling inputs of a step (`actors.batch.SamplerExtras`), built from the sequences' requests.
 
 A step carries extras only when a row needs one: min_p, a penalty, a logit bias, banned ids (the stop ids while a
-request has fewer than `min_tokens` output tokens) or logprobs. Penalty inputs follow vLLM: repetition_penalty
-over the distinct tokens of prompt and output, presence / frequency over the output tokens (their counts). Plain
-numpy, no torch.
+request has fewer than `min_tokens` output tokens), logprobs or a grammar (the allowed-token bitmask of each
+constrained row, `engine.grammar`; other rows of that step allow every id). Penalty inputs follow vLLM:
+repetition_penalty over the distinct tokens of prompt and output, presence / frequency over the output tokens (their
+counts). Plain numpy, no torch.
 
 Which of these a request uses is fixed with its `SamplingParams`: `extras_flags` sums it up once per sequence
 (`Sequence.extras_flags`), so that a step's rows are checked with one int each, and a step whose rows only ask for
@@ -17,19 +18,19 @@ import numpy as np
 
 from actors.batch import SamplerExtras
 
-# `extras_flags` bits: a row with MIN_P, PENALTY, BIAS or LOGPROBS always needs extras; one with MIN_TOKENS only
-# while it has fewer output tokens than min_tokens and stop ids to ban (`_banned`). Above the bits (FLAG_BITS), the
-# request's logprobs + 1 (0: none), so that the largest flags of a step's rows carry its largest logprobs.
-MIN_P, PENALTY, BIAS, LOGPROBS, MIN_TOKENS = 1, 2, 4, 8, 16
-FLAG_BITS = 5
-ALWAYS = MIN_P | PENALTY | BIAS | LOGPROBS
+# `extras_flags` bits: a row with MIN_P, PENALTY, BIAS, LOGPROBS or GRAMMAR always needs extras; one with MIN_TOKENS
+# only while it has fewer output tokens than min_tokens and stop ids to ban (`_banned`). Above the bits (FLAG_BITS),
+# the request's logprobs + 1 (0: none), so that the largest flags of a step's rows carry its largest logprobs.
+MIN_P, PENALTY, BIAS, LOGPROBS, MIN_TOKENS, GRAMMAR = 1, 2, 4, 8, 16, 32
+FLAG_BITS = 6
+ALWAYS = MIN_P | PENALTY | BIAS | LOGPROBS | GRAMMAR
 _LISTS = PENALTY | BIAS | MIN_TOKENS  # rows with per-row lists
 
 
-def extras_flags(sp) -> int:
-    """The `SamplingParams`' use of sampler extras as bits, with its logprobs + 1 above them (min_p and penalties
-    compare by value: -0.0 is off)."""
-    return ((MIN_P if sp.min_p > 0 else 0)
+def extras_flags(sp, grammar: bool = False) -> int:
+    """The `SamplingParams`' use of sampler extras as bits (and GRAMMAR for a constrained request), with its
+    logprobs + 1 above them (min_p and penalties compare by value: -0.0 is off)."""
+    return (GRAMMAR if grammar else 0) | ((MIN_P if sp.min_p > 0 else 0)
             | (PENALTY if sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1 else 0)
             | (BIAS if sp.logit_bias else 0) | (LOGPROBS if sp.logprobs is not None else 0)
             | (MIN_TOKENS if sp.min_tokens else 0) | (0 if sp.logprobs is None else sp.logprobs + 1) << FLAG_BITS)
@@ -85,8 +86,9 @@ def build_extras(seqs: Sequence) -> Optional[SamplerExtras]:
     b = len(seqs)
     num_logprobs = (max(flags) >> FLAG_BITS) - 1  # the rows' largest logprobs (-1: none asks)
     off = SamplerExtras.off(b, num_logprobs)
-    if not union & (MIN_P | _LISTS):  # logprobs only: every array off
+    if not union & (MIN_P | _LISTS | GRAMMAR):  # logprobs only: every array off
         return off
+    allow = _allowed(seqs, flags) if union & GRAMMAR else None
     off = (off.min_p, off.penalties, off.bias_ids, off.bias_vals, off.ban_ids, off.pen_ids, off.pen_counts)
     if union & MIN_P:
         min_p = np.array([s.request.sampling.min_p for s in seqs], np.float32)
@@ -119,4 +121,15 @@ def build_extras(seqs: Sequence) -> Optional[SamplerExtras]:
     lists = [_padded(b, rows, dtype, fill) if rows else off[k] for k, (rows, dtype, fill) in enumerate(
         ((bias_ids, np.int32, -1), (bias_vals, np.float32, 0.0), (bans, np.int32, -1), (pen_ids, np.int32, -1),
          (pen_counts, np.int32, 0)), 2)]
-    return SamplerExtras(min_p, penalties, *lists, num_logprobs)
+    return SamplerExtras(min_p, penalties, *lists, num_logprobs, allow_bits=allow)
+
+
+def _allowed(seqs: Sequence, flags: list[int]) -> np.ndarray:
+    """The step's `SamplerExtras.allow_bits`: int32 `[B, W]`, each constrained row its grammar's next tokens, the
+    other rows every id (-1 words)."""
+    words = next(s.request.grammar.words for s, f in zip(seqs, flags) if f & GRAMMAR)
+    allow = np.full((len(seqs), words), -1, np.int32)
+    for i, (seq, f) in enumerate(zip(seqs, flags)):
+        if f & GRAMMAR:
+            seq.grammar.fill(allow[i])
+    return allow

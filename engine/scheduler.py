@@ -34,6 +34,7 @@ import numpy as np
 from actors.batch import SampledTokens, StepBatch, prev_token
 from engine.block_manager import BlockManager, chain_hashes
 from engine.chunking import StepPlanner
+from engine.grammar import GrammarViolation
 from engine.logprob_rows import step_entries, step_rows
 from engine.request import FinishReason, Request
 from engine.scheduler_config import SchedulerConfig
@@ -291,6 +292,8 @@ class Scheduler(StepPlanner):
                     seq.finish_reason = FinishReason.STOP
                     seq.stopped_on_token = True
                     break
+                if seq.grammar is not None and _grammar_ends(seq, tok):
+                    break
                 if (req.max_tokens is not None and seq.num_output_tokens >= req.max_tokens) \
                         or seq.num_tokens >= max_len:
                     seq.finish_reason = FinishReason.LENGTH
@@ -383,6 +386,18 @@ class Scheduler(StepPlanner):
             "chunked_prefill": self.cfg.chunked,
             "prefix_cache": bm.stats(),
         }
+
+
+def _grammar_ends(seq: Sequence, tok: int) -> bool:
+    """Advance `seq`'s grammar by its new token `tok`; True (the finish reason set) when that ends the sequence: the
+    grammar is complete (reason stop; the token is content, its text returned) or `tok` broke it (reason error)."""
+    try:
+        if not seq.grammar.advance(tok):
+            return False
+        seq.finish_reason = FinishReason.STOP
+    except GrammarViolation as exc:
+        seq.finish_reason, seq.error = FinishReason.ERROR, str(exc)
+    return True
 
 
 def make_sequence(request: Request, dp_rank: int = 0) -> Sequence:

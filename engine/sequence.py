@@ -34,7 +34,7 @@ class Sequence:
                  "num_preemptions", "first_token_time", "last_token_time", "_emitted", "dp_rank", "error",
                  "sampling_row", "num_failures", "stop_ids", "stopped_on_token", "logprobs", "new_logprobs",
                  "block_hashes", "num_registered", "prefilled", "num_cached_tokens", "extras_flags",
-                 "_table_array")
+                 "_table_array", "grammar")
 
     def __init__(self, request: Request, dp_rank: int = 0):
         self.request = request
@@ -70,7 +70,10 @@ class Sequence:
         # preempted or requeued sequence samples the same tokens again.
         seed = sp.seed if sp.seed is not None else (secrets.randbits(63) if sp.temperature > 0 else -1)
         self.sampling_row = (sp.temperature, sp.top_k, sp.top_p, seed)
-        self.extras_flags = extras_flags(sp)  # which sampler extras the request uses (`engine.sampling_rows`)
+        # which sampler extras the request uses (`engine.sampling_rows`)
+        self.extras_flags = extras_flags(sp, request.grammar is not None)
+        # this sequence's position in the request's grammar (`engine.grammar`); None: free text
+        self.grammar = request.grammar.start() if request.grammar is not None else None
 
     def block_table_array(self) -> np.ndarray:
         """`block_table` as int32 `[len]`, made again only when the table changed: tables only grow (`extend`) or are

@@ -19,6 +19,7 @@ from engine.errors import RequestError
 from engine.sampling_params import LOGPROBS_MAX, check_bool, check_int
 from launch.protocol import (ApiError, GenerationRequest, ParseContext, _unsupported, check_text, choices_usage,
                              parse_common, parse_max_tokens, parse_model, parse_n, require_object)
+from launch.structured import parse_response_format
 from launch.tools import parse_tool_choice, parse_tools, tool_message_fields
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -163,10 +164,6 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
         raise ApiError(400, "'tool_choice' \"auto\" (the default with 'tools') needs the server started with "
                             "--tool-call-parser hermes; send \"tool_choice\": \"none\" to pass the tools to the "
                             "template only", "tool_choice", "unsupported")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported", "response_format",
-                       "unsupported")
     lp = body.get("logprobs")
     want = False if lp is None else check_bool("logprobs", lp)
     top = body.get("top_logprobs")
@@ -183,6 +180,7 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     greq = parse_common(body, ctx, [prompt], (top_n or 0) if want else None, max_tokens, n,
                         ("max_completion_tokens", "max_tokens"))
     greq.parse_tool_calls = tool_choice == "auto"
+    greq.grammar = parse_response_format(body, ctx.grammars)
     return greq
 
 

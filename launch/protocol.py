@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine.errors import RequestError
+from engine.grammar import TokenGrammar
 from engine.sampling_params import INT32_MAX, LOGPROBS_MAX, SamplingParams, check_bool, check_int
 from engine.samples import MAX_N
 from launch.defaults import GenerationDefaults
+from launch.structured import parse_response_format
 
 
 class ApiError(Exception):
@@ -60,6 +62,7 @@ class ParseContext:
     eos_token_ids: tuple[int, ...] = ()
     limits: ProtocolLimits = field(default_factory=ProtocolLimits)
     tool_call_parser: Optional[str] = None  # `launch.tools.TOOL_CALL_PARSERS`: chat may ask for tool calls
+    grammars: Any = None  # `launch.structured.GrammarCompiler` of the tokenizer (None without one)
 
 
 @dataclass
@@ -78,6 +81,7 @@ class GenerationRequest:
     n: int = 1
     max_tokens_given: bool = True  # False: max_tokens is the server's default (lowered to fit n samples)
     parse_tool_calls: bool = False  # chat with tools and tool_choice "auto": the content's tool calls are parsed
+    grammar: Optional[TokenGrammar] = None  # `response_format` (`launch.structured`): every choice obeys it
 
 
 # ---- the body
@@ -358,7 +362,9 @@ def parse_completion_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     logprobs = None if lp is None else check_int("logprobs", lp, 0, LOGPROBS_MAX)
     prompts = parse_prompts(body.get("prompt"), ctx)
     max_tokens = parse_max_tokens(body, ("max_tokens",), ctx.defaults.max_tokens or 16, prompts, ctx)
-    return parse_common(body, ctx, prompts, logprobs, max_tokens, n)
+    greq = parse_common(body, ctx, prompts, logprobs, max_tokens, n)
+    greq.grammar = parse_response_format(body, ctx.grammars)
+    return greq
 
 
 def choice(index: int, text: str, token_ids: list[int], finish_reason: Optional[str],

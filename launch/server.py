@@ -28,6 +28,7 @@ from launch.protocol import (ApiError, GenerationRequest, ParseContext, Protocol
                              parse_json_body)
 from launch.reasoning import ThinkTags, think_tags
 from launch.status import build_status
+from launch.structured import GrammarCompiler
 from launch.tokenize_api import detokenize, tokenize
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -57,6 +58,7 @@ class ServerState:
     defaults: GenerationDefaults = field(init=False)
     think_tags: Optional[ThinkTags] = field(init=False, default=None)
     tokenize_pool: Optional[concurrent.futures.ThreadPoolExecutor] = field(init=False, default=None)
+    grammars: Optional[GrammarCompiler] = field(init=False, default=None)  # `response_format` (with a tokenizer)
 
     def __post_init__(self) -> None:
         self.defaults = GenerationDefaults(self.generation_defaults)
@@ -64,6 +66,7 @@ class ServerState:
             self.think_tags = think_tags(self.tokenizer, self.reasoning_parser)
         if self.tokenizer is not None:  # large texts are tokenised off the event loop (tokenizers drop the GIL)
             self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphline-tokenize")
+            self.grammars = GrammarCompiler(self.tokenizer, self.engine.engine.limits.vocab_size, self.eos_token_ids)
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -83,7 +86,7 @@ class ServerState:
         return ParseContext(self.served_names, self.tokenizer, lim.vocab_size, lim.max_model_len,
                             lim.max_blocks_per_request * lim.block_size, self.defaults,
                             tuple(t for t in self.eos_token_ids if 0 <= t < lim.vocab_size), self.limits,
-                            self.tool_call_parser)
+                            self.tool_call_parser, self.grammars)
 
 
 STATE = web.AppKey("graphline_state", ServerState)

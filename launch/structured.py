@@ -1,0 +1,103 @@
+"""Structured outputs: OpenAI's `response_format` compiled into the engine's token grammar (`engine.grammar`).
+
+- `{"type": "text"}` or no field: free text.
+- `{"type": "json_object"}` (JSON mode): the output is one JSON object.
+- `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`: the output is JSON that
+  the schema accepts.
+
+The grammar is compiled here, on the request's parsing thread, by the llguidance library over the served tokenizer
+(`GrammarCompiler`), so a schema it cannot take is a 400 naming `response_format.json_schema.schema` before anything
+is queued. JSON follows llguidance's defaults (whitespace between tokens allowed; a schema may override them under
+`x-guidance`). A request with a grammar finishes with `stop` as soon as the JSON is complete.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any, Optional, Sequence
+
+from engine.errors import RequestError
+from engine.grammar import TokenGrammar, mask_words
+from engine.sampling_params import check_bool
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+JSON_OBJECT_SCHEMA = {"type": "object"}
+
+
+class GrammarCompiler:
+    """One per served tokenizer: compiles grammars into `TokenGrammar`s over the model's `vocab_size` ids (ids past
+    the tokenizer's are never allowed; `eos_ids` may end a complete output). The llguidance tokenizer is built on
+    first use (once, under a lock: a 150k-id vocabulary takes a noticeable fraction of a second) and shared."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]):
+        self._hf, self.vocab_size, self._eos = tokenizer, vocab_size, list(eos_ids)
+        self._lock = threading.Lock()
+        self._ll: Any = None
+
+    def _ll_tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll is None:
+                import llguidance.hf
+
+                self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
+                                                        eos_token=self._eos or None)
+            return self._ll
+
+    def compile(self, grammar: str, kind: str, param: str) -> TokenGrammar:
+        """`grammar`: llguidance's grammar text (`LLMatcher.grammar_from_*`); a grammar it refuses raises
+        `RequestError` naming `param`."""
+        import llguidance
+
+        ll = self._ll_tokenizer()
+        err = llguidance.LLMatcher.validate_grammar(grammar, ll)
+        if err:
+            raise RequestError(f"'{param}' cannot be compiled: {err}", param, "invalid_schema")
+        matcher = llguidance.LLMatcher(ll, grammar)
+        if matcher.is_error():
+            raise RequestError(f"'{param}' cannot be compiled: {matcher.get_error()}", param, "invalid_schema")
+        return TokenGrammar(matcher, mask_words(self.vocab_size), kind)
+
+    def json_schema(self, schema: dict, kind: str, param: str) -> TokenGrammar:
+        import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        except ValueError as exc:
+            raise RequestError(f"'{param}' is not a usable JSON schema: {exc}", param, "invalid_schema") from None
+        return self.compile(grammar, kind, param)
+
+
+def parse_response_format(body: dict, compiler: Optional[GrammarCompiler]) -> Optional[TokenGrammar]:
+    """The request's grammar from its `response_format` (None: free text). Every problem is a 400 naming the field."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise RequestError("'response_format' must be an object such as {\"type\": \"json_object\"}",
+                           "response_format", "invalid_type")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind not in ("json_object", "json_schema"):
+        raise RequestError("'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", got "
+                           f"{kind!r}"[:200], "response_format.type", "unsupported")
+    if compiler is None:
+        raise RequestError("this model has no tokenizer: 'response_format' needs one", "response_format",
+                           "no_tokenizer")
+    if kind == "json_object":
+        return compiler.json_schema(JSON_OBJECT_SCHEMA, kind, "response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise RequestError("'response_format.json_schema' must be an object with a 'schema'",
+                           "response_format.json_schema", "invalid_type")
+    name = spec.get("name")
+    if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name)):
+        raise RequestError("'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'",
+                           "response_format.json_schema.name", "invalid_value")
+    if spec.get("strict") is not None:
+        check_bool("response_format.json_schema.strict", spec["strict"])
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise RequestError("'response_format.json_schema.schema' must be a JSON schema object",
+                           "response_format.json_schema.schema", "invalid_type")
+    return compiler.json_schema(schema, kind, "response_format.json_schema.schema")

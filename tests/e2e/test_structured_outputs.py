@@ -1,0 +1,138 @@
+"""Structured outputs (`response_format`) on a real `graphline serve` of a checkpoint with a real byte-level BPE
+tokenizer (`tests.fixtures.hf_checkpoints.build_checkpoint`, random weights), through the official `openai` client
+and raw HTTP, all requests to 127.0.0.1.
+
+A random-weight model never writes JSON by itself, so every parsed answer below is the grammar's doing: the schema
+`ANSWER` has a finite language (no whitespace, two fixed keys), so a constrained choice must end with `stop` within a
+few dozen tokens and parse into exactly that shape. Free-text requests beside constrained ones must be unchanged."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from e2e_support import openai_client, serve_checkpoint
+from tests.fixtures.hf_checkpoints import build_checkpoint
+
+pytest.importorskip("transformers")
+pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                           "digit": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["answer", "digit"], "additionalProperties": False,
+          "x-guidance": {"whitespace_flexible": False}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+MESSAGES = [{"role": "user", "content": "Is the fox quick? Answer yes or no and a digit."}]
+
+
+def _check_answer(text: str) -> None:
+    got = json.loads(text)
+    assert set(got) == {"answer", "digit"} and got["answer"] in ("yes", "no"), text
+    assert type(got["digit"]) is int and 0 <= got["digit"] <= 9, text
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    d = build_checkpoint(tmp_path_factory.mktemp("structured") / "tiny-chat")
+    s = serve_checkpoint(d, "--max-model-len", "256")
+    yield s
+    s.stop()
+
+
+def test_json_schema_chat_greedy_sampled_and_streamed(srv):
+    client = openai_client(srv)
+    greedy = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=64, temperature=0,
+                                            response_format=FORMAT)
+    assert greedy.choices[0].finish_reason == "stop"
+    _check_answer(greedy.choices[0].message.content)
+    sampled = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=64, temperature=1.0,
+                                             n=4, seed=11, response_format=FORMAT)
+    assert [c.finish_reason for c in sampled.choices] == ["stop"] * 4
+    for c in sampled.choices:
+        _check_answer(c.message.content)
+    stream = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=64, temperature=1.0,
+                                            seed=11, stream=True, response_format=FORMAT)
+    parts, reasons = [], []
+    for chunk in stream:
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            reasons.append(c.finish_reason)
+    assert reasons[-1] == "stop"
+    _check_answer("".join(parts))
+    assert "".join(parts) == sampled.choices[0].message.content  # sample 0 has the request's own seed
+
+
+def test_json_object_and_completions(srv):
+    client = openai_client(srv)
+    out = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=48, temperature=1.0, n=3,
+                                         seed=5, response_format={"type": "json_object"})
+    for c in out.choices:
+        text = c.message.content
+        assert text.lstrip().startswith("{"), text
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(text), dict), text
+    comp = client.completions.create(model="tiny-chat", prompt="The answer:", max_tokens=64, temperature=0,
+                                     extra_body={"response_format": FORMAT})
+    assert comp.choices[0].finish_reason == "stop"
+    _check_answer(comp.choices[0].text)
+    plain = client.completions.create(model="tiny-chat", prompt="The answer:", max_tokens=24, temperature=0)
+    with pytest.raises(ValueError):
+        _check_answer(plain.choices[0].text)  # without the grammar this model writes no such JSON
+
+
+def _post_all(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
+    async def one(s, body):
+        async with s.post(url + "/v1/completions", json=body) as r:
+            return r.status, await r.json()
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(*[one(s, b) for b in bodies])
+
+    return asyncio.run(asyncio.wait_for(main(), 180))
+
+
+def test_free_text_beside_constrained_requests_is_unchanged(srv):
+    free = {"model": "tiny-chat", "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0}
+    sampled = {**free, "temperature": 1.0, "seed": 3}
+    constrained = {"model": "tiny-chat", "prompt": "The answer:", "max_tokens": 64, "temperature": 1.0, "seed": 9,
+                   "response_format": FORMAT}
+    alone = _post_all(srv.url, [free, sampled])
+    mixed = _post_all(srv.url, [constrained, free, constrained, sampled, constrained])
+    assert all(status == 200 for status, _ in alone + mixed), alone + mixed
+    texts = [body["choices"][0]["text"] for _, body in mixed]
+    assert texts[1] == alone[0][1]["choices"][0]["text"] and texts[3] == alone[1][1]["choices"][0]["text"]
+    for i in (0, 2, 4):
+        assert mixed[i][1]["choices"][0]["finish_reason"] == "stop"
+        _check_answer(texts[i])
+
+
+@pytest.mark.parametrize("fmt, param", [
+    ("json", "response_format"),
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "a b", "schema": ANSWER}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"schema": ANSWER, "strict": "yes"}}, "response_format.json_schema.strict"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
+     "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
+     "response_format.json_schema.schema"),
+])
+def test_bad_response_formats_are_400s_naming_the_field(srv, fmt, param):
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "a"})):
+                async with s.post(srv.url + path, json={**body, "model": "tiny-chat", "max_tokens": 4,
+                                                        "response_format": fmt}) as r:
+                    out.append((r.status, await r.json()))
+            return out
+
+    for status, body in asyncio.run(asyncio.wait_for(main(), 60)):
+        assert status == 400 and body["error"]["param"] == param, body
+    ok = openai_client(srv).completions.create(model="tiny-chat", prompt="still serving", max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
