@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-greedy", action="store_true",
                    help="with --temperature > 0: also greedy requests at each concurrency on the same server, and "
                         "sampled / greedy ratios")
+    p.add_argument("--response-format", default=None, choices=("json_object",),
+                   help="also requests with this response_format at each concurrency (a checkpoint with a tokenizer), "
+                        "and constrained / free ratios")
     p.add_argument("--api", default="completions", help="completions, chat, or both side by side: completions,chat")
     p.add_argument("--tokenizer", default=None, help="with chat: the served checkpoint's directory (default --model)")
     p.add_argument("--api-key", default=None,
@@ -241,6 +244,9 @@ def run(args: argparse.Namespace) -> int:
         modes = [("sampled" if args.temperature > 0 else "greedy", sampling_body(args))]
         if args.compare_greedy and args.temperature > 0:
             modes.append(("greedy", {"temperature": 0.0, "ignore_eos": True}))
+        primary = modes[0][0]  # "sampled" or "greedy": the free requests
+        if args.response_format:
+            modes.insert(0, ("constrained", {**modes[0][1], "response_format": {"type": args.response_format}}))
         for api in apis:  # warm-up
             for _, sampling in modes:
                 asyncio.run(run_level(url, name, 1, 1, args.prompt_len, min(8, args.max_tokens), vocab, sampling,
@@ -258,9 +264,11 @@ def run(args: argparse.Namespace) -> int:
                           file=sys.stderr, flush=True)
         result["levels"] = levels
         if len(apis) > 1:
-            result["chat_vs_completions"] = ratios([lv for lv in levels if lv["sampling"] == modes[0][0]])
-        if len(modes) > 1:
-            result["sampled_vs_greedy"] = sampled_vs_greedy(levels)
+            result["chat_vs_completions"] = ratios([lv for lv in levels if lv["sampling"] == primary])
+        if primary == "sampled" and args.compare_greedy:
+            result["sampled_vs_greedy"] = mode_ratios(levels, "sampled", "greedy")
+        if args.response_format:
+            result["constrained_vs_free"] = mode_ratios(levels, "constrained", primary)
     finally:
         if proc is not None:
             proc.terminate()
@@ -270,10 +278,11 @@ def run(args: argparse.Namespace) -> int:
                 proc.kill()
     print_table(result)
     print_ratios(result.get("chat_vs_completions", []))
-    for row in result.get("sampled_vs_greedy", []):
-        print(f"sampled / greedy, {row['api']}, {row['clients']} clients: TPOT median {row['tpot_median_ratio']:.3f}, "
-              f"p99 {row['tpot_p99_ratio']:.3f}, TTFT median {row['ttft_median_ratio']:.3f}, "
-              f"tok/s {row['throughput_ratio']:.3f}")
+    for key in ("sampled_vs_greedy", "constrained_vs_free"):
+        for row in result.get(key, []):
+            print(f"{key.replace('_vs_', ' / ')}, {row['api']}, {row['clients']} clients: TPOT median "
+                  f"{row['tpot_median_ratio']:.3f}, p99 {row['tpot_p99_ratio']:.3f}, TTFT median "
+                  f"{row['ttft_median_ratio']:.3f}, tok/s {row['throughput_ratio']:.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -281,14 +290,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def sampled_vs_greedy(levels: list[dict]) -> list[dict]:
-    """Per (api, concurrency) measured both ways: sampled / greedy of TPOT (median, p99), TTFT median and
-    throughput."""
+def mode_ratios(levels: list[dict], num: str, den: str) -> list[dict]:
+    """Per (api, concurrency) measured both ways: mode `num` / mode `den` (e.g. sampled / greedy, constrained /
+    free) of TPOT (median, p99), TTFT median and throughput."""
     by = {(lv.get("api"), lv["clients"], lv.get("sampling")): lv for lv in levels}
     out = []
     for (api, c, mode), sampled in by.items():
-        greedy = by.get((api, c, "greedy"))
-        if mode != "sampled" or greedy is None:
+        greedy = by.get((api, c, den))
+        if mode != num or greedy is None:
             continue
         out.append({"api": api, "clients": c, **{f"{k}_ratio": sampled[m] / greedy[m] for k, m in (
             ("tpot_median", "tpot_ms_median"), ("tpot_p99", "tpot_ms_p99"), ("ttft_median", "ttft_ms_median"),
@@ -305,9 +314,11 @@ def print_table(result: dict) -> None:
           f"{'TTFT med ms':>12} {'TTFT p99 ms':>12} {'gap med ms':>11} {'gap p99 ms':>11} {'tok/event':>9}"
     print(hdr)
     print("-" * len(hdr))
+    # api* = sampled requests, api+ = with --response-format (sampled at --temperature > 0), plain = greedy
     for lv in result.get("levels", []):
         f = lambda v: f"{v:12.3f}" if v is not None else f"{'-':>12}"  # noqa: E731
-        print(f"{lv.get('api', 'completions') + ('*' if lv.get('sampling') == 'sampled' else ''):>11} {lv['clients']:>7} {lv['requests']:>8} {lv['throughput_tok_s']:>10.1f} {lv['requests_per_s']:>8.2f} "
+        mark = {"sampled": "*", "constrained": "+"}.get(lv.get("sampling"), "")
+        print(f"{lv.get('api', 'completions') + mark:>11} {lv['clients']:>7} {lv['requests']:>8} {lv['throughput_tok_s']:>10.1f} {lv['requests_per_s']:>8.2f} "
               f"{f(lv['tpot_ms_median'])} {f(lv['tpot_ms_p99'])} {f(lv['ttft_ms_median'])} {f(lv['ttft_ms_p99'])} "
               f"{lv.get('event_gap_ms_median', float('nan')):11.3f} {lv.get('event_gap_ms_p99', float('nan')):11.3f} "
               f"{lv.get('tokens_per_event', float('nan')):9.2f}")

@@ -136,3 +136,23 @@ def test_bad_response_formats_are_400s_naming_the_field(srv, fmt, param):
         assert status == 400 and body["error"]["param"] == param, body
     ok = openai_client(srv).completions.create(model="tiny-chat", prompt="still serving", max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_bench_compares_constrained_with_free_requests(srv, tmp_path):
+    import subprocess
+
+    from e2e_support import REPO, clean_env, graphline
+
+    out = tmp_path / "bench.json"
+    run = subprocess.run(graphline("bench", "--url", srv.url, "--concurrency", "1,3", "--requests-per-client", "2",
+                                   "--prompt-len", "8", "--max-tokens", "12", "--temperature", "1.0",
+                                   "--response-format", "json_object", "--out", str(out)),
+                         cwd=REPO, capture_output=True, text=True, timeout=300, env=clean_env())
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    levels = {(lv["sampling"], lv["clients"]): lv for lv in result["levels"]}
+    assert set(levels) == {(m, c) for m in ("constrained", "sampled") for c in (1, 3)}
+    assert all(lv["requests"] == 2 * lv["clients"] and lv["output_tokens"] > 0 for lv in levels.values())
+    rows = result["constrained_vs_free"]
+    assert [r["clients"] for r in rows] == [1, 3] and all(r["tpot_median_ratio"] > 0 for r in rows)
+    assert "constrained / free, completions, 3 clients" in run.stdout
