@@ -34,14 +34,30 @@ def mask_words(vocab_size: int) -> int:
 class TokenGrammar:
     """A request's compiled constraint. `matcher`: an `llguidance.LLMatcher` over the model's vocabulary (ids past
     the tokenizer's are never allowed), at its start state and never advanced (each sequence copies it); `words`:
-    `mask_words(vocab_size)`; `kind`: what the client asked for (e.g. "json_schema"), for logs and status."""
+    `mask_words(vocab_size)`; `kind`: what the client asked for (e.g. "json_schema"), for logs and status;
+    `executor`: shared by the grammars of one compiler (`fill_masks`)."""
 
     matcher: Any
     words: int
     kind: str
+    executor: Any = None  # an `llguidance.LLExecutor` (a thread pool) that fills several rows at once; None: serial
 
     def start(self) -> "GrammarState":
         return GrammarState(self.matcher.deep_copy())
+
+
+def fill_masks(mask: np.ndarray, rows: list[tuple[int, "GrammarState"]], executor: Any = None) -> None:
+    """Fill row i of `mask` (int32 `[B, W]`, C-contiguous) with state's allowed tokens for each (i, state) of `rows`:
+    on the `executor`'s threads (the library drops the GIL) when there are several rows and one is given, else one
+    row after another."""
+    if mask.dtype != np.int32 or mask.ndim != 2 or not mask.flags["C_CONTIGUOUS"]:
+        raise ValueError("a grammar mask must be a contiguous int32 matrix")
+    if executor is None or len(rows) < 2:
+        for i, state in rows:
+            state.fill(mask[i])
+        return
+    executor.unsafe_compute_mask_ptr([(state.matcher, i) for i, state in rows], mask.ctypes.data,
+                                     mask.shape[1] * 4, mask.shape[0])
 
 
 class GrammarState:

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from actors.batch import SamplerExtras
+from engine.grammar import fill_masks
 
 # `extras_flags` bits: a row with MIN_P, PENALTY, BIAS, LOGPROBS or GRAMMAR always needs extras; one with MIN_TOKENS
 # only while it has fewer output tokens than min_tokens and stop ids to ban (`_banned`). Above the bits (FLAG_BITS),
@@ -127,9 +128,8 @@ def build_extras(seqs: Sequence) -> Optional[SamplerExtras]:
 def _allowed(seqs: Sequence, flags: list[int]) -> np.ndarray:
     """The step's `SamplerExtras.allow_bits`: int32 `[B, W]`, each constrained row its grammar's next tokens, the
     other rows every id (-1 words)."""
-    words = next(s.request.grammar.words for s, f in zip(seqs, flags) if f & GRAMMAR)
-    allow = np.full((len(seqs), words), -1, np.int32)
-    for i, (seq, f) in enumerate(zip(seqs, flags)):
-        if f & GRAMMAR:
-            seq.grammar.fill(allow[i])
+    rows = [(i, s) for i, (s, f) in enumerate(zip(seqs, flags)) if f & GRAMMAR]
+    grammar = rows[0][1].request.grammar
+    allow = np.full((len(seqs), grammar.words), -1, np.int32)
+    fill_masks(allow, [(i, s.grammar) for i, s in rows], grammar.executor)
     return allow

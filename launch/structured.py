@@ -33,14 +33,17 @@ class GrammarCompiler:
         self._hf, self.vocab_size, self._eos = tokenizer, vocab_size, list(eos_ids)
         self._lock = threading.Lock()
         self._ll: Any = None
+        self._executor: Any = None  # llguidance's thread pool for the masks of several rows (`engine.grammar`)
 
     def _ll_tokenizer(self) -> Any:
         with self._lock:
             if self._ll is None:
+                import llguidance
                 import llguidance.hf
 
                 self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
                                                         eos_token=self._eos or None)
+                self._executor = llguidance.LLExecutor()
             return self._ll
 
     def compile(self, grammar: str, kind: str, param: str) -> TokenGrammar:
@@ -55,7 +58,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(ll, grammar)
         if matcher.is_error():
             raise RequestError(f"'{param}' cannot be compiled: {matcher.get_error()}", param, "invalid_schema")
-        return TokenGrammar(matcher, mask_words(self.vocab_size), kind)
+        return TokenGrammar(matcher, mask_words(self.vocab_size), kind, self._executor)
 
     def json_schema(self, schema: dict, kind: str, param: str) -> TokenGrammar:
         import llguidance
