@@ -80,7 +80,12 @@ class SamplerExtras:
     tokens that must not be drawn this step, e.g. the stop ids before `min_tokens`); pen_ids int32 `[B, P]`
     (-1 = unused: the distinct tokens of the row's prompt and output) with pen_counts int32 `[B, P]` (their
     occurrences among the output tokens; 0 = prompt only); num_logprobs: -1 = none, else every row returns its
-    chosen token's log-probability and the top `num_logprobs` (0..20)."""
+    chosen token's log-probability and the top `num_logprobs` (0..20); allow_bits: None (no row constrained), or
+    int32 `[B, W]`, W = ceil(V / 32) of the full vocabulary V: structured outputs' allowed tokens, token id j may be
+    drawn when bit (j & 31) of word j >> 5 is set (`(word >> (j & 31)) & 1`, llguidance's / xgrammar's bitmask
+    layout); an unconstrained row of a masked batch is all -1 words; a row allowing nothing draws token 0. The
+    sampler sets masked ids to -inf where bias and bans apply (logprobs stay those of the raw logits). A mask alone
+    rides on `off`'s arrays: `dataclasses.replace(SamplerExtras.off(b, n), allow_bits=bits)`."""
 
     min_p: np.ndarray
     penalties: np.ndarray
@@ -90,6 +95,7 @@ class SamplerExtras:
     pen_ids: np.ndarray
     pen_counts: np.ndarray
     num_logprobs: int = -1
+    allow_bits: Optional[np.ndarray] = None
 
     @classmethod
     def off(cls, b: int, num_logprobs: int) -> "SamplerExtras":
@@ -99,8 +105,10 @@ class SamplerExtras:
 
     @property
     def logprobs_only(self) -> bool:
-        """Whether every array is `off`'s own (identity, no reduction): nothing but logprobs. False decides
-        nothing (other arrays may hold off values too)."""
+        """Whether every array is `off`'s own (identity, no reduction) and no mask: nothing but logprobs. False
+        decides nothing (other arrays may hold off values too)."""
+        if self.allow_bits is not None:
+            return False
         got = _OFF.get(self.min_p.shape[0]) if type(self.min_p) is np.ndarray and self.min_p.ndim == 1 else None
         return got is not None and self.min_p is got[0] and self.penalties is got[1] and self.bias_ids is got[2] \
             and self.bias_vals is got[3] and self.ban_ids is got[4] and self.pen_ids is got[5] \
@@ -108,7 +116,9 @@ class SamplerExtras:
 
     @property
     def processed(self) -> bool:
-        """Whether a row needs the logits patched (bias, banned ids, penalties) before sampling."""
+        """Whether a row needs the logits patched (bias, banned ids, penalties, an allow mask) before sampling."""
+        if self.allow_bits is not None:
+            return True
         if self.logprobs_only:
             return False
         # a list holds an id when its largest entry is >= 0; penalties are off at exactly (0, 0, 1). The usual
@@ -141,6 +151,13 @@ class SamplerExtras:
                 raise BatchError(f"sampler extras: {name} must be token ids in [0, {vocab_size}) or -1")
         if not -1 <= self.num_logprobs <= MAX_LOGPROBS:
             raise BatchError(f"sampler extras: num_logprobs must be in [-1, {MAX_LOGPROBS}]")
+        bits = self.allow_bits
+        if bits is not None:
+            want = (b, -(-vocab_size // 32))
+            if not isinstance(bits, np.ndarray) or bits.dtype != _I32 or bits.shape != want:
+                got = f"{getattr(bits, 'dtype', type(bits).__name__)} {getattr(bits, 'shape', '')}"
+                raise BatchError(f"sampler extras: allow_bits must be int32 of shape {want} (B, ceil(vocab_size / 32)),"
+                                 f" got {got}")
 
 
 class StepLogprobs(NamedTuple):
@@ -327,7 +344,8 @@ class StepBatch:
             raise BatchError(f"a block table lacks blocks for {num_steps} decode steps (entry 0 or negative)")
 
     @staticmethod
-    def from_sequences(tokens: Sequence[Sequence[int]], num_history: Sequence[int], block_tables: Sequence[Sequence[int]],
+    def from_sequences(tokens: Sequence[Sequence[int]], num_history: Sequence[int],
+                       block_tables: Sequence[Sequence[int]],
                        temperature: Sequence[float] | None = None, top_k: Sequence[int] | None = None,
                        top_p: Sequence[float] | None = None, seeds: Sequence[int] | None = None) -> "StepBatch":
         b = len(tokens)

@@ -1,5 +1,5 @@
 """`StepSampler`: one rank's sampling of a step's rows that do not take the greedy head (a temperature above 0,
-or sampler extras: min_p, penalties, logit bias, banned ids, logprobs), with the batched sampler of
+or sampler extras: min_p, penalties, logit bias, banned ids, allow masks, logprobs), with the batched sampler of
 `modeling.sampler` (Triton kernels on CUDA, the torch path on CPU): counter-based noise keyed by (seed, position),
 no host loop, no per-row generator, no host sync.
 
@@ -108,13 +108,13 @@ class StepSampler:
         return logits[:, sh.offset: sh.offset + sh.width]
 
     def _host_batch(self, batch: StepBatch) -> HostBatch:
-        """The batch's sampling rows, lists included, for the eager sampler (the captured heads' rows, without
-        lists: `_graph_rows`)."""
+        """The batch's sampling rows, lists and allow mask included, for the eager sampler (the captured heads'
+        rows, without lists: `_graph_rows`)."""
         ex = batch.extras
         position = batch.num_history.astype(np.int64) + batch.q_seqlens
         kw = {} if ex is None else dict(min_p=ex.min_p, penalties=ex.penalties, bias_ids=ex.bias_ids,
                                         bias_vals=ex.bias_vals, ban_ids=ex.ban_ids, pen_ids=ex.pen_ids,
-                                        pen_counts=ex.pen_counts)
+                                        pen_counts=ex.pen_counts, allow_bits=ex.allow_bits)
         return host_batch_from_arrays(batch.temperature, batch.top_k, batch.top_p, batch.seeds, position,
                                       vocab_size=self.vocab_size, **kw)
 
@@ -184,8 +184,8 @@ class StepSampler:
         batch's rows for the heads' parameter block and their key (`_graph_rows`: equal keys, equal rows but for
         their positions, so `SamplerParams.stage` / `stage_armed` write only the positions of rows a mirror
         already holds): (head, rows, key), or None when the batch needs the eager sampler (more than
-        `GRAPH_LOGPROBS` logprobs, logit bias, bans, penalties, a large top-k) or no head of that bucket was
-        captured (`captured(bucket, name)` is None). A batch of greedy rows that asks for logprobs takes
+        `GRAPH_LOGPROBS` logprobs, logit bias, bans, penalties, an allow mask, a large top-k) or no head of that
+        bucket was captured (`captured(bucket, name)` is None). A batch of greedy rows that asks for logprobs takes
         `GREEDY_LOGPROBS_HEAD`, with rows and key None (nothing to stage). Host only: nothing is staged or
         enqueued."""
         ex = batch.extras

@@ -11,15 +11,17 @@ body     = u8 global_decode (0 False, 1 True, 2 None) | u8 flags (1 batch, 2 run
            (global_decode, batch_bucket, token_bucket: the plan's `StepHints`)
            [| i32 B | i32 T | i32 W | token_ids i64[T] | q_seqlens i32[B] | num_history i32[B]
             | block_tables i32[B*W] | temperature f32[B] | top_k i32[B] | top_p f32[B] | seeds i64[B]
-            [| the batch's `SamplerExtras` (flag 16: only steps with penalties, bias, bans, min_p or logprobs carry
-               them): i32 K | i32 M | i32 P | i32 num_logprobs | min_p f32[B] | penalties f32[B*3]
-               | bias_ids i32[B*K] | bias_vals f32[B*K] | ban_ids i32[B*M] | pen_ids i32[B*P] | pen_counts i32[B*P];
-               K = -1, M = P = 0 and no arrays: logprobs only, every array off (`SamplerExtras.off`)]]
+            [| the batch's `SamplerExtras` (flag 16: only steps with penalties, bias, bans, min_p, logprobs or
+               allow masks carry them): i32 K | i32 M | i32 P | i32 num_logprobs | i32 A | min_p f32[B]
+               | penalties f32[B*3] | bias_ids i32[B*K] | bias_vals f32[B*K] | ban_ids i32[B*M] | pen_ids i32[B*P]
+               | pen_counts i32[B*P] | allow_bits i32[B*A]; A = 0: no allow_bits (None), else its words per row;
+               K = -1, M = P = A = 0 and no arrays: logprobs only, every array off (`SamplerExtras.off`)]]
            flag 4 (`StepPlan.arm_next`): the driver waits for this step's tokens before it sends anything else, so
            a tensor-parallel rank may arm the next decode step (`actors.armed`); flag 8 alone: a disarm frame (the
            driver went idle after such a step: cancel the arm), which gets no reply
 reply    = u32 body length | u8 status | f64 in-rank seconds | payload
-           status OK: next tokens i64[B] (i64[B, num_steps] row-major for multi-step decode); NONE: nothing (idle rank or TP rank > 0); ERROR: utf-8 text;
+           status OK: next tokens i64[B] (i64[B, num_steps] row-major for multi-step decode); NONE: nothing (idle
+           rank or TP rank > 0); ERROR: utf-8 text;
            LOGPROBS: i32 B | i32 N | tokens i64[B] | chosen f32[B] | top_ids i32[B*N] | top_logprobs f32[B*N]
 """
 from __future__ import annotations
@@ -60,7 +62,7 @@ _I64, _I32, _F32 = np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32)
 REPLY_OK, REPLY_NONE, REPLY_ERROR, REPLY_LOGPROBS = 0, 1, 2, 3
 ARM_NEXT, DISARM, EXTRAS = 4, 8, 16  # request flags (see the module docstring)
 _LP_HEAD = struct.Struct("<ii")
-_EXTRAS_HEAD = struct.Struct("<iiii")  # K (bias columns), M (banned), P (penalised), num_logprobs
+_EXTRAS_HEAD = struct.Struct("<iiiii")  # K (bias columns), M (banned), P (penalised), num_logprobs, A (mask words)
 # SamplerExtras' arrays in wire order: (field, dtype, columns: 1, 3 or the head's K / M / P)
 _EXTRAS = (("min_p", _F32, 1), ("penalties", _F32, 3), ("bias_ids", _I32, "K"), ("bias_vals", _F32, "K"),
            ("ban_ids", _I32, "M"), ("pen_ids", _I32, "P"), ("pen_counts", _I32, "P"))
@@ -97,34 +99,40 @@ def encode_extras(ex: SamplerExtras) -> bytes:
     """A batch's `SamplerExtras` as raw arrays (its section of a request body; `validate`d on the driver); extras
     that only ask for logprobs (`SamplerExtras.logprobs_only`) as their head alone (K = -1)."""
     if ex.logprobs_only:
-        return _EXTRAS_HEAD.pack(-1, 0, 0, ex.num_logprobs)
+        return _EXTRAS_HEAD.pack(-1, 0, 0, ex.num_logprobs, 0)
     k, m, p = ex.bias_ids.shape[1], ex.ban_ids.shape[1], ex.pen_ids.shape[1]
     arrays = (ex.min_p, ex.penalties, ex.bias_ids, ex.bias_vals, ex.ban_ids, ex.pen_ids, ex.pen_counts)
-    head = _EXTRAS_HEAD.pack(k, m, p, ex.num_logprobs)
+    bits = ex.allow_bits
+    head = _EXTRAS_HEAD.pack(k, m, p, ex.num_logprobs, 0 if bits is None else bits.shape[1])
     if tuple(map(type, arrays)) == _EXTRAS_NDARRAYS and tuple(map(_dtype_of, arrays)) == _EXTRAS_DTYPES:
-        return head + b"".join([a.tobytes() for a in arrays])  # C order whatever the strides
-    return head + b"".join([np.ascontiguousarray(a, dtype).tobytes() for a, (_, dtype, _) in zip(arrays, _EXTRAS)])
+        parts = [head, *[a.tobytes() for a in arrays]]  # C order whatever the strides
+    else:
+        parts = [head, *[np.ascontiguousarray(a, dtype).tobytes() for a, (_, dtype, _) in zip(arrays, _EXTRAS)]]
+    if bits is not None:
+        parts.append(bits.tobytes() if bits.dtype == _I32 else np.ascontiguousarray(bits, _I32).tobytes())
+    return b"".join(parts)
 
 
 def decode_extras(body: memoryview | bytes, off: int, b: int) -> SamplerExtras:
     """The `SamplerExtras` of `b` rows at `off` (to the end of `body`): views into it, like the batch's arrays."""
     if len(body) < off + _EXTRAS_HEAD.size:
         raise WireError(f"request body of {len(body)} bytes ends inside its sampler extras")
-    k, m, p, num_logprobs = _EXTRAS_HEAD.unpack_from(body, off)
+    k, m, p, num_logprobs, a = _EXTRAS_HEAD.unpack_from(body, off)
     off += _EXTRAS_HEAD.size
-    if k == -1 and m == p == 0 and len(body) == off:  # logprobs only: every array off (shared, read-only)
+    if k == -1 and m == p == a == 0 and len(body) == off:  # logprobs only: every array off (shared, read-only)
         return SamplerExtras.off(b, num_logprobs)
-    n = b * (4 + 2 * k + m + 2 * p)  # 4-byte items: min_p, 3 penalties, 2K bias, M bans, 2P penalised
-    if min(k, m, p) < 0 or len(body) != off + 4 * n:
+    n = b * (4 + 2 * k + m + 2 * p + a)  # 4-byte items: min_p, 3 penalties, 2K bias, M bans, 2P penalised, A mask
+    if min(k, m, p, a) < 0 or len(body) != off + 4 * n:
         raise WireError(f"request body has {len(body)} bytes, its sampler extras say {off + 4 * n} (B={b}, K={k}, "
-                        f"M={m}, P={p})")
-    # one int32 and one float32 view of the section, then slices in wire order (`_EXTRAS`)
+                        f"M={m}, P={p}, A={a})")
+    # one int32 and one float32 view of the section, then slices in wire order (`_EXTRAS`, then the mask)
     i32, f32 = np.frombuffer(body, _I32, n, off), np.frombuffer(body, _F32, n, off)
     e1, e2, e3, e4 = 4 * b, 4 * b + b * k, 4 * b + 2 * b * k, 4 * b + b * (2 * k + m)
     e5 = e4 + b * p
+    e6 = e5 + b * p
     return SamplerExtras(f32[:b], f32[b:e1].reshape(b, 3), i32[e1:e2].reshape(b, k), f32[e2:e3].reshape(b, k),
-                         i32[e3:e4].reshape(b, m), i32[e4:e5].reshape(b, p), i32[e5:n].reshape(b, p),
-                         num_logprobs=num_logprobs)
+                         i32[e3:e4].reshape(b, m), i32[e4:e5].reshape(b, p), i32[e5:e6].reshape(b, p),
+                         num_logprobs, i32[e6:n].reshape(b, a) if a else None)
 
 
 def encode_disarm() -> bytes:

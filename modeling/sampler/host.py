@@ -17,6 +17,8 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from .allow_bits import allow_bits_error
+
 TEMPERATURE_EPS = 1e-5  # below it a row is greedy (vLLM's _SAMPLING_EPS)
 TOP_P_ONE = 1 << 24  # top_p fixed point: round(top_p * 2^24)
 TOP_K_FAST = 128  # top-k up to this k takes the per-chunk candidate path on the device
@@ -102,7 +104,9 @@ class HostBatch:
 
     fp32: temperature, inv_temperature, top_p, min_p, log_min_p, presence, frequency, repetition,
     inv_repetition, bias_vals; int32: top_k, bias_ids, ban_ids, pen_ids (unique per row), pen_counts (output
-    occurrences; 0 = prompt only); int64: seed, position, top_p_fixed. Validated on construction."""
+    occurrences; 0 = prompt only); int64: seed, position, top_p_fixed. allow_bits: None, or int32 `[n, W]`
+    (W = ceil(vocab_size / 32): id j may be drawn when bit j & 31 of word j >> 5 is set; a mask makes the batch
+    `processed`; may view the caller's buffer, read only when staged). Validated on construction."""
 
     temperature: np.ndarray
     inv_temperature: np.ndarray
@@ -123,6 +127,7 @@ class HostBatch:
     pen_ids: np.ndarray
     pen_counts: np.ndarray
     vocab_size: int = field(default=0)
+    allow_bits: Optional[np.ndarray] = field(default=None)
 
     SCALARS = {"temperature": np.float32, "inv_temperature": np.float32, "top_k": np.int32, "top_p": np.float32,
                "top_p_fixed": np.int64, "min_p": np.float32, "log_min_p": np.float32, "seed": np.int64,
@@ -179,6 +184,8 @@ class HostBatch:
             hi = self.vocab_size if self.vocab_size else np.iinfo(np.int32).max
             self._check(name, (a == -1) | ((a >= 0) & (a < hi)), f"-1 (unused) or a token id in [0, {hi})")
         self._check("pen_counts", self.pen_counts >= 0, ">= 0")
+        if (bad := allow_bits_error(self.allow_bits, n, self.vocab_size)) is not None:
+            raise SamplerParamError(bad)
         for name in ("bias_ids", "pen_ids"):  # read-modify-write on the device: one entry per id and row
             s = np.sort(getattr(self, name), axis=1)
             dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(axis=1)
@@ -206,7 +213,8 @@ class HostBatch:
         """The smallest variant that serves this batch (the caller picks a captured graph covering it). Once per
         sampled step: a list holds an id when its largest entry is >= 0; without a sampled row no stage but the
         processing one can apply."""
-        processed = any(a.size and int(a.max()) >= 0 for a in (self.bias_ids, self.ban_ids, self.pen_ids))
+        processed = self.allow_bits is not None or any(a.size and int(a.max()) >= 0
+                                                       for a in (self.bias_ids, self.ban_ids, self.pen_ids))
         sampled = self.temperature > 0
         if not sampled.any():
             return _variant(processed, False, False, False)
@@ -217,9 +225,10 @@ class HostBatch:
     # ---- construction from Python values -------------------------------------------------------------------
     @classmethod
     def from_rows(cls, rows: Sequence[RowSpec], *, vocab_size: int, max_bias: int, max_ban: int,
-                  max_penalty_tokens: int) -> "HostBatch":
+                  max_penalty_tokens: int, allow_bits: Optional[np.ndarray] = None) -> "HostBatch":
         """Validate and convert. Lists wider than the given capacities raise. Penalty lists are built only for
-        rows with a penalty on: the union of prompt and output ids, each with its output count."""
+        rows with a penalty on: the union of prompt and output ids, each with its output count. `allow_bits`: the
+        rows' allow mask (see the class), taken as it is."""
         n = len(rows)
         a = {k: np.zeros(n, dtype=dt) for k, dt in cls.SCALARS.items()}
         lists = {"bias_ids": np.full((n, max_bias), -1, np.int32), "bias_vals": np.zeros((n, max_bias), np.float32),
@@ -229,7 +238,7 @@ class HostBatch:
         for i, r in enumerate(rows):
             _row_scalars(i, r, a, vocab_size)
             _row_lists(i, r, lists, vocab_size)
-        return cls(**a, **lists, vocab_size=vocab_size)
+        return cls(**a, **lists, vocab_size=vocab_size, allow_bits=allow_bits)
 
 
 def _fail(i: int, name: str, what: str, got: object) -> None:
@@ -313,11 +322,13 @@ def host_batch_from_arrays(temperature: np.ndarray, top_k: np.ndarray, top_p: np
                            position: np.ndarray, *, vocab_size: int, min_p: Optional[np.ndarray] = None,
                            penalties: Optional[np.ndarray] = None, bias_ids: Optional[np.ndarray] = None,
                            bias_vals: Optional[np.ndarray] = None, ban_ids: Optional[np.ndarray] = None,
-                           pen_ids: Optional[np.ndarray] = None, pen_counts: Optional[np.ndarray] = None) -> HostBatch:
-    """A `HostBatch` from a step's arrays (`[n]` scalars, `[n, W]` lists with -1 = unused), the derived fields
-    computed vectorised as `from_rows` computes them one row at a time: temperatures below `TEMPERATURE_EPS` are
-    greedy, top_k 0 or >= vocab is off, seeds are taken modulo 2^64 as int64. Validated (`SamplerParamError`;
-    `HostBatch.validate` only when `_plainly_valid` cannot tell). Per sampled step: a few dozen numpy calls."""
+                           pen_ids: Optional[np.ndarray] = None, pen_counts: Optional[np.ndarray] = None,
+                           allow_bits: Optional[np.ndarray] = None) -> HostBatch:
+    """A `HostBatch` from a step's arrays (`[n]` scalars, `[n, W]` lists with -1 = unused; `allow_bits` as it is),
+    the derived fields computed vectorised as `from_rows` computes them one row at a time: temperatures below
+    `TEMPERATURE_EPS` are greedy, top_k 0 or >= vocab is off, seeds are taken modulo 2^64 as int64. Validated
+    (`SamplerParamError`; `HostBatch.validate` only when `_plainly_valid` cannot tell). Per sampled step: a few
+    dozen numpy calls."""
     n = int(temperature.shape[0])
     t = np.asarray(temperature, np.float32)
     t = np.where(t < TEMPERATURE_EPS, np.float32(0), t)
@@ -353,11 +364,11 @@ def host_batch_from_arrays(temperature: np.ndarray, top_k: np.ndarray, top_p: np
         pen_counts=lists(pen_counts, np.int32, 0))
     given = bias_ids is not None or bias_vals is not None or ban_ids is not None or pen_ids is not None \
         or pen_counts is not None
-    if _plainly_valid(kw, vocab_size, given):
+    if _plainly_valid(kw, vocab_size, given) and allow_bits_error(allow_bits, n, vocab_size) is None:
         out = HostBatch.__new__(HostBatch)  # the dataclass without its __post_init__ validation
-        out.__dict__.update(kw, vocab_size=vocab_size)
+        out.__dict__.update(kw, vocab_size=vocab_size, allow_bits=allow_bits)
         return out
-    return HostBatch(**kw, vocab_size=vocab_size)
+    return HostBatch(**kw, vocab_size=vocab_size, allow_bits=allow_bits)
 
 
 _F32_MAX = float(np.finfo(np.float32).max)

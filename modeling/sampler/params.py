@@ -8,12 +8,17 @@ Layout (both sections row-major, one record per row, so the first `n` rows are o
   bias ids, bias values, banned ids, penalised ids, their output counts; -1 = unused id.
 
 Lifetime and streams: `stage(host)` writes the next of `MIRRORS` pinned mirrors (it waits for the upload that last
-read that mirror, a host wait only when that copy is still in flight, so steps staged ahead rarely wait); `upload(rows, lists)` enqueues the copy on the current
-stream, so kernels launched after it on that stream (or a graph replayed on it) see the new values. Rows past
-the staged batch are reset to harmless defaults (greedy, no lists). The list section is copied only when
-`lists=True` (a step whose variant is `processed`); stale lists are never read by unprocessed variants.
+read that mirror, a host wait only when that copy is still in flight, so steps staged ahead rarely wait);
+`upload(rows, lists)` enqueues the copy on the current stream, so kernels launched after it on that stream (or a
+graph replayed on it) see the new values. Rows past the staged batch are reset to harmless defaults (greedy, no
+lists). The list section is copied only when `lists=True` (a step whose variant is `processed`); stale lists are
+never read by unprocessed variants.
 An armed step (`actors.armed`) enqueues its upload before its rows are known (`arm_upload`, behind a closed gate)
 and writes them into that upload's mirror at go time (`stage_armed`), before the gate opens.
+
+Allow masks (structured outputs, `HostBatch.allow_bits`): a section of their own, `allow_bits` int32
+`[max_batch, W]`, allocated (device and each pinned mirror) at the first step that stages one, copied with the
+lists for steps that have one (`masked`); steps without a mask allocate, write and copy nothing for it.
 """
 from __future__ import annotations
 
@@ -76,6 +81,12 @@ class _Mirror:
         self.rows_key = None
         self.copied = torch.cuda.Event() if pin else None
         self.pending = False
+        # the allow mask (`[rows, W]` int32, made at the first staged mask) and how many rows of it the staged step
+        # holds (0: the step has no mask)
+        self.bits: Optional[torch.Tensor] = None
+        self.bits_np: Optional[np.ndarray] = None
+        self.bits_rows = 0
+        self.pin = pin
 
     def wait(self) -> None:
         if self.pending:
@@ -87,7 +98,9 @@ class SamplerParams:
     """Device parameter block. Views (all `[max_batch]` or `[max_batch, W]`, strided into the records):
     temperature, inv_temperature, top_p, min_p, log_min_p, presence, frequency, repetition, inv_repetition
     (fp32), top_k (int32), seed, position, top_p_fixed (int64); bias_ids, ban_ids, pen_ids, pen_counts (int32),
-    bias_vals (fp32). `scalars` / `lists` are the raw device records the kernels take."""
+    bias_vals (fp32). `scalars` / `lists` are the raw device records the kernels take. `allow_bits`: int32
+    `[max_batch, W]` (None before the first masked step); `masked`: whether the last upload carried one (the
+    processed kernels then apply it to rows [0, B))."""
 
     def __init__(self, max_batch: int, device: torch.device | str, *, max_bias: int = 32, max_ban: int = 8,
                  max_penalty_tokens: int = 2048) -> None:
@@ -100,6 +113,8 @@ class SamplerParams:
         self.scalars = torch.zeros((max_batch, REC_BYTES), dtype=torch.uint8, device=self.device)
         self.lists = torch.zeros((max_batch, self.layout.width), dtype=torch.int32, device=self.device)
         self._default_lists = _default_lists(self.layout)
+        self.allow_bits: Optional[torch.Tensor] = None
+        self.masked = False
         # a ring of pinned mirrors: staging the next step never waits for the upload of the one before it
         self._mirrors = [_Mirror(max_batch, self.layout.width, pin) for _ in range(MIRRORS if pin else 1)]
         self._cur = 0
@@ -184,9 +199,17 @@ class SamplerParams:
         hl[:n, lay.pen_counts: lay.pen_counts + host.pen_counts.shape[1]] = host.pen_counts
         self._reset_rows(m, n, m.dirty)
         m.dirty, m.rows_key = n, None
+        bits = host.allow_bits
+        m.bits_rows = 0 if bits is None else n
+        if bits is not None:
+            if m.bits is None or m.bits.shape[1] != bits.shape[1]:
+                m.bits = torch.empty((self.max_batch, bits.shape[1]), dtype=torch.int32, pin_memory=m.pin)
+                m.bits_np = m.bits.numpy()
+            m.bits_np[:n] = bits
 
     def upload(self, rows: Optional[int] = None, *, lists: bool = True) -> None:
-        """Copy rows [0, rows) (default: max_batch) of the mirror to the device on the current stream."""
+        """Copy rows [0, rows) (default: max_batch) of the mirror to the device on the current stream; with the
+        lists, the staged step's allow mask when it has one (`masked`)."""
         rows = self.max_batch if rows is None else rows
         if not 0 < rows <= self.max_batch:
             raise SamplerParamError(f"rows must be in [1, {self.max_batch}], got {rows}")
@@ -199,6 +222,13 @@ class SamplerParams:
         views[0].copy_(views[1], non_blocking=nb)
         if lists:
             views[2].copy_(views[3], non_blocking=nb)
+        self.masked = lists and m.bits_rows > 0
+        if self.masked:
+            if self.allow_bits is None or self.allow_bits.shape[1] != m.bits.shape[1]:
+                self.allow_bits = torch.full((self.max_batch, m.bits.shape[1]), -1, dtype=torch.int32,
+                                             device=self.device)
+            r = min(rows, m.bits_rows)
+            self.allow_bits[:r].copy_(m.bits[:r], non_blocking=nb)
         if nb:
             m.copied.record()
             m.pending = True

@@ -37,10 +37,21 @@ def _local(ids: torch.Tensor, voff: int, width: int) -> tuple[torch.Tensor, torc
     return torch.where(ok, loc, torch.full_like(loc, width)), ok
 
 
+def allowed_columns(bits: torch.Tensor, voff: int, v: int) -> torch.Tensor:
+    """bits int32 `[B, W]` (an allow mask: bit (j & 31) of word j >> 5 for global id j) -> bool `[B, v]`: whether
+    columns [0, v) of a shard starting at global id `voff` may be drawn."""
+    gid = torch.arange(voff, voff + v, dtype=torch.int64, device=bits.device)
+    words = bits.index_select(1, gid >> 5)
+    return ((words >> (gid & 31).to(torch.int32)) & 1) != 0
+
+
 def processed_logits(raw: torch.Tensor, p: SamplerParams, voff: int) -> torch.Tensor:
-    """raw fp32 `[B, V]` -> new fp32 `[B, V]`: + logit bias, banned ids -> -inf, then repetition (x > 0: x * (1/r),
-    else x * r), frequency (x - f * count) and presence (x - p * (count > 0)) on the listed ids."""
+    """raw fp32 `[B, V]` -> new fp32 `[B, V]`: -inf off the allow mask (when the step has one), + logit bias, banned
+    ids -> -inf, then repetition (x > 0: x * (1/r), else x * r), frequency (x - f * count) and presence
+    (x - p * (count > 0)) on the listed ids."""
     b, v = raw.shape
+    if p.masked:
+        raw = raw.masked_fill(~allowed_columns(p.allow_bits[:b], voff, v), float("-inf"))
     w = torch.cat([raw, raw.new_zeros(b, 1)], dim=1)  # column v: where unused / off-shard entries land
     loc, ok = _local(p.bias_ids[:b], voff, v)
     w.scatter_add_(1, loc, torch.where(ok, p.bias_vals[:b], torch.zeros_like(p.bias_vals[:b])))

@@ -52,13 +52,20 @@ from .triton_topp import resolved_threshold
 
 
 @triton.jit
-def copy_kernel(logits, sl, work, sw, V, CH, BLOCK: tl.constexpr):
+def copy_kernel(logits, sl, work, sw, bits, bs, V, CH, voff, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
+    """fp32 copy of chunk c of a row; HAS_MASK: -inf where the row's allow mask (`bits` int32 `[B, bs]`, bit
+    (j & 31) of word j >> 5 for global id j = voff + column) is clear. Without it `bits` / `bs` are not read."""
     row = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * CH
     for s in range(0, CH, BLOCK):
         offs = lo + s + tl.arange(0, BLOCK)
         msk = offs < V
-        tl.store(work + row * sw + offs, tl.load(logits + row * sl + offs, mask=msk).to(tl.float32), mask=msk)
+        x = tl.load(logits + row * sl + offs, mask=msk).to(tl.float32)
+        if HAS_MASK:
+            gid = voff + offs
+            word = tl.load(bits + row * bs + (gid >> 5), mask=msk, other=0)
+            x = tl.where(((word >> (gid & 31)) & 1) != 0, x, float("-inf"))
+        tl.store(work + row * sw + offs, x, mask=msk)
 
 
 @triton.jit

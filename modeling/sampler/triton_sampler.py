@@ -4,7 +4,8 @@ The kernels: `triton_kernels` (processing, stats, sample, finish), `triton_selec
 
 Stages per call, each a `(B, C)` grid over chunks of the vocabulary shard unless noted; TP collectives between:
 
-  [processed]  copy (logits -> fp32 work) + patch (grid B: bias, bans, penalties)     1 pass (write)
+  [processed]  copy (logits -> fp32 work; -inf off the allow mask when the step has one) + patch
+               (grid B: bias, bans, penalties)                                        1 pass (write)
   stats        raw max / sum-exp, max z, (top-N) the max raw key of every 32 ids, (top-k) the
                max key of z of every 32 ids, top-k level-1 counts (larger k)          1 pass   gather, sum
   [top-N, TP]  grid B: this rank's top N from its group maxima (`local_top`)         -        gather
@@ -137,7 +138,10 @@ def sample_triton(logits: torch.Tensor, p: SamplerParams, variant: SamplerVarian
     if variant.processed:
         work = torch.empty((b, v), dtype=torch.float32, device=dev)
         sw = work.stride(0)
-        tk.copy_kernel[grid](logits, sl, work, sw, v, ch, BLOCK=BLOCK, **_OPTS)
+        bits, bs = (p.allow_bits, p.allow_bits.stride(0)) if p.masked else (work, 0)  # work: a pointer not read
+        if p.masked and voff + v > 32 * bits.shape[1]:
+            raise ValueError(f"allow_bits of {bits.shape[1]} words do not cover global ids [{voff}, {voff + v})")
+        tk.copy_kernel[grid](logits, sl, work, sw, bits, bs, v, ch, voff, BLOCK=BLOCK, HAS_MASK=p.masked, **_OPTS)
         lay = p.layout
         tk.patch_kernel[(b,)](work, sw, recf, rs, p.lists, p.lists.view(torch.float32), p.lists.stride(0), v, voff,
                               OFF_BI=lay.bias_ids, OFF_BV=lay.bias_vals, OFF_BAN=lay.ban_ids, OFF_PI=lay.pen_ids,

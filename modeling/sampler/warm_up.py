@@ -4,8 +4,10 @@ compiles a Triton kernel mid-serving: a compile stalls every request of its step
 The Triton kernels' compile-time constants do not depend on the batch (`triton_sampler.launch_shape`; the batch
 and chunk counts are not specialised), so one row per class compiles what every batch size of that class runs.
 A class is a `SamplerVariant` (processing, top-k up to `TOP_K_FAST` or larger, top-p) and a top-N class (none or
-one of `LOGPROB_CLASSES`). The captured sampler heads compile the unprocessed classes again at capture (from the
-cache); prefill, mixed and uncaptured steps sample eagerly and meet all of them.
+one of `LOGPROB_CLASSES`). An allow mask changes one kernel of the processed classes (the copy's `HAS_MASK`
+variant), so the processed classes with a top N run masked (`warm_up_masked`) and the others without: both copies
+compile, every other kernel as for each class. The captured sampler heads compile the unprocessed classes again
+at capture (from the cache); prefill, mixed and uncaptured steps sample eagerly and meet all of them.
 
 Lifetime: a rank's start-up, on the caller's current stream, before any graph is captured. One rank compiles the
 classes side by side on threads (`modeling.ops.warm_up.run_side_by_side`), each with its own one-row parameter
@@ -18,8 +20,10 @@ import functools
 import itertools
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
+from .allow_bits import mask_words
 from .api import sample
 from .collectives import ShardGroup
 from .host import LOGPROB_CLASSES, TOP_K_FAST, HostBatch, RowSpec, SamplerVariant
@@ -45,6 +49,18 @@ def warm_up_row(variant: SamplerVariant, vocab_size: int) -> RowSpec:
                    position=1, **extra)
 
 
+def warm_up_masked(variant: SamplerVariant, n: int) -> bool:
+    """Whether class (variant, n) warms up under an allow mask: processed classes with a top N."""
+    return variant.processed and n > 0
+
+
+def warm_up_mask(vocab_size: int) -> np.ndarray:
+    """The allow mask of a masked warm-up row, int32 `[1, W]`: every id but 0."""
+    bits = np.full((1, mask_words(vocab_size)), -1, np.int32)
+    bits[0, 0] = -2
+    return bits
+
+
 def warm_up_sampler(logits: torch.Tensor, params: SamplerParams, vocab_size: int, *, vocab_offset: int = 0,
                     tp_group: Optional[Any] = None, shard_width: Optional[int] = None,
                     threads: Optional[int] = None) -> int:
@@ -62,7 +78,9 @@ def warm_up_sampler(logits: torch.Tensor, params: SamplerParams, vocab_size: int
 
     def launch(variant: SamplerVariant, n: int) -> None:
         block = SamplerParams(1, params.device, **caps) if alone else params
-        block.load(HostBatch.from_rows([warm_up_row(variant, vocab_size)], vocab_size=vocab_size, **caps), rows=1)
+        bits = warm_up_mask(vocab_size) if warm_up_masked(variant, n) else None
+        block.load(HostBatch.from_rows([warm_up_row(variant, vocab_size)], vocab_size=vocab_size, **caps,
+                                       allow_bits=bits), rows=1)
         sample(logits[:1], block, num_logprobs=min(n, logits.shape[1]), variant=variant, vocab_offset=vocab_offset,
                tp_group=tp_group, shard_width=shard_width)
 

@@ -4,7 +4,8 @@ of any batch size, variant and logprob count launches only kernels already compi
 Counted on the Triton JIT functions' in-process caches (one entry per compiled specialisation), each check in a
 fresh child process (a test process may have compiled them already): the warm-up adds entries; then sampling
 batches 1-70 (among them the classes that used to compile binaries of their own: 3, 15, 17-31, 33-63, next to
-the multiples of 16 the decode heads capture) with every variant and logprob counts 0-20 adds none. The second
+the multiples of 16 the decode heads capture) with every variant (the processed ones with and without an allow
+mask) and logprob counts 0-20 adds none. The second
 check runs a rank's start-up (`RankRuntime.build_runner`) instead of the bare warm-up.
 """
 import json
@@ -21,8 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _CHILD = r"""
 import json, sys, time
+import numpy as np
 import torch
 from modeling.sampler import HostBatch, SamplerParams, sample
+from modeling.sampler.allow_bits import mask_words
 from modeling.sampler import triton_kernels as tk, triton_select as tsel
 from modeling.sampler.warm_up import warm_up_classes, warm_up_row, warm_up_sampler
 
@@ -42,12 +45,15 @@ def sweep(logits, params, vocab):
     caps = dict(max_bias=lay.max_bias, max_ban=lay.max_ban, max_penalty_tokens=lay.max_pen)
     calls = 0
     for variant in dict.fromkeys(v for v, _ in warm_up_classes()):
-        for b in BATCHES:
-            params.load(HostBatch.from_rows([warm_up_row(variant, vocab)] * b, vocab_size=vocab, **caps), rows=b)
-            for n in LOGPROBS:
-                out = sample(logits[:b], params, num_logprobs=n, variant=variant)
-                assert out.tokens.shape == (b,) and out.top_ids.shape == (b, n)
-                calls += 1
+        for masked in (False, True) if variant.processed else (False,):  # allow masks ride on processed steps
+            for b in BATCHES:
+                bits = np.full((b, mask_words(vocab)), -1, np.int32) if masked else None
+                params.load(HostBatch.from_rows([warm_up_row(variant, vocab)] * b, vocab_size=vocab, **caps,
+                                                allow_bits=bits), rows=b)
+                for n in LOGPROBS:
+                    out = sample(logits[:b], params, num_logprobs=n, variant=variant)
+                    assert out.tokens.shape == (b,) and out.top_ids.shape == (b, n)
+                    calls += 1
     torch.cuda.synchronize()
     return calls
 
@@ -92,7 +98,7 @@ def _run(mode: str) -> dict:
 def test_eager_sampling_after_the_warm_up_compiles_nothing():
     r = _run("bare")
     assert r["launches"] == r["classes"] == 36 and r["warmed"] > r["before"] == 0, r
-    assert r["calls"] == 12 * 17 * 6, r
+    assert r["calls"] == (12 + 6) * 17 * 6, r  # the 6 processed variants also with allow masks
     assert r["after"] == r["warmed"], f"{r['after'] - r['warmed']} sampler kernels compiled after the warm-up: {r}"
 
 

@@ -307,7 +307,8 @@ def test_logprobs_only_extras_validate_and_travel_as_their_head_alone():
     for n in (1, 5, 64):
         off = SamplerExtras.off(n, 5)
         copies = dataclasses.replace(off, **{f.name: getattr(off, f.name).copy()
-                                             for f in dataclasses.fields(SamplerExtras) if f.name != "num_logprobs"})
+                                             for f in dataclasses.fields(SamplerExtras)
+                                             if f.name not in ("num_logprobs", "allow_bits")})
         assert off.logprobs_only and not copies.logprobs_only and SamplerExtras.off(n, 0).min_p is off.min_p
         assert off.processed is False and copies.processed is False
         off.validate(n, V)
@@ -326,8 +327,9 @@ def test_logprobs_only_extras_validate_and_travel_as_their_head_alone():
         assert len(frames[0]) == len(frames[1]) - 4 * n * (4 + 2 + 1 + 2)
         got, want = (decode_request(memoryview(f)[LENGTH.size:])[0][0].extras for f in frames)
         assert got.logprobs_only and not got.min_p.flags.writeable and got.num_logprobs == want.num_logprobs == 5
+        assert got.allow_bits is want.allow_bits is None
         for f in dataclasses.fields(SamplerExtras):
-            if f.name != "num_logprobs":
+            if f.name not in ("num_logprobs", "allow_bits"):
                 assert _same_arrays(getattr(got, f.name), getattr(want, f.name)), f.name
         with pytest.raises(WireError, match="extras"):
             decode_request(memoryview(frames[0] + b"\0" * 4)[LENGTH.size:])

@@ -119,9 +119,9 @@ def test_request_carries_sampler_extras_as_raw_arrays():
         plan = plan_step([dataclasses.replace(b, extras=ex)], cross_dp=False, decode_buckets=[64], token_buckets=[64])
         body = _body(encode_request(plan, 0))
         got = decode_request(body)[0][0].extras
-        assert got.num_logprobs == ex.num_logprobs
+        assert got.num_logprobs == ex.num_logprobs and got.allow_bits is ex.allow_bits is None
         for f in dataclasses.fields(SamplerExtras):
-            if f.name != "num_logprobs":
+            if f.name not in ("num_logprobs", "allow_bits"):  # allow masks: test_sampler_allow_bits.py
                 a, w = getattr(got, f.name), getattr(ex, f.name)
                 assert a.dtype == w.dtype and a.shape == w.shape and a.tobytes() == w.tobytes(), f.name
         with pytest.raises(WireError, match="extras"):

@@ -4,6 +4,7 @@ of run, and each recorded launch (argument types, constexprs, options) is compil
 own compiler and ptxas. The interpreter tests pin what the kernels compute; this pins that the code the GPU gets
 is code Triton can compile (the rank's warm-up compiles every variant at start-up, so a kernel that does not
 compile stops serving)."""
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from modeling.sampler import HostBatch, RowSpec, SamplerParams, SamplerVariant  # noqa: E402
 from modeling.sampler import triton_kernels, triton_sampler, triton_select, triton_topp  # noqa: E402
+from modeling.sampler.allow_bits import mask_words  # noqa: E402
 from modeling.sampler.collectives import ShardGroup  # noqa: E402
 
 V = 151936
@@ -22,7 +24,7 @@ OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 
 
-def _recorded_launches(variant: SamplerVariant, n: int) -> list:
+def _recorded_launches(variant: SamplerVariant, n: int, masked: bool = False) -> list:
     """(kernel, positional args, keyword args) of every launch one `sample_triton` call makes."""
     launches = []
 
@@ -41,7 +43,8 @@ def _recorded_launches(variant: SamplerVariant, n: int) -> list:
         rows = [RowSpec(temperature=1.0, top_k=20, top_p=0.9, seed=1), RowSpec(temperature=0.7, top_k=300, seed=2),
                 RowSpec(temperature=1.0, min_p=0.1, repetition_penalty=1.2, output_token_ids=[5], seed=3)]
         p = SamplerParams(len(rows), "cpu", **CAPS)
-        p.load(HostBatch.from_rows(rows, vocab_size=V, **CAPS))
+        bits = np.full((len(rows), mask_words(V)), -1, np.int32) if masked else None
+        p.load(HostBatch.from_rows(rows, vocab_size=V, **CAPS, allow_bits=bits))
         x = torch.zeros(len(rows), V, dtype=torch.bfloat16)
         triton_sampler.sample_triton(x, p, variant, n, 0, ShardGroup(None), V)
     finally:
@@ -72,13 +75,17 @@ def _compile(kernel, args, kwargs) -> dict:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm
 
 
-@pytest.mark.parametrize("variant,n", [(SamplerVariant.full(), 20), (SamplerVariant(top_k=True, top_p=True), 0),
-                                       (SamplerVariant(top_p=True), 5), (SamplerVariant(), 0)],
-                         ids=["full-top20", "topk-topp", "topp-top5", "plain"])
-def test_every_launch_compiles_for_sm90(variant, n):
-    launches = _recorded_launches(variant, n)
+@pytest.mark.parametrize("variant,n,masked", [(SamplerVariant.full(), 20, False),
+                                              (SamplerVariant(top_k=True, top_p=True), 0, False),
+                                              (SamplerVariant(top_p=True), 5, False), (SamplerVariant(), 0, False),
+                                              (SamplerVariant(processed=True), 0, True)],
+                         ids=["full-top20", "topk-topp", "topp-top5", "plain", "processed-allow-mask"])
+def test_every_launch_compiles_for_sm90(variant, n, masked):
+    launches = _recorded_launches(variant, n, masked)
     names = {k.fn.__name__ for k, _a, _kw in launches}
     assert {"stats_kernel", "sample_kernel", "finish_kernel"} <= names
+    if masked:
+        assert [kw["HAS_MASK"] for k, _a, kw in launches if k.fn.__name__ == "copy_kernel"] == [True]
     if variant.top_p:
         assert {"topk_compact_kernel", "topp_cand_kernel", "topp_level_kernel"} <= names
     for kernel, args, kwargs in launches:
