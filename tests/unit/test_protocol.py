@@ -181,8 +181,10 @@ FAILURES = [
     ("tool_calls arguments not string", CHAT, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": {}}}]}]}, 400, "messages", "invalid_type"),
     ("tool_choice", CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice", "unsupported"),
-    ("response_format json", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
-     "response_format", "unsupported"),
+    ("response_format xml", CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400,
+     "response_format.type", "unsupported"),
+    ("response_format not object", CMPL, {"prompt": [1], "response_format": "json"}, 400, "response_format",
+     "invalid_type"),
     ("lone surrogate prompt", CMPL, {"prompt": "a\ud800b"}, 400, "prompt", "invalid_value"),
     ("lone surrogate message", CHAT, {"messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages",
      "invalid_value"),
@@ -212,7 +214,8 @@ def test_failures_name_the_field(ctx, name, fn, body, status, param, code):
 
 def test_tokenizer_needed(bare):
     for fn, body, param in [(CMPL, {"prompt": "hello"}, "prompt"), (CMPL, {"prompt": [1], "stop": "x"}, "stop"),
-                            (CHAT, {"messages": MSG}, "messages")]:
+                            (CHAT, {"messages": MSG}, "messages"),
+                            (CMPL, {"prompt": [1], "response_format": {"type": "json_object"}}, "response_format")]:
         status, (p, code, msg) = _outcome(fn, body, bare)
         assert (status, p, code) == (400, param, "no_tokenizer") and "tokenizer" in msg
 
