@@ -5,6 +5,10 @@
 - `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`: the output is JSON that
   the schema accepts.
 
+vLLM's `structured_outputs` field takes one of `json` (a schema object), `json_object` (true), `regex` (the output
+matches it whole), `choice` (the output is one of these strings) or `grammar` (a Lark grammar in llguidance's
+dialect) instead; a request may set it or a non-text `response_format`, not both.
+
 The grammar is compiled here, on the request's parsing thread, by the llguidance library over the served tokenizer
 (`GrammarCompiler`), so a schema it cannot take is a 400 naming `response_format.json_schema.schema` before anything
 is queued. JSON follows llguidance's defaults (whitespace between tokens allowed; a schema may override them under
@@ -12,6 +16,7 @@ is queued. JSON follows llguidance's defaults (whitespace between tokens allowed
 """
 from __future__ import annotations
 
+import json
 import re
 import threading
 from typing import Any, Optional, Sequence
@@ -53,11 +58,11 @@ class GrammarCompiler:
 
         ll = self._ll_tokenizer()
         err = llguidance.LLMatcher.validate_grammar(grammar, ll)
+        if not err:
+            matcher = llguidance.LLMatcher(ll, grammar)
+            err = matcher.get_error() if matcher.is_error() else ""
         if err:
-            raise RequestError(f"'{param}' cannot be compiled: {err}", param, "invalid_schema")
-        matcher = llguidance.LLMatcher(ll, grammar)
-        if matcher.is_error():
-            raise RequestError(f"'{param}' cannot be compiled: {matcher.get_error()}", param, "invalid_schema")
+            raise RequestError(f"'{param}' cannot be compiled: {' '.join(err.split())[:240]}", param, "invalid_schema")
         return TokenGrammar(matcher, mask_words(self.vocab_size), kind, self._executor)
 
     def json_schema(self, schema: dict, kind: str, param: str) -> TokenGrammar:
@@ -70,9 +75,19 @@ class GrammarCompiler:
         return self.compile(grammar, kind, param)
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_CHOICES = 256
+
+
 def parse_response_format(body: dict, compiler: Optional[GrammarCompiler]) -> Optional[TokenGrammar]:
-    """The request's grammar from its `response_format` (None: free text). Every problem is a 400 naming the field."""
+    """The request's grammar from its `response_format` or `structured_outputs` (None: free text). Every problem is
+    a 400 naming the field."""
     fmt = body.get("response_format")
+    if body.get("structured_outputs") is not None:
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise RequestError("set 'structured_outputs' or 'response_format', not both", "structured_outputs",
+                               "invalid_value")
+        return _structured_outputs(body["structured_outputs"], compiler)
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
@@ -104,3 +119,47 @@ def parse_response_format(body: dict, compiler: Optional[GrammarCompiler]) -> Op
         raise RequestError("'response_format.json_schema.schema' must be a JSON schema object",
                            "response_format.json_schema.schema", "invalid_type")
     return compiler.json_schema(schema, kind, "response_format.json_schema.schema")
+
+
+def _structured_outputs(spec: object, compiler: Optional[GrammarCompiler]) -> TokenGrammar:
+    """vLLM's `structured_outputs`: exactly one of `STRUCTURED_KINDS`."""
+    if not isinstance(spec, dict):
+        raise RequestError("'structured_outputs' must be an object such as {\"regex\": \"[0-9]+\"}",
+                           "structured_outputs", "invalid_type")
+    given = [k for k in STRUCTURED_KINDS if spec.get(k) is not None]
+    if len(given) != 1:
+        raise RequestError(f"'structured_outputs' must set exactly one of {', '.join(STRUCTURED_KINDS)}",
+                           "structured_outputs", "invalid_value")
+    kind = given[0]
+    value, param = spec[kind], f"structured_outputs.{kind}"
+    if compiler is None:
+        raise RequestError("this model has no tokenizer: 'structured_outputs' needs one", "structured_outputs",
+                           "no_tokenizer")
+    import llguidance
+
+    if kind == "json_object":
+        if value is not True:
+            raise RequestError(f"'{param}' must be true", param, "invalid_value")
+        return compiler.json_schema(JSON_OBJECT_SCHEMA, kind, param)
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise RequestError(f"'{param}' must be a JSON schema (an object or its JSON text)", param,
+                                   "invalid_type") from None
+        if not isinstance(value, dict):
+            raise RequestError(f"'{param}' must be a JSON schema object", param, "invalid_type")
+        return compiler.json_schema(value, kind, param)
+    if kind == "choice":
+        if not (isinstance(value, list) and 0 < len(value) <= MAX_CHOICES and all(isinstance(c, str) and c
+                                                                                  for c in value)):
+            raise RequestError(f"'{param}' must be a list of 1-{MAX_CHOICES} non-empty strings", param,
+                               "invalid_type")
+        lark = "start: " + " | ".join(json.dumps(c) for c in value)  # Lark's string literals are JSON strings
+        return compiler.compile(llguidance.LLMatcher.grammar_from_lark(lark), kind, param)
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"'{param}' must be a non-empty string", param, "invalid_type")
+    grammar = llguidance.LLMatcher.grammar_from_regex(value) if kind == "regex" else \
+        llguidance.LLMatcher.grammar_from_lark(value)
+    return compiler.compile(grammar, kind, param)

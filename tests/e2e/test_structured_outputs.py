@@ -83,6 +83,23 @@ def test_json_object_and_completions(srv):
         _check_answer(plain.choices[0].text)  # without the grammar this model writes no such JSON
 
 
+def test_vllm_structured_outputs_choice_regex_and_grammar(srv):
+    import re
+
+    client = openai_client(srv)
+    choices = ["yes", "no", "maybe later"]
+    out = client.completions.create(model="tiny-chat", prompt="Well?", max_tokens=16, temperature=1.0, n=4, seed=2,
+                                    extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices), out.choices
+    out = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=16, temperature=1.0, n=3,
+                                         seed=4, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-c]{2}"}})
+    for c in out.choices:
+        assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", c.message.content) and c.finish_reason == "stop", c
+    out = client.completions.create(model="tiny-chat", prompt="Count:", max_tokens=24, temperature=0,
+                                    extra_body={"structured_outputs": {"grammar": 'start: "n=" D D ";"\nD: /[0-9]/'}})
+    assert re.fullmatch(r"n=[0-9][0-9];", out.choices[0].text) and out.choices[0].finish_reason == "stop", out
+
+
 def _post_all(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
     async def one(s, body):
         async with s.post(url + "/v1/completions", json=body) as r:
@@ -121,19 +138,27 @@ def test_free_text_beside_constrained_requests_is_unchanged(srv):
      "response_format.json_schema.schema"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
      "response_format.json_schema.schema"),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "start: nothing"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"json": "not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
 ])
 def test_bad_response_formats_are_400s_naming_the_field(srv, fmt, param):
+    fields = fmt if isinstance(fmt, dict) and "structured_outputs" in fmt else {"response_format": fmt}
+
     async def main():
         async with aiohttp.ClientSession() as s:
             out = []
             for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "a"})):
                 async with s.post(srv.url + path, json={**body, "model": "tiny-chat", "max_tokens": 4,
-                                                        "response_format": fmt}) as r:
+                                                        **fields}) as r:
                     out.append((r.status, await r.json()))
             return out
 
     for status, body in asyncio.run(asyncio.wait_for(main(), 60)):
-        assert status == 400 and body["error"]["param"] == param, body
+        assert status == 400 and body["error"]["param"] == param and len(body["error"]["message"]) < 320, body
     ok = openai_client(srv).completions.create(model="tiny-chat", prompt="still serving", max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
 
