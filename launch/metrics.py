@@ -162,6 +162,8 @@ class ServerMetrics(EngineObserver):
         self.resets = Counter("graphline_resets", "Resets (re-capture of every rank)", registry=r)
         self.rank_failures = Counter("graphline_rank_failures", "Executor failures (a rank died or timed out)",
                                      registry=r)
+        self.structured = Counter("graphline_structured_requests", "Accepted requests with a grammar (response_format "
+                                  "or structured_outputs) by kind", ["kind"], registry=r)
         self.status_collector = _StatusCollector()
         r.register(self.status_collector)
         self.ray = RayMetricsMirror.create()
@@ -215,6 +217,9 @@ class ServerMetrics(EngineObserver):
 
     def http_request(self, endpoint: str, status: int) -> None:
         self.http.labels(endpoint, str(status)).inc()
+
+    def structured_request(self, kind: str) -> None:
+        self.structured.labels(kind).inc()
 
     def exposition(self) -> bytes:
         with self._lock:

@@ -152,8 +152,12 @@ async def _parse(request: web.Request, state: ServerState, parser) -> Generation
     body = parse_json_body(raw, request.headers.get("Content-Type", ""), state.limits)
     ctx = state.parse_context()
     if state.tokenize_pool is None or len(raw) < PARSE_INLINE_BYTES:
-        return parser(body, ctx)
-    return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, parser, body, ctx)
+        greq = parser(body, ctx)
+    else:
+        greq = await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, parser, body, ctx)
+    if greq.grammar is not None:
+        state.metrics.structured_request(greq.grammar.kind)
+    return greq
 
 
 async def _raw_body(request: web.Request, limits: ProtocolLimits) -> bytes:

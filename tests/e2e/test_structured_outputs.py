@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 import pytest
@@ -84,8 +85,6 @@ def test_json_object_and_completions(srv):
 
 
 def test_vllm_structured_outputs_choice_regex_and_grammar(srv):
-    import re
-
     client = openai_client(srv)
     choices = ["yes", "no", "maybe later"]
     out = client.completions.create(model="tiny-chat", prompt="Well?", max_tokens=16, temperature=1.0, n=4, seed=2,
@@ -161,6 +160,25 @@ def test_bad_response_formats_are_400s_naming_the_field(srv, fmt, param):
         assert status == 400 and body["error"]["param"] == param and len(body["error"]["message"]) < 320, body
     ok = openai_client(srv).completions.create(model="tiny-chat", prompt="still serving", max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_metrics_count_accepted_grammars_by_kind(srv):
+    import urllib.request
+
+    def counts() -> dict:
+        text = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
+        return {k: float(v) for k, v in re.findall(r'^graphline_structured_requests_total\{kind="(\w+)"\} (\S+)$', text,
+                                                    re.M)}
+
+    before = counts()
+    client = openai_client(srv)
+    client.completions.create(model="tiny-chat", prompt="x", max_tokens=4, extra_body={"response_format": FORMAT})
+    client.completions.create(model="tiny-chat", prompt="x", max_tokens=4,
+                              extra_body={"structured_outputs": {"choice": ["a", "b"]}})
+    client.completions.create(model="tiny-chat", prompt="x", max_tokens=4)
+    after = counts()
+    assert after.get("json_schema", 0) == before.get("json_schema", 0) + 1
+    assert after.get("choice", 0) == before.get("choice", 0) + 1
 
 
 def test_bench_compares_constrained_with_free_requests(srv, tmp_path):
