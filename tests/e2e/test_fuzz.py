@@ -117,7 +117,9 @@ def bad_chat_values() -> dict[str, list]:
         "add_generation_prompt": ["no", 1],
         "continue_final_message": [True],
         "tools": [[{"type": "function"}]],
-        "response_format": [{"type": "json_object"}, "json"],
+        "response_format": [{"type": "xml"}, "json", {"type": "json_schema"},
+                            {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}],
+        "structured_outputs": [{"regex": "("}, {"choice": []}, [1]],
     }
 
 
