@@ -17,6 +17,7 @@ is queued. JSON follows llguidance's defaults (whitespace between tokens allowed
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from typing import Any, Optional, Sequence
@@ -26,6 +27,7 @@ from engine.grammar import TokenGrammar, mask_words
 from engine.sampling_params import check_bool
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+POOL_MIN_CPUS = 4  # llguidance's pool takes 80% of the CPUs: on 2 it has one thread (docs/benchmarks.md)
 JSON_OBJECT_SCHEMA = {"type": "object"}
 
 
@@ -48,7 +50,8 @@ class GrammarCompiler:
 
                 self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
                                                         eos_token=self._eos or None)
-                self._executor = llguidance.LLExecutor()
+                if (os.cpu_count() or 1) >= POOL_MIN_CPUS:  # with fewer, its one thread only adds hand-offs
+                    self._executor = llguidance.LLExecutor()
             return self._ll
 
     def compile(self, grammar: str, kind: str, param: str) -> TokenGrammar:

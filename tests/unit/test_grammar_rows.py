@@ -113,3 +113,19 @@ def test_a_grammar_for_another_vocabulary_is_refused(compiler):
     with pytest.raises(RequestError) as e:
         validate_request(req, ModelLimits(1024, 64, 8, 16))
     assert e.value.param == "response_format"
+
+
+def test_the_thread_pool_fills_the_same_masks(compiler, tok):
+    from engine.grammar import fill_masks
+
+    grammar = parse_response_format(FORMAT, compiler)
+    states = [grammar.start() for _ in range(5)]
+    for k, st in enumerate(states):
+        for t in tok.encode('{"answer":"yes"}'[:2 * k], add_special_tokens=False):
+            st.advance(t)
+    serial = np.zeros((6, 17), np.int32)
+    pooled = np.zeros((6, 17), np.int32)
+    rows = [(i + 1, st) for i, st in enumerate(states)]
+    fill_masks(serial, rows)
+    fill_masks(pooled, rows, llguidance.LLExecutor(2))
+    assert (serial == pooled).all() and (serial[0] == 0).all() and len({serial[i].tobytes() for i in range(1, 6)}) > 2
