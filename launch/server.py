@@ -152,12 +152,8 @@ async def _parse(request: web.Request, state: ServerState, parser) -> Generation
     body = parse_json_body(raw, request.headers.get("Content-Type", ""), state.limits)
     ctx = state.parse_context()
     if state.tokenize_pool is None or len(raw) < PARSE_INLINE_BYTES:
-        greq = parser(body, ctx)
-    else:
-        greq = await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, parser, body, ctx)
-    if greq.grammar is not None:
-        state.metrics.structured_request(greq.grammar.kind)
-    return greq
+        return parser(body, ctx)
+    return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, parser, body, ctx)
 
 
 async def _raw_body(request: web.Request, limits: ProtocolLimits) -> bytes:
@@ -171,16 +167,23 @@ async def _raw_body(request: web.Request, limits: ProtocolLimits) -> bytes:
 
 
 # ---- completions and chat
+async def _parse_generation(request: web.Request, state: ServerState, parser) -> GenerationRequest:
+    greq = await _parse(request, state, parser)
+    if greq.grammar is not None:
+        state.metrics.structured_request(greq.grammar.kind)
+    return greq
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
-    greq = await _parse(request, state, parse_completion_request)
+    greq = await _parse_generation(request, state, parse_completion_request)
     return await generate(request, state.engine, state.tokenizer, greq, new_request_id(),
                           Shape(False, state.tokenizer))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
-    greq = await _parse(request, state, parse_chat_request)
+    greq = await _parse_generation(request, state, parse_chat_request)
     return await generate(request, state.engine, state.tokenizer, greq, "chat" + new_request_id(),
                           Shape(True, state.tokenizer, state.think_tags, greq.parse_tool_calls))
 
