@@ -16,7 +16,7 @@ Plain Python over the library's matcher; no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -30,6 +30,20 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+FIRST, REASONING, CONSTRAINED = 0, 1, 2  # `GrammarState.phase` with a `ThinkGate` (without one: CONSTRAINED)
+
+
+@dataclass(frozen=True)
+class ThinkGate:
+    """Reasoning-aware grammars (a chat with a reasoning parser): the grammar constrains only what follows the think
+    block. `start` / `end`: the think tags' token ids; `open`: the prompt leaves the model inside a block (else its
+    first token may open one: `<think>` or what the grammar allows first)."""
+
+    start: int
+    end: int
+    open: bool
+
+
 @dataclass(frozen=True, eq=False)
 class TokenGrammar:
     """A request's compiled constraint. `matcher`: an `llguidance.LLMatcher` over the model's vocabulary (ids past
@@ -41,42 +55,61 @@ class TokenGrammar:
     words: int
     kind: str
     executor: Any = None  # an `llguidance.LLExecutor` (a thread pool) that fills several rows at once; None: serial
+    think: Optional[ThinkGate] = None  # reasoning-aware: the grammar starts after the think block
 
     def start(self) -> "GrammarState":
-        return GrammarState(self.matcher.deep_copy())
+        g = self.think
+        return GrammarState(self.matcher.deep_copy(), g,
+                            CONSTRAINED if g is None else REASONING if g.open else FIRST)
 
 
 def fill_masks(mask: np.ndarray, rows: list[tuple[int, "GrammarState"]], executor: Any = None) -> None:
     """Fill row i of `mask` (int32 `[B, W]`, C-contiguous) with state's allowed tokens for each (i, state) of `rows`:
     on the `executor`'s threads (the library drops the GIL) when there are several rows and one is given, else one
-    row after another."""
+    row after another. A row inside its think block allows every id; one that may still open it, also `<think>`."""
     if mask.dtype != np.int32 or mask.ndim != 2 or not mask.flags["C_CONTIGUOUS"]:
         raise ValueError("a grammar mask must be a contiguous int32 matrix")
-    if executor is None or len(rows) < 2:
-        for i, state in rows:
-            state.fill(mask[i])
-        return
-    executor.unsafe_compute_mask_ptr([(state.matcher, i) for i, state in rows], mask.ctypes.data,
-                                     mask.shape[1] * 4, mask.shape[0])
+    grammar_rows = [(i, st) for i, st in rows if st.phase != REASONING]
+    if executor is None or len(grammar_rows) < 2:
+        for i, state in grammar_rows:
+            state.matcher.unsafe_compute_mask_ptr(mask[i].ctypes.data, mask[i].nbytes)
+    else:
+        executor.unsafe_compute_mask_ptr([(state.matcher, i) for i, state in grammar_rows], mask.ctypes.data,
+                                         mask.shape[1] * 4, mask.shape[0])
+    for i, state in rows:
+        if state.phase == REASONING:
+            mask[i] = -1
+        elif state.phase == FIRST:
+            t = state.think.start
+            mask[i, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
 
 
 class GrammarState:
     """One sequence's position in its grammar (engine thread only)."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "think", "phase")
 
-    def __init__(self, matcher: Any):
-        self.matcher = matcher
+    def __init__(self, matcher: Any, think: Optional[ThinkGate] = None, phase: int = CONSTRAINED):
+        self.matcher, self.think, self.phase = matcher, think, phase
 
     def fill(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into `row` (int32 `[W]`, C-contiguous, e.g. a row of a fresh 2-D array)."""
         if row.dtype != np.int32 or row.ndim != 1 or not row.flags["C_CONTIGUOUS"]:
             raise ValueError("a grammar mask row must be a contiguous int32 vector")
-        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        fill_masks(row[None, :], [(0, self)])
 
     def advance(self, token: int) -> bool:
         """Take the sampled `token`; True when the grammar is complete (only end-of-sequence may follow). Raises
-        `GrammarViolation` for a token the grammar did not allow."""
+        `GrammarViolation` for a token the grammar did not allow. Think tags move a gated state's phase."""
+        if self.phase == FIRST:
+            self.phase = CONSTRAINED
+            if token == self.think.start:
+                self.phase = REASONING
+                return False
+        elif self.phase == REASONING:
+            if token == self.think.end:
+                self.phase = CONSTRAINED
+            return False
         m = self.matcher
         if not m.consume_token(int(token)):
             raise GrammarViolation(f"token {int(token)} is outside the grammar: {m.get_error()}")

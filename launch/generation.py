@@ -20,6 +20,7 @@ from launch.outputs import ChoiceState
 from launch.protocol import (ApiError, GenerationRequest, choice, choices_usage, completion_response, now_s,
                              stream_chunk)
 from launch.reasoning import ThinkTags, splitter_for
+from launch.structured import gate_for_reasoning
 from launch.tools import ToolCallStream, extract_tool_calls
 
 ENGINE_FAILED = "the engine failed while serving this request; retry it"
@@ -101,7 +102,8 @@ async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, gr
                    shape: Shape) -> web.StreamResponse:
     """Submit one request per choice (n per prompt) and answer with the finished choices, or stream them (SSE)."""
     reqs = [r for p, mt in zip(greq.prompts, greq.max_tokens)
-            for r in eng.make_samples(eng.make_request(p, greq.sampling, mt, greq.stop_token_ids, grammar=greq.grammar),
+            for r in eng.make_samples(eng.make_request(p, greq.sampling, mt, greq.stop_token_ids,
+                                                       grammar=gate_for_reasoning(greq.grammar, shape.think_tags, p)),
                                       greq.n, fit_max_tokens=not greq.max_tokens_given)]
     choices = [ChoiceState(i, len(greq.prompts[i // greq.n]), tokenizer, greq.stop, keep_logprobs=not greq.stream,
                            think=splitter_for(shape.think_tags, greq.prompts[i // greq.n]))

@@ -12,10 +12,13 @@ dialect) instead; a request may set it or a non-text `response_format`, not both
 The grammar is compiled here, on the request's parsing thread, by the llguidance library over the served tokenizer
 (`GrammarCompiler`), so a schema it cannot take is a 400 naming `response_format.json_schema.schema` before anything
 is queued. JSON follows llguidance's defaults (whitespace between tokens allowed; a schema may override them under
-`x-guidance`). A request with a grammar finishes with `stop` as soon as the JSON is complete.
+`x-guidance`). A request with a grammar finishes with `stop` as soon as the JSON is complete. In a chat served with
+a reasoning parser the grammar is reasoning-aware (`gate_for_reasoning`): the think block is free text, and the
+grammar constrains what follows it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -23,8 +26,9 @@ import threading
 from typing import Any, Optional, Sequence
 
 from engine.errors import RequestError
-from engine.grammar import TokenGrammar, mask_words
+from engine.grammar import ThinkGate, TokenGrammar, mask_words
 from engine.sampling_params import check_bool
+from launch.reasoning import ThinkTags, prompt_opens_thinking
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 POOL_MIN_CPUS = 4  # llguidance's pool takes 80% of the CPUs: on 2 it has one thread (docs/benchmarks.md)
@@ -76,6 +80,15 @@ class GrammarCompiler:
         except ValueError as exc:
             raise RequestError(f"'{param}' is not a usable JSON schema: {exc}", param, "invalid_schema") from None
         return self.compile(grammar, kind, param)
+
+
+def gate_for_reasoning(grammar: Optional[TokenGrammar], tags: Optional[ThinkTags],
+                       prompt: Sequence[int]) -> Optional[TokenGrammar]:
+    """`grammar` for one chat prompt under a reasoning parser's `tags`: it applies after the think block, which the
+    prompt may already have opened (`launch.reasoning.prompt_opens_thinking`); as it is without tags."""
+    if grammar is None or tags is None:
+        return grammar
+    return dataclasses.replace(grammar, think=ThinkGate(tags.start, tags.end, prompt_opens_thinking(prompt, tags)))
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")

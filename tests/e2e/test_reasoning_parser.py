@@ -102,3 +102,23 @@ def test_a_model_without_think_tags_fails_in_one_line_before_any_rank_starts():
     lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "--reasoning-parser needs a checkpoint with a tokenizer" in lines[0], p.stderr
     assert time.monotonic() - t0 < 60
+
+
+def test_a_grammar_applies_after_the_think_block(srv, scripted):
+    """Reasoning-aware structured outputs: the scripted model opens its think block and reasons freely (the grammar
+    allows `<think>` or JSON first, then everything until `</think>`); what follows is the schema's JSON, not the
+    script's content tokens."""
+    from test_structured_outputs import FORMAT, _check_answer
+
+    d, tok, reasoning, content, n_tokens = scripted
+    c = openai_client(srv)
+    r = c.chat.completions.create(model="qwen3-thinks", messages=MESSAGES, max_tokens=64, temperature=0,
+                                  response_format=FORMAT)
+    msg = r.choices[0].message
+    assert (msg.model_extra or {}).get("reasoning_content") == tok.decode(reasoning)
+    assert r.choices[0].finish_reason == "stop"
+    _check_answer(msg.content)
+    assert msg.content != tok.decode(content)  # the script's content tokens were masked away
+    cut = c.chat.completions.create(model="qwen3-thinks", messages=MESSAGES, max_tokens=1 + len(reasoning),
+                                    temperature=0, response_format=FORMAT)  # ends inside the think block
+    assert cut.choices[0].message.content == "" and cut.choices[0].finish_reason == "length"

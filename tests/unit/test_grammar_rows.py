@@ -129,3 +129,30 @@ def test_the_thread_pool_fills_the_same_masks(compiler, tok):
     fill_masks(serial, rows)
     fill_masks(pooled, rows, llguidance.LLExecutor(2))
     assert (serial == pooled).all() and (serial[0] == 0).all() and len({serial[i].tobytes() for i in range(1, 6)}) > 2
+
+
+@pytest.mark.parametrize("pool", [False, True])
+def test_a_reasoning_gate_frees_the_think_block(compiler, tok, pool):
+    import dataclasses
+
+    from engine.grammar import ThinkGate, fill_masks
+
+    grammar = parse_response_format(FORMAT, compiler)
+    start, end = 500, 511  # stand-in tag ids, above what the grammar allows
+    brace = tok.encode("{", add_special_tokens=False)[0]
+    first = dataclasses.replace(grammar, think=ThinkGate(start, end, open=False)).start()
+    opened = dataclasses.replace(grammar, think=ThinkGate(start, end, open=True)).start()
+    plain = grammar.start()
+    mask = np.zeros((3, 17), np.int32)
+    fill_masks(mask, [(0, first), (1, opened), (2, plain)], llguidance.LLExecutor(2) if pool else None)
+    assert _allowed(mask[0]) == {brace, start} and (mask[1] == -1).all() and _allowed(mask[2]) == {brace}
+    assert not first.advance(start) and not first.advance(7) and not first.advance(start)  # free inside the block
+    assert not first.advance(end)
+    with pytest.raises(GrammarViolation):
+        first.advance(end)  # after the block the grammar rules
+    assert not opened.advance(end) and not opened.advance(brace)
+    skip = dataclasses.replace(grammar, think=ThinkGate(start, end, open=False)).start()
+    assert not skip.advance(brace)  # no think block: the first token is the grammar's
+    row = np.zeros(17, np.int32)
+    skip.fill(row)
+    assert start not in _allowed(row)
