@@ -4,19 +4,17 @@ sampled, with top-k / top-p / min-p, under TP shards at offsets that are not mul
 changes no bit of tokens or logprobs, logprobs stay those of the raw logits, a masked row draws what the plain path
 draws from logits with its masked ids at -inf. The kernels' side: `test_sampler_allow_bits_interpret.py`."""
 import dataclasses
-import os
-import tempfile
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from actors.batch import BatchError, SamplerExtras, StepBatch
 from modeling.sampler import HostBatch, RowSpec, SamplerParamError, SamplerParams, SamplerVariant, sample
 from modeling.sampler.allow_bits import mask_words, pack_allowed
 from modeling.sampler.reference import allowed_columns
+from tests.unit._ranks import run_ranks
 from tests.unit._sampler_cases import CAPS
 
 V = 1000  # not a multiple of 32: the last word is partial
@@ -168,16 +166,7 @@ def test_two_shards_equal_one_rank_with_masks():
     want = _run(x, rows, bits, n=4, vocab=V_TP)
     ok = _unpack(bits, V_TP)
     assert ok[np.arange(8), want.tokens.numpy()].all()
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("fork")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=_tp_rank, args=(r, "file://" + os.path.join(tmp, "rdzv"), q), daemon=True)
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        got = dict((g[0], g[1:]) for g in (q.get(timeout=120) for _ in range(2)))
-        for p in procs:
-            p.join(30)
+    got = run_ranks(_tp_rank, 2)
     for r in range(2):
         assert got[r][0] == want.tokens.tolist() and got[r][1] == want.top_ids.tolist(), r
 

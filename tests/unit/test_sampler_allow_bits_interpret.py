@@ -11,14 +11,14 @@ from tests.unit._interpret import run_interpreted
 pytest.importorskip("triton", reason="needs triton (the Triton CPU interpreter runs its kernels)")
 
 _CHILD = r"""
-import json, os, tempfile
+import json
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from modeling.sampler import HostBatch, RowSpec, SamplerParams, SamplerVariant, sample
 from modeling.sampler import triton_sampler as ts
 from modeling.sampler.allow_bits import mask_words, pack_allowed
+from tests.unit._ranks import run_ranks
 
 ts.BLOCK, ts.MAX_CHUNK, ts.SELECT_BLOCK = 256, 512, 64
 ts.TOPK_GROUP, ts.TOPP_GROUPS = 8, 64
@@ -125,15 +125,7 @@ if __name__ == "__main__":
     b = run(xs, rows(V_TP), bits, SamplerVariant.full(), 2, "torch", V_TP, vocab_offset=SPLIT)
     out["offset shard"] = compare(a, b)
     ref = run(x, rows(V_TP), bits, SamplerVariant.full(), 4, "torch", V_TP)
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("fork")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=rank_main, args=(r, "file://" + os.path.join(tmp, "rdzv"), q)) for r in range(2)]
-        for p in procs:
-            p.start()
-        got = dict((g[0], g[1:]) for g in (q.get(timeout=600) for _ in range(2)))
-        for p in procs:
-            p.join(60)
+    got = run_ranks(rank_main, 2, timeout_s=600)
     out["tp"] = {"want": ref.tokens.tolist(), "ranks": [got[r][0] for r in range(2)],
                  "top_ids": [got[r][1] == ref.top_ids.tolist() for r in range(2)],
                  "allowed": bool(unpack(bits, V_TP)[np.arange(len(ref.tokens)), ref.tokens.numpy()].all())}

@@ -16,12 +16,12 @@ from tests.unit._interpret import run_interpreted
 pytest.importorskip("triton", reason="needs triton (the Triton CPU interpreter runs its kernels)")
 
 _CHILD = r"""
-import json, os, sys, tempfile
+import json
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from modeling.sampler import HostBatch, RowSpec, SamplerParams, SamplerVariant, sample
 from modeling.sampler import triton_sampler as ts
+from tests.unit._ranks import run_ranks
 
 ts.BLOCK, ts.MAX_CHUNK, ts.SELECT_BLOCK = 256, 512, 64
 ts.TOPK_GROUP, ts.TOPP_GROUPS = 8, 64  # more groups than top-p's candidates hold: it takes both ways
@@ -146,15 +146,7 @@ if __name__ == "__main__":
             out[f"topn {v} {dtype} {n}"] = topn_compare(a, b)
     ref = sample(logits_for(V_TP, torch.float32), params(V_TP), num_logprobs=4, backend="torch")
     ref_n = sample(topn_logits(V_TP, torch.float32), topn_params(V_TP), num_logprobs=20, backend="torch")
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("fork")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=rank_main, args=(r, "file://" + os.path.join(tmp, "rdzv"), q)) for r in range(2)]
-        for p in procs:
-            p.start()
-        got = dict((g[0], g[1:]) for g in (q.get(timeout=600) for _ in range(2)))
-        for p in procs:
-            p.join(60)
+    got = run_ranks(rank_main, 2, timeout_s=600)
     out["tp"] = {"want": ref.tokens.tolist(), "ranks": [got[r][0] for r in range(2)],
                  "top_ids": [got[r][2] == ref.top_ids.tolist() for r in range(2)],
                  "lp_err": max(float((torch.tensor(got[r][1]) - ref.chosen_logprob).abs().max()) for r in range(2)),

@@ -2,14 +2,11 @@
 offset that is not a multiple of 4), return the same tokens, chosen logprobs and top-N as TP = 1 on the full
 logits, identical on both ranks. The Triton kernels' TP protocol is checked the same way under the interpreter
 (test_sampler_interpret.py)."""
-import os
-import tempfile
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from modeling.sampler import HostBatch, RowSpec, SamplerParams, SamplerVariant, sample
+from tests.unit._ranks import run_ranks
 from tests.unit._sampler_cases import CAPS
 
 V = 2003
@@ -61,16 +58,7 @@ def test_two_shards_equal_one_rank():
     for name, variant in (("full", SamplerVariant.full()), ("top_p", SamplerVariant(True, False, True))):
         o = sample(_inputs(), _params(), num_logprobs=5, variant=variant)
         want[name] = o
-    with tempfile.TemporaryDirectory() as tmp:
-        init = "file://" + os.path.join(tmp, "rdzv")
-        ctx = mp.get_context("fork")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, init, q), daemon=True) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        got = dict(q.get(timeout=120) for _ in range(WORLD))
-        for p in procs:
-            p.join(30)
+    got = {r: payload[0] for r, payload in run_ranks(_rank, WORLD).items()}
     for name, o in want.items():
         for r in range(WORLD):
             tokens, chosen, top_ids, top_lp = got[r][name]
