@@ -43,19 +43,21 @@ def srv(tmp_path_factory):
     s.stop()
 
 
-def test_json_schema_chat_greedy_sampled_and_streamed(srv):
-    client = openai_client(srv)
+def check_constrained_chat(client, **sampling) -> None:
+    """Greedy, `n` = 4 sampled and streamed constrained chat answers all end with `stop` and parse into `ANSWER`; the
+    stream equals sample 0 (the request's own seed). `sampling`: extra fields of the sampled requests. Shared with
+    tests/gpu/test_structured_gpu.py."""
     greedy = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=64, temperature=0,
                                             response_format=FORMAT)
     assert greedy.choices[0].finish_reason == "stop"
     _check_answer(greedy.choices[0].message.content)
     sampled = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=64, temperature=1.0,
-                                             n=4, seed=11, response_format=FORMAT)
+                                             n=4, seed=11, response_format=FORMAT, **sampling)
     assert [c.finish_reason for c in sampled.choices] == ["stop"] * 4
     for c in sampled.choices:
         _check_answer(c.message.content)
     stream = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=64, temperature=1.0,
-                                            seed=11, stream=True, response_format=FORMAT)
+                                            seed=11, stream=True, response_format=FORMAT, **sampling)
     parts, reasons = [], []
     for chunk in stream:
         for c in chunk.choices:
@@ -64,6 +66,10 @@ def test_json_schema_chat_greedy_sampled_and_streamed(srv):
     assert reasons[-1] == "stop"
     _check_answer("".join(parts))
     assert "".join(parts) == sampled.choices[0].message.content  # sample 0 has the request's own seed
+
+
+def test_json_schema_chat_greedy_sampled_and_streamed(srv):
+    check_constrained_chat(openai_client(srv))
 
 
 def test_json_object_and_completions(srv):
@@ -111,19 +117,26 @@ def _post_all(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
     return asyncio.run(asyncio.wait_for(main(), 180))
 
 
-def test_free_text_beside_constrained_requests_is_unchanged(srv):
-    free = {"model": "tiny-chat", "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0}
+def check_free_beside_constrained(url: str, free_tokens: int, constrained_rows: int) -> None:
+    """Free completions (greedy and seeded) sent together with `constrained_rows` constrained ones return the text
+    they return alone; every constrained one ends with `stop` and parses into `ANSWER`. Shared with
+    tests/gpu/test_structured_gpu.py."""
+    free = {"model": "tiny-chat", "prompt": "The quick brown fox", "max_tokens": free_tokens, "temperature": 0}
     sampled = {**free, "temperature": 1.0, "seed": 3}
     constrained = {"model": "tiny-chat", "prompt": "The answer:", "max_tokens": 64, "temperature": 1.0, "seed": 9,
                    "response_format": FORMAT}
-    alone = _post_all(srv.url, [free, sampled])
-    mixed = _post_all(srv.url, [constrained, free, constrained, sampled, constrained])
+    alone = _post_all(url, [free, sampled])
+    mixed = _post_all(url, [constrained, free, constrained, sampled] + [constrained] * (constrained_rows - 2))
     assert all(status == 200 for status, _ in alone + mixed), alone + mixed
     texts = [body["choices"][0]["text"] for _, body in mixed]
     assert texts[1] == alone[0][1]["choices"][0]["text"] and texts[3] == alone[1][1]["choices"][0]["text"]
-    for i in (0, 2, 4):
+    for i in [0, 2, *range(4, len(mixed))]:
         assert mixed[i][1]["choices"][0]["finish_reason"] == "stop"
         _check_answer(texts[i])
+
+
+def test_free_text_beside_constrained_requests_is_unchanged(srv):
+    check_free_beside_constrained(srv.url, free_tokens=24, constrained_rows=3)
 
 
 @pytest.mark.parametrize("fmt, param", [

@@ -8,7 +8,6 @@ Triton sampler (the processed path) beside free-text rows in the same decode ste
 """
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from e2e_support import graphline, openai_client, start_server  # noqa: E402
 pytestmark = pytest.mark.gpu
 pytest.importorskip("llguidance")
 pytest.importorskip("openai")
-aiohttp = pytest.importorskip("aiohttp")
 
 SERVE_ARGS = ["--device", "cuda", "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "128",
               "--max-decode-batch", "16", "--pcg-max-tokens", "256", "--pcg-token-stride", "128", "--no-progress",
@@ -38,43 +36,12 @@ def srv(tmp_path_factory):
 
 
 def test_constrained_rows_through_the_triton_sampler(srv):
-    from test_structured_outputs import FORMAT, MESSAGES, _check_answer
+    from test_structured_outputs import check_constrained_chat
 
-    client = openai_client(srv)
-    greedy = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=64, temperature=0,
-                                            response_format=FORMAT)
-    assert greedy.choices[0].finish_reason == "stop"
-    _check_answer(greedy.choices[0].message.content)
-    sampled = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=64, temperature=1.0,
-                                             top_p=0.9, n=4, seed=11, response_format=FORMAT)
-    assert [c.finish_reason for c in sampled.choices] == ["stop"] * 4
-    for c in sampled.choices:
-        _check_answer(c.message.content)
-    stream = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=64, temperature=1.0,
-                                            top_p=0.9, seed=11, stream=True, response_format=FORMAT)
-    text = "".join(c.delta.content or "" for chunk in stream for c in chunk.choices)
-    assert text == sampled.choices[0].message.content
+    check_constrained_chat(openai_client(srv), top_p=0.9)
 
 
 def test_free_rows_beside_constrained_rows_are_unchanged(srv):
-    from test_structured_outputs import FORMAT, _check_answer
+    from test_structured_outputs import check_free_beside_constrained
 
-    free = {"model": "tiny-chat", "prompt": "The quick brown fox", "max_tokens": 32, "temperature": 0}
-    sampled = {**free, "temperature": 1.0, "seed": 3}
-    constrained = {"model": "tiny-chat", "prompt": "The answer:", "max_tokens": 64, "temperature": 1.0, "seed": 9,
-                   "response_format": FORMAT}
-
-    async def post_all(bodies):
-        async with aiohttp.ClientSession() as s:
-            async def one(body):
-                async with s.post(srv.url + "/v1/completions", json=body) as r:
-                    assert r.status == 200, await r.text()
-                    return (await r.json())["choices"][0]
-            return await asyncio.gather(*[one(b) for b in bodies])
-
-    alone = asyncio.run(post_all([free, sampled]))
-    mixed = asyncio.run(post_all([constrained, free, constrained, sampled, constrained, constrained]))
-    assert mixed[1]["text"] == alone[0]["text"] and mixed[3]["text"] == alone[1]["text"]
-    for i in (0, 2, 4, 5):
-        assert mixed[i]["finish_reason"] == "stop"
-        _check_answer(mixed[i]["text"])
+    check_free_beside_constrained(srv.url, free_tokens=32, constrained_rows=4)
