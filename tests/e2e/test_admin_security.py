@@ -108,31 +108,25 @@ def test_dashboard_reset_button_with_the_token_in_chromium(token_server):
             start = await _resets(s, url)
             msg = "document.getElementById('reset-msg').textContent"
 
+            async def press(answers, done):
+                """Clear the message, click reset with these dialog answers, wait until `done` (JS on the message):
+                (the message, the dialogs' kinds, the stored token, the server's reset count)."""
+                cdp.dialogs.clear()
+                cdp.answers = answers
+                await cdp.eval("document.getElementById('reset-msg').textContent = ''")
+                await cdp.click("reset-btn")
+                text = await cdp.until(f"{msg}.{done} && {msg}")
+                kinds = [d["type"] for d in cdp.dialogs]
+                return text, kinds, await cdp.eval("sessionStorage.getItem('graphline.adminToken')"), \
+                    await _resets(s, url)
+
             # 1. a wrong token: the page asks once, gets 401, asks again (cancelled) and says so
-            cdp.answers = [(True, ""), (True, "wrong-token"), (False, "")]
-            await cdp.click("reset-btn")
-            first = await cdp.until(f"{msg}.includes('401') && {msg}")
-            kinds1 = [d["type"] for d in cdp.dialogs]
-            stored1 = await cdp.eval("sessionStorage.getItem('graphline.adminToken')")
-            after1 = await _resets(s, url)
-
+            first, kinds1, stored1, after1 = await press([(True, ""), (True, "wrong-token"), (False, "")],
+                                                         "includes('401')")
             # 2. the right token: reset done, the token kept in sessionStorage
-            cdp.dialogs.clear()
-            cdp.answers = [(True, ""), (True, TOKEN)]
-            await cdp.click("reset-btn")
-            second = await cdp.until(f"{msg}.startsWith('reset done') && {msg}")
-            kinds2 = [d["type"] for d in cdp.dialogs]
-            stored2 = await cdp.eval("sessionStorage.getItem('graphline.adminToken')")
-            after2 = await _resets(s, url)
-
+            second, kinds2, stored2, after2 = await press([(True, ""), (True, TOKEN)], "startsWith('reset done')")
             # 3. again: only the confirmation, no token prompt (the stored token is sent)
-            cdp.dialogs.clear()
-            cdp.answers = [(True, "")]
-            await cdp.eval("document.getElementById('reset-msg').textContent = ''")
-            await cdp.click("reset-btn")
-            await cdp.until(f"{msg}.startsWith('reset done')")
-            kinds3 = [d["type"] for d in cdp.dialogs]
-            after3 = await _resets(s, url)
+            _, kinds3, _, after3 = await press([(True, "")], "startsWith('reset done')")
             await cdp.until(f"document.getElementById('resets-count').textContent === '{after3}'")
         return start, first, kinds1, stored1, after1, second, kinds2, stored2, after2, kinds3, after3
 
