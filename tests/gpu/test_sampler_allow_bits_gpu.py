@@ -15,6 +15,7 @@ import torch
 from actors.batch import SamplerExtras, StepBatch
 from modeling.sampler import HostBatch, RowSpec, SamplerParams, SamplerVariant, sample
 from modeling.sampler.allow_bits import mask_words, pack_allowed
+from tests.gpu.test_sampler_gpu import _logits  # bf16 [b, V] rows with 8 clear leaders
 
 pytestmark = pytest.mark.gpu
 
@@ -32,14 +33,6 @@ def _rows(b: int, salt: int) -> list:
                      output_token_ids=g.integers(0, V, 6).tolist())]
     return [dataclasses.replace(kinds[(i + salt) % len(kinds)], seed=int(g.integers(1 << 62)),
                                 position=int(g.integers(1 << 20))) for i in range(b)]
-
-
-def _logits(b: int, salt: int) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(b * 11 + salt)
-    x = torch.randn(b, V, device="cuda", generator=g) * 2
-    top = torch.randint(0, V, (b, 8), device="cuda", generator=g)
-    x.scatter_add_(1, top, torch.linspace(10, 3, 8, device="cuda").expand(b, 8).contiguous())
-    return x.bfloat16()
 
 
 def _masks(x: torch.Tensor, salt: int) -> np.ndarray:
