@@ -109,7 +109,7 @@ def encode_extras(ex: SamplerExtras) -> bytes:
     else:
         parts = [head, *[np.ascontiguousarray(a, dtype).tobytes() for a, (_, dtype, _) in zip(arrays, _EXTRAS)]]
     if bits is not None:
-        parts.append(bits.tobytes() if bits.dtype == _I32 else np.ascontiguousarray(bits, _I32).tobytes())
+        parts.append(np.ascontiguousarray(bits, _I32).tobytes())  # no copy for the usual int32 C-order mask
     return b"".join(parts)
 
 
