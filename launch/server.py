@@ -66,7 +66,8 @@ class ServerState:
             self.think_tags = think_tags(self.tokenizer, self.reasoning_parser)
         if self.tokenizer is not None:  # large texts are tokenised off the event loop (tokenizers drop the GIL)
             self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphline-tokenize")
-            self.grammars = GrammarCompiler(self.tokenizer, self.engine.engine.limits.vocab_size, self.eos_token_ids)
+            vocab = self.engine.engine.limits.vocab_size
+            self.grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_ids_in(vocab))
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -81,11 +82,15 @@ class ServerState:
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         return (eos,) if isinstance(eos, int) else ()
 
+    def eos_ids_in(self, vocab_size: int) -> tuple[int, ...]:
+        """`eos_token_ids` that are ids of the model's vocabulary."""
+        return tuple(t for t in self.eos_token_ids if 0 <= t < vocab_size)
+
     def parse_context(self) -> ParseContext:
         lim = self.engine.engine.limits  # current: a reset may resize the KV cache
         return ParseContext(self.served_names, self.tokenizer, lim.vocab_size, lim.max_model_len,
                             lim.max_blocks_per_request * lim.block_size, self.defaults,
-                            tuple(t for t in self.eos_token_ids if 0 <= t < lim.vocab_size), self.limits,
+                            self.eos_ids_in(lim.vocab_size), self.limits,
                             self.tool_call_parser, self.grammars)
 
 
