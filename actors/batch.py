@@ -26,12 +26,6 @@ class BatchError(ValueError):
     """A step batch is malformed (shapes, lengths, ids)."""
 
 
-def mask_words(vocab_size: int) -> int:
-    """int32 words per row of `SamplerExtras.allow_bits` over `vocab_size` ids: ceil(vocab_size / 32) (the ranks'
-    twin below this layer: `modeling.sampler.allow_bits.mask_words`)."""
-    return -(-vocab_size // 32)
-
-
 def prev_token(row: int) -> int:
     """The token id that refers to row `row` of the previous step's tokens (see the module docstring)."""
     if row < 0:
@@ -159,7 +153,7 @@ class SamplerExtras:
             raise BatchError(f"sampler extras: num_logprobs must be in [-1, {MAX_LOGPROBS}]")
         bits = self.allow_bits
         if bits is not None:
-            want = (b, mask_words(vocab_size))
+            want = (b, -(-vocab_size // 32))
             if not isinstance(bits, np.ndarray) or bits.dtype != _I32 or bits.shape != want:
                 got = f"{getattr(bits, 'dtype', type(bits).__name__)} {getattr(bits, 'shape', '')}"
                 raise BatchError(f"sampler extras: allow_bits must be int32 of shape {want} (B, ceil(vocab_size / 32)),"

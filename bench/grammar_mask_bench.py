@@ -51,8 +51,7 @@ def synthetic_tokenizer(size: int, seed: int = 0):
 
 
 def run(args: argparse.Namespace) -> None:
-    from actors.batch import mask_words
-    from engine.grammar import fill_masks
+    from engine.grammar import fill_masks, mask_words
     from launch.structured import GrammarCompiler
 
     tok = synthetic_tokenizer(args.tokens)

@@ -25,6 +25,11 @@ class GrammarViolation(RuntimeError):
     """A sampled token the grammar did not allow (the sampler ignored the mask): the sequence ends with an error."""
 
 
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's token bitmask over `vocab_size` ids."""
+    return (vocab_size + 31) // 32
+
+
 FIRST, REASONING, CONSTRAINED = 0, 1, 2  # `GrammarState.phase` with a `ThinkGate` (without one: CONSTRAINED)
 
 
@@ -43,7 +48,7 @@ class ThinkGate:
 class TokenGrammar:
     """A request's compiled constraint. `matcher`: an `llguidance.LLMatcher` over the model's vocabulary (ids past
     the tokenizer's are never allowed), at its start state and never advanced (each sequence copies it); `words`:
-    `actors.batch.mask_words(vocab_size)`; `kind`: what the client asked for (e.g. "json_schema"), for logs and status;
+    `mask_words(vocab_size)`; `kind`: what the client asked for (e.g. "json_schema"), for logs and status;
     `executor`: shared by the grammars of one compiler (`fill_masks`)."""
 
     matcher: Any

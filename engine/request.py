@@ -16,9 +16,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from actors.batch import mask_words
 from engine.errors import RequestError
-from engine.grammar import TokenGrammar
+from engine.grammar import TokenGrammar, mask_words
 from engine.sampling_params import INT32_MAX, SamplingParams
 
 _ids = itertools.count()

@@ -25,9 +25,8 @@ import re
 import threading
 from typing import Any, Optional, Sequence
 
-from actors.batch import mask_words
 from engine.errors import RequestError
-from engine.grammar import ThinkGate, TokenGrammar
+from engine.grammar import ThinkGate, TokenGrammar, mask_words
 from engine.sampling_params import check_bool
 from launch.reasoning import ThinkTags, prompt_opens_thinking
 

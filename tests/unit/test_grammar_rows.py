@@ -9,9 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from actors.batch import mask_words
 from engine.errors import RequestError
-from engine.grammar import GrammarViolation
+from engine.grammar import GrammarViolation, mask_words
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.sampling_rows import build_extras
