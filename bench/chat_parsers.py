@@ -20,6 +20,7 @@ import time
 from launch.generation import Shape
 from launch.outputs import ChoiceState
 from launch.reasoning import splitter_for, think_tags
+from launch.tools import ToolChoice
 
 MODES = ("plain", "plain, tokenizer.decode", "reasoning", "tools", "reasoning+tools")
 
@@ -36,7 +37,7 @@ def _answer(tok, n: int) -> list[int]:
 
 def per_token_us(tok, ids: list[int], mode: str) -> float:
     tags = think_tags(tok, "qwen3") if "reasoning" in mode else None
-    shape = Shape(True, tok, tags, tool_calls="tools" in mode)
+    shape = Shape(True, tok, tags, ToolChoice("auto") if "tools" in mode else None)
     c = ChoiceState(0, 10, tok, (), keep_logprobs=False, think=splitter_for(tags, [1]))
     if mode.endswith("tokenizer.decode"):  # the plain path of the detokenizer: every decode through transformers
         c.detok._backend = None

@@ -19,6 +19,7 @@ from engine.errors import RequestError
 from engine.sampling_params import LOGPROBS_MAX, check_bool, check_int
 from launch.protocol import (ApiError, GenerationRequest, ParseContext, _unsupported, check_text, choices_usage,
                              parse_common, parse_max_tokens, parse_model, parse_n, require_object)
+from launch.forced_tools import forced_tool_grammar
 from launch.structured import parse_response_format
 from launch.tools import parse_tool_choice, parse_tools, tool_message_fields
 
@@ -159,8 +160,8 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     n = parse_n(body)
     _unsupported(body, "functions", ([],), "(the deprecated form of 'tools')")
     tools = parse_tools(body.get("tools"))
-    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
-    if tool_choice == "auto" and ctx.tool_call_parser is None:
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools, body.get("parallel_tool_calls"))
+    if tool_choice.mode == "auto" and ctx.tool_call_parser is None:
         raise ApiError(400, "'tool_choice' \"auto\" (the default with 'tools') needs the server started with "
                             "--tool-call-parser hermes; send \"tool_choice\": \"none\" to pass the tools to the "
                             "template only", "tool_choice", "unsupported")
@@ -179,8 +180,13 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
                                   ctx)
     greq = parse_common(body, ctx, [prompt], (top_n or 0) if want else None, max_tokens, n,
                         ("max_completion_tokens", "max_tokens"))
-    greq.parse_tool_calls = tool_choice == "auto"
+    greq.tool_choice = tool_choice
     greq.grammar = parse_response_format(body, ctx.grammars)
+    if tool_choice.forced:
+        if greq.grammar is not None:
+            raise RequestError("'tool_choice' \"required\" or a named function cannot be combined with "
+                               "'response_format' or 'structured_outputs'", "tool_choice", "invalid_value")
+        greq.grammar = forced_tool_grammar(tool_choice, tools, ctx.grammars)
     return greq
 
 
@@ -190,20 +196,20 @@ def chat_response(rid: str, model: str, created: int, choices: list, logprobs: O
     """choices: the finished `launch.outputs.ChoiceState`s (the n samples of the conversation); logprobs: their
     `{"content": [...]}` objects (None: not asked); reasoning: a reasoning parser serves (every message carries
     `reasoning_content`, null when the choice did not reason, and usage the think block's token count); tools:
-    per choice `launch.tools.extract_tool_calls` of its text (None: tool calls are not parsed)."""
+    per choice (content, tool calls, finish reason) as `launch.generation.Shape` answers them (None: tool calls are
+    not parsed)."""
     lps = logprobs or [None] * len(choices)
     usage = choices_usage(choices, len(choices))
     if reasoning:
         usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}
     out = []
     for c, lp, tool in zip(choices, lps, tools or [None] * len(choices)):
-        msg: dict[str, Any] = {"role": "assistant", "content": c.text if tool is None else tool[0]}
+        content, calls, reason = (c.text, [], c.finish_reason) if tool is None else tool
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning:
             msg["reasoning_content"] = c.reasoning_text
-        calls = tool[1] if tool is not None else []
         if calls:
             msg["tool_calls"] = calls
-        reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
         out.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage}

@@ -21,7 +21,8 @@ from launch.protocol import (ApiError, GenerationRequest, choice, choices_usage,
                              stream_chunk)
 from launch.reasoning import ThinkTags, splitter_for
 from launch.structured import gate_for_reasoning
-from launch.tools import ToolCallStream, extract_tool_calls
+from launch.forced_tools import ForcedCallStream, forced_answer
+from launch.tools import ToolCallStream, ToolChoice, extract_tool_calls
 
 ENGINE_FAILED = "the engine failed while serving this request; retry it"
 
@@ -39,14 +40,15 @@ class Shape:
     """How choices look on the wire for one endpoint."""
 
     def __init__(self, chat: bool, tokenizer: Any = None, think_tags: Optional[ThinkTags] = None,
-                 tool_calls: bool = False):
+                 tool_choice: Optional[ToolChoice] = None):
         """`think_tags`: chat with a reasoning parser (`launch.reasoning`): the think block is returned apart.
-        `tool_calls`: the content's tool calls are parsed (`launch.tools`); one Shape serves one request."""
+        `tool_choice`: how the text becomes tool calls ("auto": `launch.tools`' parser; forced:
+        `launch.forced_tools`); one Shape serves one request."""
         self.chat = chat
         self.tokenizer = tokenizer
         self.think_tags = think_tags if chat else None
-        self.tool_calls = tool_calls and chat
-        self._tool_streams: dict[int, ToolCallStream] = {}
+        self.tool_choice = tool_choice if chat and tool_choice is not None and tool_choice.mode != "none" else None
+        self._tool_streams: dict[int, Any] = {}  # per choice: a ToolCallStream ("auto") or a ForcedCallStream
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
     def opening(self, c: ChoiceState) -> Optional[dict]:
@@ -64,7 +66,7 @@ class Shape:
         lp = self._logprobs(c, tokens, c.last_logprobs, c.last_text_start) if tokens else None
         if self.chat:
             r, calls = c.last_reasoning, None
-            if self.tool_calls:
+            if self.tool_choice is not None:
                 text, calls, reason = self._tools_delta(c, text, reason)
             return chat_delta(c.index, text, reason, logprobs=lp, reasoning=r, tool_calls=calls) \
                 if text or r or reason or lp or calls else None
@@ -73,17 +75,32 @@ class Shape:
     def _tools_delta(self, c: ChoiceState, text: str,
                      reason: Optional[str]) -> tuple[str, Optional[list], Optional[str]]:
         """The content a streamed chat choice sends now, the tool calls completed, its finish reason."""
+        tc = self.tool_choice
+        if tc.forced:
+            fst = self._tool_streams.setdefault(c.index, ForcedCallStream(tc))
+            return "", fst.push(text) or None, fst.finish_reason(reason)
         st = self._tool_streams.setdefault(c.index, ToolCallStream())
         text, new = st.push(text)
         if c.done:
             text += st.finish()
         first = len(st.calls) - len(new)
+        if not tc.parallel:
+            new = new[:max(0, 1 - first)]
         calls = [{"index": first + k, **call} for k, call in enumerate(new)] or None
         return text, calls, "tool_calls" if reason == "stop" and st.calls else reason
 
+    def _tool_answer(self, c: ChoiceState) -> tuple[Optional[str], list[dict], Optional[str]]:
+        """(content, tool calls, finish reason) of a whole chat choice."""
+        tc = self.tool_choice
+        if tc.forced:
+            return forced_answer(c.text, c.finish_reason, tc)
+        content, calls = extract_tool_calls(c.text)
+        calls = calls if tc.parallel else calls[:1]
+        return content, calls, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+
     def response(self, rid: str, model: str, created: int, choices: list[ChoiceState], n: int) -> dict:
         lps = [self._logprobs(c, c.token_ids, c.logprobs or [], 0) for c in choices]
-        tools = [extract_tool_calls(c.text) for c in choices] if self.tool_calls else None
+        tools = [self._tool_answer(c) for c in choices] if self.tool_choice is not None else None
         return chat_response(rid, model, created, choices, lps, self.think_tags is not None, tools) if self.chat else \
             completion_response(rid, model, created, choices, n, lps)
 

@@ -20,6 +20,7 @@ from engine.sampling_params import INT32_MAX, LOGPROBS_MAX, SamplingParams, chec
 from engine.samples import MAX_N
 from launch.defaults import GenerationDefaults
 from launch.structured import parse_response_format
+from launch.tools import ToolChoice
 
 
 class ApiError(Exception):
@@ -80,7 +81,7 @@ class GenerationRequest:
     include_usage: bool
     n: int = 1
     max_tokens_given: bool = True  # False: max_tokens is the server's default (lowered to fit n samples)
-    parse_tool_calls: bool = False  # chat with tools and tool_choice "auto": the content's tool calls are parsed
+    tool_choice: Optional[ToolChoice] = None  # chat: `launch.tools.parse_tool_choice` (None: completions)
     grammar: Optional[TokenGrammar] = None  # `response_format` (`launch.structured`): every choice obeys it
 
 

@@ -190,7 +190,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     greq = await _parse_generation(request, state, parse_chat_request)
     return await generate(request, state.engine, state.tokenizer, greq, "chat" + new_request_id(),
-                          Shape(True, state.tokenizer, state.think_tags, greq.parse_tool_calls))
+                          Shape(True, state.tokenizer, state.think_tags, greq.tool_choice))
 
 
 async def tokenize_route(request: web.Request) -> web.Response:

@@ -3,10 +3,11 @@ parser serve Qwen3 and other Hermes-format models.
 
 Request side (`parse_tools`, `parse_tool_choice`, `tool_message_fields`): `tools` is a list of
 `{"type": "function", "function": {"name", "description"?, "parameters"? (a JSON schema object)}}`, handed to the
-chat template as `tools=`; `tool_choice` is "auto" (the default with tools) or "none" (the template still sees the
-tools; nothing is parsed); "required" and a named function need constrained decoding, which this server does not
-do: 400. Messages may carry the turns of an earlier call: an assistant message's `tool_calls` and `tool` messages
-(`tool_call_id`, `content`), passed to the template as given.
+chat template as `tools=`; `tool_choice` is "auto" (the default with tools), "none" (the template still sees the
+tools; nothing is parsed), "required" or a named function `{"type": "function", "function": {"name": ...}}` (both
+forced through a grammar: `launch.forced_tools`); `parallel_tool_calls: false` allows one call per choice. Messages
+may carry the turns of an earlier call: an assistant message's `tool_calls` and `tool` messages (`tool_call_id`,
+`content`), passed to the template as given.
 
 Response side: a choice's content text is scanned for `<tool_call>` JSON `</tool_call>` blocks, each holding
 `{"name": str, "arguments": object}`. Every well-formed block becomes a `tool_calls` entry (`arguments` serialised
@@ -21,10 +22,10 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from engine.errors import RequestError
-from launch.protocol import ApiError
 
 TOOL_CALL_PARSERS = ("hermes",)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -62,18 +63,38 @@ def parse_tools(v: Any) -> Optional[list[dict]]:
     return out
 
 
-def parse_tool_choice(v: Any, tools: Optional[list[dict]]) -> str:
-    """"auto" or "none" (the default: "auto" with tools, else "none")."""
+@dataclass(frozen=True)
+class ToolChoice:
+    """A chat request's `tool_choice` and `parallel_tool_calls`, parsed."""
+
+    mode: str  # "none" | "auto" (calls parsed from the text) | "required" | "function" (forced by a grammar)
+    name: Optional[str] = None  # mode "function": the tool every choice calls
+    parallel: bool = True  # False: at most one call per choice
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "function")
+
+
+def parse_tool_choice(v: Any, tools: Optional[list[dict]], parallel: Any = None) -> ToolChoice:
+    """`tool_choice` (default: "auto" with tools, else "none") with `parallel_tool_calls` (default true)."""
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls", "invalid_type")
+    par = parallel is not False
     if v is None:
-        return "auto" if tools else "none"
-    if v == "none" or (v == "auto" and tools):
-        return v
-    if v == "auto":
-        raise RequestError("'tool_choice' \"auto\" needs 'tools'", "tool_choice", "invalid_value")
-    if v == "required" or isinstance(v, dict):
-        raise ApiError(400, "'tool_choice' \"required\" or a named function needs constrained decoding, which this "
-                            "server does not do: use \"auto\"", "tool_choice", "unsupported")
-    raise RequestError("'tool_choice' must be \"auto\" or \"none\"", "tool_choice", "invalid_value")
+        return ToolChoice("auto" if tools else "none", parallel=par)
+    if v in ("auto", "required") and not tools:
+        raise RequestError(f"'tool_choice' \"{v}\" needs 'tools'", "tool_choice", "invalid_value")
+    if v in ("none", "auto", "required"):
+        return ToolChoice(v, parallel=par)
+    fn = v.get("function") if isinstance(v, dict) else None
+    if not isinstance(fn, dict) or v.get("type") != "function" or not isinstance(fn.get("name"), str):
+        raise RequestError("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}}", "tool_choice", "invalid_value")
+    if fn["name"] not in {t["function"]["name"] for t in tools or ()}:
+        raise RequestError(f"'tool_choice.function.name' {fn['name'][:64]!r} is not one of 'tools'", "tool_choice",
+                           "invalid_value")
+    return ToolChoice("function", fn["name"], par)
 
 
 def tool_message_fields(msg: dict, i: int) -> dict:
@@ -111,8 +132,13 @@ def _call(block: str) -> Optional[dict]:
     args = obj.get("arguments", {})
     if not isinstance(args, dict):
         return None
+    return tool_call(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    """A `tool_calls` entry with a fresh id; `arguments`: the JSON text of the call's arguments."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": arguments}}
 
 
 def extract_tool_calls(text: str) -> tuple[Optional[str], list[dict]]:

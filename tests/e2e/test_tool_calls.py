@@ -8,7 +8,8 @@ tags are) and `<|im_end|>`.
 - the answer's `<tool_call>` block is `message.tool_calls` (arguments a JSON string), the sentence the content,
   `finish_reason` "tool_calls"; streamed, the deltas join to the same content and calls;
 - `tool_choice: "none"` passes the tools to the template but returns the block as content;
-- a bad `tools` or `tool_choice` is a 400 naming the field, and the server serves the next request; without the
+- `parallel_tool_calls: false` keeps the first call of a choice;
+- a bad `tools`, `tool_choice` or `parallel_tool_calls` is a 400 naming the field, and the server serves the next request; without the
   parser, tools with the default `tool_choice` are a 400 that names the option.
 """
 from __future__ import annotations
@@ -109,8 +110,9 @@ def test_tool_choice_none_leaves_the_block_in_the_content(srv, scripted):
 @pytest.mark.parametrize("extra,param", [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": TOOLS, "parallel_tool_calls": 0}, "parallel_tool_calls"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tools": TOOLS, "messages": [{"role": "tool", "content": "x"}]}, "messages"),
 ])

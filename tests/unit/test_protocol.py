@@ -180,7 +180,14 @@ FAILURES = [
      "messages", "invalid_type"),
     ("tool_calls arguments not string", CHAT, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": {}}}]}]}, 400, "messages", "invalid_type"),
-    ("tool_choice", CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice", "unsupported"),
+    ("tool_choice required without tools", CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice",
+     "invalid_value"),
+    ("tool_choice unknown function", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice",
+     "invalid_value"),
+    ("parallel_tool_calls str", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                       "tool_choice": "none", "parallel_tool_calls": "no"}, 400,
+     "parallel_tool_calls", "invalid_type"),
     ("response_format xml", CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400,
      "response_format.type", "unsupported"),
     ("response_format not object", CMPL, {"prompt": [1], "response_format": "json"}, 400, "response_format",

@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from launch.outputs import ChoiceState
 from launch.reasoning import ReasoningParserError, ThinkSplitter, prompt_opens_thinking, think_tags
+from launch.tools import ToolChoice
 from tests.fixtures.hf_checkpoints import build_tokenizer
 
 
@@ -127,8 +128,8 @@ def test_reasoning_and_tool_calls_stream_as_they_answer_whole(tok, tags, seed):
     rng = np.random.default_rng(seed)
     whole = ChoiceState(0, 2, tok, think=ThinkSplitter(tags, [1, 2]))
     whole.feed(ids, True, "stop", stop_token=True)
-    answer = Shape(True, tok, tags, tool_calls=True).response("r", "m", 0, [whole], 1)["choices"][0]
-    shape = Shape(True, tok, tags, tool_calls=True)
+    answer = Shape(True, tok, tags, ToolChoice("auto")).response("r", "m", 0, [whole], 1)["choices"][0]
+    shape = Shape(True, tok, tags, ToolChoice("auto"))
     c = ChoiceState(0, 2, tok, think=ThinkSplitter(tags, [1, 2]), keep_logprobs=False)
     deltas, chunks = [], _chunks(ids, rng)
     for j, part in enumerate(chunks):

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from launch.protocol import ApiError
-from launch.tools import ToolCallStream, extract_tool_calls, parse_tool_choice, parse_tools
+from engine.errors import RequestError
+from launch.tools import ToolCallStream, ToolChoice, extract_tool_calls, parse_tool_choice, parse_tools
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TEXTS = {
@@ -68,9 +68,17 @@ def test_request_fields():
     assert tools == [{"type": "function", "function": {"name": "f", "description": "d",
                                                        "parameters": {"type": "object"}}}]
     assert parse_tools(None) is None and parse_tools([]) is None
-    assert parse_tool_choice(None, tools) == "auto" and parse_tool_choice(None, None) == "none"
-    assert parse_tool_choice("none", tools) == "none"
-    for bad in ("required", {"type": "function", "function": {"name": "f"}}):
-        with pytest.raises(ApiError) as info:
-            parse_tool_choice(bad, tools)
-        assert info.value.param == "tool_choice" and "constrained decoding" in info.value.message
+    assert parse_tool_choice(None, tools) == ToolChoice("auto") and parse_tool_choice(None, None).mode == "none"
+    assert parse_tool_choice("none", tools).mode == "none"
+    assert parse_tool_choice("required", tools, False) == ToolChoice("required", parallel=False)
+    named = parse_tool_choice({"type": "function", "function": {"name": "f"}}, tools)
+    assert named == ToolChoice("function", "f") and named.forced and not ToolChoice("auto").forced
+    for bad, param in (("required", "tool_choice"), ({"type": "function", "function": {"name": "g"}}, "tool_choice"),
+                       ({"type": "function"}, "tool_choice"), ({"function": {"name": "f"}}, "tool_choice"),
+                       ("always", "tool_choice")):
+        with pytest.raises(RequestError) as info:
+            parse_tool_choice(bad, tools if bad != "required" else None)
+        assert info.value.param == param, bad
+    with pytest.raises(RequestError) as info:
+        parse_tool_choice("auto", tools, "no")
+    assert info.value.param == "parallel_tool_calls"
