@@ -28,7 +28,7 @@ MESSAGES = [{"role": "user", "content": "Why is the fox quick?"}]
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
-    d = build_checkpoint(tmp_path_factory.mktemp("reasoning") / "qwen3-thinks")
+    d = build_checkpoint(tmp_path_factory.mktemp("reasoning") / "qwen3-thinks", max_position_embeddings=1024)
     tok = transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     vocab = tok.get_vocab()
@@ -41,7 +41,7 @@ def scripted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(scripted):
-    s = serve_checkpoint(scripted[0], "--reasoning-parser", "qwen3")
+    s = serve_checkpoint(scripted[0], "--reasoning-parser", "qwen3", "--max-model-len", "1024")  # tools: long prompts
     yield s
     s.stop()
 
@@ -122,3 +122,19 @@ def test_a_grammar_applies_after_the_think_block(srv, scripted):
     cut = c.chat.completions.create(model="qwen3-thinks", messages=MESSAGES, max_tokens=1 + len(reasoning),
                                     temperature=0, response_format=FORMAT)  # ends inside the think block
     assert cut.choices[0].message.content == "" and cut.choices[0].finish_reason == "length"
+
+
+def test_a_forced_tool_call_follows_the_think_block(srv, scripted):
+    """`tool_choice` with a named function under the reasoning parser: the think block is the script's reasoning,
+    and the call's arguments come after it, in the function's schema."""
+    from test_tool_choice_forced import NAMED, TOOLS, _check_call
+
+    d, tok, reasoning, content, n_tokens = scripted
+    r = openai_client(srv).chat.completions.create(model="qwen3-thinks", messages=MESSAGES, max_tokens=96,
+                                                   temperature=0, tools=TOOLS, tool_choice=NAMED)
+    ch = r.choices[0]
+    assert (ch.message.model_extra or {}).get("reasoning_content") == tok.decode(reasoning)
+    assert ch.finish_reason == "stop" and ch.message.content is None
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather"
+    _check_call("get_weather", call.function.arguments)
