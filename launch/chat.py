@@ -18,7 +18,8 @@ from typing import Any, Optional
 from engine.errors import RequestError
 from engine.sampling_params import LOGPROBS_MAX, check_bool, check_int
 from launch.protocol import (ApiError, GenerationRequest, ParseContext, _unsupported, check_text, choices_usage,
-                             parse_common, parse_max_tokens, parse_model, parse_n, require_object)
+                             parse_common, parse_max_tokens, parse_model, parse_n, parse_truncation,
+                             require_object)
 from launch.forced_tools import forced_tool_grammar
 from launch.structured import parse_response_format
 from launch.tools import parse_tool_choice, parse_tools, tool_message_fields
@@ -172,6 +173,8 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     if top_n is not None and not want:
         raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
     prompt = chat_prompt(body, ctx, tools)
+    keep = parse_truncation(body, ctx)
+    prompt = prompt[-keep:] if keep else prompt
     if len(prompt) >= ctx.max_model_len:
         raise RequestError(f"the messages have {len(prompt)} tokens; this model's maximum context length is "
                            f"{ctx.max_model_len} tokens (prompt + at least one new token)", "messages",

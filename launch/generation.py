@@ -9,7 +9,7 @@ import json
 import sys
 import traceback
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from aiohttp import web
 
@@ -123,7 +123,8 @@ async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, gr
                                                        grammar=gate_for_reasoning(greq.grammar, shape.think_tags, p)),
                                       greq.n, fit_max_tokens=not greq.max_tokens_given)]
     choices = [ChoiceState(i, len(greq.prompts[i // greq.n]), tokenizer, greq.stop, keep_logprobs=not greq.stream,
-                           think=splitter_for(shape.think_tags, greq.prompts[i // greq.n]))
+                           think=splitter_for(shape.think_tags, greq.prompts[i // greq.n]),
+                           include_stop=greq.text.include_stop_str, skip_special_tokens=greq.text.skip_special_tokens)
                for i in range(len(reqs))]
     created = now_s()
     if greq.stream:
@@ -151,14 +152,19 @@ async def _consume(eng: AsyncLLMEngine, stream, c: ChoiceState) -> None:
 
 class _ChunkWriter:
     """Server-sent chunks of one response: the envelope (id, object, created, model) is serialised once;
-    each event serialises only its choices."""
+    each event serialises only its choices. `usage_of`: `stream_options.continuous_usage_stats`, the usage so far
+    that every chunk with choices carries."""
 
-    def __init__(self, resp: web.StreamResponse, rid: str, model: str, created: int, object_: str):
+    def __init__(self, resp: web.StreamResponse, rid: str, model: str, created: int, object_: str,
+                 usage_of: Optional[Callable[[], dict]] = None):
         self.resp = resp
+        self.usage_of = usage_of
         head = json.dumps(stream_chunk(rid, model, created, [], object_=object_))
         self._head = "data: " + head[: head.rindex('"choices": []')] + '"choices": ['
 
     async def choices(self, choices: list[dict], usage_: Optional[dict] = None) -> None:
+        if usage_ is None and choices and self.usage_of is not None:
+            usage_ = self.usage_of()
         tail = "]" if usage_ is None else '], "usage": ' + json.dumps(usage_)
         await self.resp.write((self._head + ", ".join(json.dumps(c) for c in choices) + tail + "}\n\n").encode())
 
@@ -179,7 +185,8 @@ async def _stream(request: web.Request, eng: AsyncLLMEngine, greq: GenerationReq
         for r in reqs:
             streams.append(eng.submit(r, wake=False))
         await resp.prepare(request)
-        out = _ChunkWriter(resp, rid, greq.model, created, shape.object)
+        out = _ChunkWriter(resp, rid, greq.model, created, shape.object,
+                           (lambda: choices_usage(choices, greq.n)) if greq.text.continuous_usage else None)
         eng.wake()
         opening = [o for o in (shape.opening(c) for c in choices) if o is not None]
         if opening:

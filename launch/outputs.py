@@ -26,10 +26,12 @@ class ChoiceState:
                  "_keep_logprobs", "think", "rdetok", "reasoning_texts", "last_reasoning", "reasoning_tokens")
 
     def __init__(self, index: int, num_prompt_tokens: int, tokenizer: Any = None, stop: Sequence[str] = (),
-                 keep_logprobs: bool = True, think: Optional[ThinkSplitter] = None):
+                 keep_logprobs: bool = True, think: Optional[ThinkSplitter] = None, include_stop: bool = False,
+                 skip_special_tokens: bool = True):
         """`keep_logprobs`: hold every returned token's logprob entry in `logprobs` (a response answered whole
         needs them; a streamed one sends each feed's `last_logprobs` and keeps `logprobs` empty). `think`: split
-        the reasoning out (needs a tokenizer)."""
+        the reasoning out (needs a tokenizer). `include_stop`: a matched stop string stays at the end of the text.
+        `skip_special_tokens`: special tokens have no text (False: the text of the content has them)."""
         if (stop or think is not None) and tokenizer is None:
             raise ValueError("stop strings and reasoning need a tokenizer")
         self.think = think
@@ -39,8 +41,8 @@ class ChoiceState:
         self.reasoning_tokens = 0  # completion tokens of the think block, its tags included
         self.index = index
         self.num_prompt_tokens = num_prompt_tokens
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self.stop = StopStringMatcher(stop) if stop else None
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None else None
+        self.stop = StopStringMatcher(stop, include_stop) if stop else None
         self.token_ids: list[int] = []
         self.texts: list[str] = []  # every text delta (the non-streamed response joins them)
         self.finish_reason: Optional[str] = None

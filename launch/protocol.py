@@ -2,14 +2,12 @@
 
 Every field is bounded and checked here, before a request reaches the engine thread: a problem is
 an `ApiError` (HTTP status + OpenAI error body) or a `RequestError` (400, `param` names the field).
-The JSON body itself is read by `parse_json_body` (size, depth, content type, UTF-8). Unknown fields
+The JSON body itself is read by `launch.json_body.parse_json_body` (size, depth, content type, UTF-8). Unknown fields
 are ignored, as OpenAI does. Error messages describe the caller's own request only and name no
 internals. No I/O here.
 """
 from __future__ import annotations
 
-import json
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -83,69 +81,16 @@ class GenerationRequest:
     max_tokens_given: bool = True  # False: max_tokens is the server's default (lowered to fit n samples)
     tool_choice: Optional[ToolChoice] = None  # chat: `launch.tools.parse_tool_choice` (None: completions)
     grammar: Optional[TokenGrammar] = None  # `response_format` (`launch.structured`): every choice obeys it
+    text: "TextOptions" = field(default_factory=lambda: TextOptions())
 
 
-# ---- the body
-_JSON_TYPES = ("application/json",)
+@dataclass(frozen=True)
+class TextOptions:
+    """vLLM's options of how a choice's tokens become text and chunks."""
 
-
-def parse_json_body(raw: bytes, content_type: str, limits: ProtocolLimits) -> Any:
-    """The request's JSON document. Empty, oversized, non-UTF-8, malformed, too deeply nested, non-JSON
-    numbers (NaN, Infinity) -> 400; a body that is JSON but not declared as such -> 415."""
-    if not raw:
-        raise ApiError(400, "the request body is empty; send a JSON object", None, "invalid_json")
-    if len(raw) > limits.max_body_bytes:
-        raise ApiError(413, f"the request body exceeds {limits.max_body_bytes} bytes", None, "body_too_large")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ApiError(400, "the request body is not valid UTF-8", None, "invalid_json") from None
-    try:
-        doc = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
-    except RecursionError:
-        raise ApiError(400, f"the JSON document is nested deeper than {limits.max_json_depth} levels", None,
-                       "invalid_json") from None
-    except ValueError as exc:
-        raise ApiError(400, f"malformed JSON: {_json_error(exc)}", None, "invalid_json") from None
-    if raw.count(b"[") + raw.count(b"{") > limits.max_json_depth:  # fewer openers cannot nest deeper
-        _check_depth(doc, limits.max_json_depth)
-    mime = content_type.split(";", 1)[0].strip().lower()
-    if mime not in _JSON_TYPES and not mime.endswith("+json"):
-        raise ApiError(415, "send the request body with 'Content-Type: application/json'", None,
-                       "unsupported_media_type")
-    return doc
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite_float(s: str) -> float:
-    f = float(s)
-    if math.isinf(f):  # 1e400: Python's json would read it as infinity
-        raise ValueError("a number is too large for a double")
-    return f
-
-
-def _json_error(exc: ValueError) -> str:
-    if isinstance(exc, json.JSONDecodeError):
-        return f"{exc.msg} at line {exc.lineno} column {exc.colno}"
-    return str(exc).split("\n", 1)[0][:200]  # e.g. an integer of more than 4300 digits
-
-
-def _check_depth(doc: Any, max_depth: int) -> None:
-    stack = [(doc, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        if depth > max_depth:
-            raise ApiError(400, f"the JSON document is nested deeper than {max_depth} levels", None, "invalid_json")
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    include_stop_str: bool = False  # `include_stop_str_in_output`: a matched stop string ends the text
+    skip_special_tokens: bool = True  # special tokens (e.g. `<|im_start|>`) have no text
+    continuous_usage: bool = False  # `stream_options.continuous_usage_stats`: every chunk carries the usage so far
 
 
 # ---- shared fields
@@ -270,21 +215,36 @@ def parse_stop_token_ids(body: dict, ctx: ParseContext, ignore_eos: bool) -> lis
     return ids
 
 
-def parse_stream(body: dict) -> tuple[bool, bool]:
-    """(stream, stream_options.include_usage)."""
-    v = body.get("stream")
-    stream = False if v is None else check_bool("stream", v)
+def _flag(body: dict, key: str, default: bool, where: str = "") -> bool:
+    v = body.get(key)
+    return default if v is None else check_bool(where + key, v)
+
+
+def parse_stream(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, stream_options.include_usage, stream_options.continuous_usage_stats)."""
+    stream = _flag(body, "stream", False)
     opts = body.get("stream_options")
     if opts is None:
-        return stream, False
+        return stream, False, False
     if not isinstance(opts, dict):
         raise RequestError(f"'stream_options' must be an object, got {_kind(opts)}", "stream_options",
                            "invalid_type")
     if not stream:
         raise RequestError("'stream_options' is only allowed with 'stream': true", "stream_options",
                            "invalid_value")
-    usage = opts.get("include_usage")
-    return stream, False if usage is None else check_bool("stream_options.include_usage", usage)
+    return (stream, _flag(opts, "include_usage", False, "stream_options."),
+            _flag(opts, "continuous_usage_stats", False, "stream_options."))
+
+
+def parse_truncation(body: dict, ctx: ParseContext) -> Optional[int]:
+    """vLLM's `truncate_prompt_tokens`: keep each prompt's last k tokens (-1: as many as the context leaves room
+    for, `max_model_len` - 1); None: no truncation."""
+    v = body.get("truncate_prompt_tokens")
+    if v is None:
+        return None
+    if v == -1 and type(v) is int:
+        return ctx.max_model_len - 1
+    return check_int("truncate_prompt_tokens", v, 1, INT32_MAX)
 
 
 def parse_common(body: Any, ctx: ParseContext, prompts: list[list[int]], logprobs: Optional[int],
@@ -292,10 +252,13 @@ def parse_common(body: Any, ctx: ParseContext, prompts: list[list[int]], logprob
                  ) -> GenerationRequest:
     """The fields completions and chat share, after the endpoint parsed its prompt, token budget and `n`."""
     sampling = parse_sampling(body, ctx, logprobs)
-    stream, include_usage = parse_stream(body)
+    stream, include_usage, continuous = parse_stream(body)
+    text = TextOptions(_flag(body, "include_stop_str_in_output", False),
+                       _flag(body, "skip_special_tokens", True), continuous)
     return GenerationRequest(parse_model(body, ctx), prompts, sampling, max_tokens,
                              parse_stop_token_ids(body, ctx, sampling.ignore_eos), parse_stop(body, ctx),
-                             stream, include_usage, n, any(body.get(k) is not None for k in max_tokens_keys))
+                             stream, include_usage, n, any(body.get(k) is not None for k in max_tokens_keys),
+                             text=text)
 
 
 def require_object(body: Any) -> dict:
@@ -319,8 +282,9 @@ def _context_check(n: int, ctx: ParseContext) -> None:
                            "context_length_exceeded")
 
 
-def parse_prompts(prompt: Any, ctx: ParseContext) -> list[list[int]]:
-    """prompt: token ids, a list of token-id lists, a string or a list of strings (with a tokenizer)."""
+def parse_prompts(prompt: Any, ctx: ParseContext, keep: Optional[int] = None) -> list[list[int]]:
+    """prompt: token ids, a list of token-id lists, a string or a list of strings (with a tokenizer); `keep`:
+    `parse_truncation`'s count of the last tokens each prompt keeps."""
     lim = ctx.limits
     if prompt is None:
         raise ApiError(400, "'prompt' is required", "prompt", "missing")
@@ -328,6 +292,7 @@ def parse_prompts(prompt: Any, ctx: ParseContext) -> list[list[int]]:
         if not prompt:
             raise ApiError(400, "'prompt' is empty", "prompt", "empty_prompt")
         if type(prompt[0]) is int:
+            prompt = prompt[-keep:] if keep else prompt
             _context_check(len(prompt), ctx)  # before looking at every element of a huge list
         elif len(prompt) > lim.max_prompts:
             raise RequestError(f"'prompt' holds {len(prompt)} prompts; at most {lim.max_prompts} are allowed per "
@@ -340,14 +305,19 @@ def parse_prompts(prompt: Any, ctx: ParseContext) -> list[list[int]]:
         if sum(len(t) for t in texts) > lim.max_prompt_chars:
             raise RequestError(f"the text prompts may have at most {lim.max_prompt_chars} characters in all",
                                "prompt", "invalid_value")
-        return [list(ctx.tokenizer.encode(check_text(t, "prompt"))) for t in texts]
+        ids = [list(ctx.tokenizer.encode(check_text(t, "prompt"))) for t in texts]
+        ids = [p[-keep:] for p in ids] if keep else ids
+        for p in ids:
+            _context_check(len(p), ctx)
+        return ids
     if _token_list(prompt):
         _context_check(len(prompt), ctx)
         return [prompt]
     if isinstance(prompt, list) and all(isinstance(p, list) and p and _token_list(p) for p in prompt):
+        prompt = [list(p[-keep:] if keep else p) for p in prompt]
         for p in prompt:
             _context_check(len(p), ctx)
-        return [list(p) for p in prompt]
+        return prompt
     raise ApiError(400, "'prompt' must be a list of token ids, a list of non-empty token-id lists"
                         + (", a string or a list of strings" if ctx.tokenizer is not None else ""), "prompt",
                    "invalid_type")
@@ -361,7 +331,7 @@ def parse_completion_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     _unsupported(body, "suffix", ("",), "(insertion)")
     lp = body.get("logprobs")
     logprobs = None if lp is None else check_int("logprobs", lp, 0, LOGPROBS_MAX)
-    prompts = parse_prompts(body.get("prompt"), ctx)
+    prompts = parse_prompts(body.get("prompt"), ctx, parse_truncation(body, ctx))
     max_tokens = parse_max_tokens(body, ("max_tokens",), ctx.defaults.max_tokens or 16, prompts, ctx)
     greq = parse_common(body, ctx, prompts, logprobs, max_tokens, n)
     greq.grammar = parse_response_format(body, ctx.grammars)

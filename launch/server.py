@@ -24,8 +24,8 @@ from launch.credentials import check_api_key
 from launch.defaults import GenerationDefaults
 from launch.generation import ENGINE_FAILED, Shape, generate, log_failure
 from launch.metrics import CONTENT_TYPE, ServerMetrics
-from launch.protocol import (ApiError, GenerationRequest, ParseContext, ProtocolLimits, parse_completion_request,
-                             parse_json_body)
+from launch.json_body import parse_json_body
+from launch.protocol import ApiError, GenerationRequest, ParseContext, ProtocolLimits, parse_completion_request
 from launch.reasoning import ThinkTags, think_tags
 from launch.status import build_status
 from launch.structured import GrammarCompiler

@@ -1,12 +1,12 @@
 """Stop strings over a stream of text deltas.
 
 `StopStringMatcher.push(delta)` returns the text that is safe to send and whether a stop string has
-now occurred. Text that a stop string could still claim (the longest suffix of what has arrived
-that is a prefix of some stop string) is held back, so a streamed response never sends part of a
-stop string; on a match the matched string and anything after it are dropped. The earliest match
-wins (ties: the longest stop string at that position is irrelevant, the text before it is the same).
-Per delta the cost is O(held text x stop strings), the held text being shorter than the longest stop
-string plus the delta.
+now occurred. Text that a stop string could still claim (the longest suffix of what has arrived that
+is a prefix of some stop string) is held back, so a streamed response never sends part of a stop
+string; on a match the matched string and anything after it are dropped (with `include`, vLLM's
+`include_stop_str_in_output`, the matched string is kept: it ends the text). The earliest match wins
+(ties: the shortest stop string at that position, which completes first). Per delta the cost is
+O(held text x stop strings), the held text being shorter than the longest stop string plus the delta.
 """
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from typing import Sequence
 
 
 class StopStringMatcher:
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include: bool = False):
+        """`include`: a match keeps the stop string itself in the text (vLLM's `include_stop_str_in_output`); of
+        stop strings that match at the same place, the shortest (it completes first)."""
         if not stops or any(not isinstance(s, str) or not s for s in stops):
             raise ValueError("stop strings must be non-empty strings")
+        self.include = include
         self.stops = tuple(stops)
         self._firsts = frozenset(s[0] for s in self.stops)
         self._longest = max(len(s) for s in self.stops)
@@ -30,14 +33,14 @@ class StopStringMatcher:
         if not delta:
             return "", False
         buf = self.pending + delta
-        hit = -1
+        hit, size = -1, 0
         for s in self.stops:
             i = buf.find(s)
-            if i != -1 and (hit == -1 or i < hit):
-                hit = i
+            if i != -1 and (hit == -1 or i < hit or (i == hit and len(s) < size)):
+                hit, size = i, len(s)
         if hit != -1:
             self.pending, self.matched = "", True
-            return buf[:hit], True
+            return buf[:hit + size if self.include else hit], True
         keep = self._claimable(buf)
         self.pending = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], False

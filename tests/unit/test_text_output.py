@@ -107,19 +107,29 @@ def _reference(text: str, stops: list[str], upto: int) -> tuple[int, bool]:
     return len(seen), False
 
 
+def _kept(text: str, stops: list[str], upto: int) -> int:
+    """`include_stop_str_in_output`: the end of the shortest stop string at the earliest match."""
+    seen = text[:upto]
+    at = min(seen.find(s) for s in stops if s in seen)
+    return at + min(len(s) for s in stops if seen.find(s) == at)
+
+
+@pytest.mark.parametrize("include", [False, True])
 @pytest.mark.parametrize("seed", range(40))
-def test_stop_matcher_equals_the_brute_force_reference(seed):
+def test_stop_matcher_equals_the_brute_force_reference(seed, include):
     rng = random.Random(seed)
     alphabet = "ab c"
     text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
     stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 4))})
-    m, sent, pos = StopStringMatcher(stops), "", 0
+    m, sent, pos = StopStringMatcher(stops, include), "", 0
     while pos < len(text):
         n = rng.randint(1, 6)
         out, matched = m.push(text[pos:pos + n])
         pos = min(len(text), pos + n)
         sent += out
         want, want_matched = _reference(text, stops, pos)
+        if include and want_matched:
+            want = _kept(text, stops, pos)
         assert (len(sent), matched) == (want, want_matched), (text, stops, pos)
         assert sent == text[:len(sent)]
         if matched:
@@ -139,6 +149,8 @@ def test_stop_matcher_examples():
     assert m.push("xab") == ("x", False) and m.push("x") == ("abx", False) and m.flush() == ""
     m = StopStringMatcher(["bc", "abcd"])
     assert m.push("abc") == ("a", True)  # the earliest match wins
+    m = StopStringMatcher(["bcd", "bc", "x"], include=True)
+    assert m.push("abcdx") == ("abc", True)  # kept: the shortest of those at the earliest place
     with pytest.raises(ValueError):
         StopStringMatcher([""])
 

@@ -1,0 +1,123 @@
+"""vLLM's text and stream options on a real `graphline serve` of a checkpoint with a real byte-level BPE tokenizer
+(random weights), through the official `openai` client (`extra_body`) and raw HTTP, all requests to 127.0.0.1:
+`include_stop_str_in_output`, `skip_special_tokens`, `stream_options.continuous_usage_stats` and
+`truncate_prompt_tokens`. Every expectation is derived from another request to the same server (the greedy text
+without the option, the prompt cut by hand), never written down."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from e2e_support import openai_client, serve_checkpoint
+from tests.fixtures.hf_checkpoints import build_checkpoint
+
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    d = build_checkpoint(tmp_path_factory.mktemp("text-options") / "tiny-chat")
+    s = serve_checkpoint(d, "--max-model-len", str(MAX_LEN))
+    yield s, transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    s.stop()
+
+
+def _complete(client, stream: bool = False, **kw) -> str:
+    kw = {"model": "tiny-chat", "prompt": "The quick brown fox", "temperature": 0, "max_tokens": 24, **kw}
+    if not stream:
+        return client.completions.create(**kw).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_keeps_the_matched_stop_string(served, stream):
+    client = openai_client(served[0])
+    full = _complete(client)
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    assert len(stop) == 2 and stop.strip(), full
+    cut = full.index(stop)
+    assert _complete(client, stream, stop=[stop]) == full[:cut]
+    kept = _complete(client, stream, stop=[stop, stop[0]], extra_body={"include_stop_str_in_output": True})
+    first = min(full.index(s) for s in (stop, stop[0]))
+    assert kept == full[:first + 1]  # stop[0] occurs no later than stop and is the shorter
+    assert _complete(client, stream, stop=[stop], extra_body={"include_stop_str_in_output": True}) == \
+        full[:cut + len(stop)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_skip_special_tokens_false_keeps_their_text(served, stream):
+    client, tok = openai_client(served[0]), served[1]
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    kw = {"max_tokens": 6, "logit_bias": {str(special): 100}}
+    skipped = _complete(client, stream, **kw)
+    kept = _complete(client, stream, extra_body={"skip_special_tokens": False}, **kw)
+    assert "<|im_start|>" not in skipped and kept.count("<|im_start|>") >= 1
+    assert kept.replace("<|im_start|>", "") == skipped
+
+
+def test_continuous_usage_stats_on_every_chunk(served):
+    client = openai_client(served[0])
+    chunks = list(client.chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices and all(c.usage is not None for c in with_choices)
+    counts = [c.usage.completion_tokens for c in with_choices]
+    assert counts == sorted(counts) and counts[0] == 0
+    final = chunks[-1]
+    assert not final.choices and final.usage.completion_tokens == counts[-1] == 12
+    assert {c.usage.prompt_tokens for c in chunks} == {final.usage.prompt_tokens}
+    plain = list(client.chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(served):
+    client, tok = openai_client(served[0]), served[1]
+    ids = (tok.encode("one two three four five six seven eight nine ten ") * 40)[:MAX_LEN + 40]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-chat", prompt=ids, max_tokens=4)
+    r = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=8, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 100})
+    by_hand = client.completions.create(model="tiny-chat", prompt=ids[-100:], max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens == 100 and r.choices[0].text == by_hand.choices[0].text
+    whole = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == MAX_LEN - 1
+    text = client.completions.create(model="tiny-chat", prompt="a b c d e f g h", max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": 3})
+    assert text.usage.prompt_tokens == 3
+    chat = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x " * 300}],
+                                          max_tokens=1, extra_body={"truncate_prompt_tokens": 50})
+    assert chat.usage.prompt_tokens == 50
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": "on"}}, "stream_options.continuous_usage_stats"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens"),
+])
+def test_bad_text_options_are_400s_naming_the_field(served, fields, param):
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for path, body in (("/v1/completions", {"prompt": "a"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})):
+                async with s.post(served[0].url + path, json={"model": "tiny-chat", "max_tokens": 2, **body,
+                                                              **fields}) as r:
+                    out.append((r.status, await r.json()))
+            return out
+
+    for status, body in asyncio.run(asyncio.wait_for(main(), 60)):
+        assert status == 400 and body["error"]["param"] == param, body
+    assert _complete(openai_client(served[0]), max_tokens=2)
