@@ -112,6 +112,8 @@ class StepPlanner:
             bm.acquire(hits)
             seq.block_table = hits + bm.allocate(need)
             seq.num_computed = seq.num_cached_tokens = cached
+            if seq.prompt_cached_tokens < 0:
+                seq.prompt_cached_tokens = min(cached, seq.prompt_len)
             seq.num_registered = len(hits)
             seq.prefilled = False
             bm.record_query(seq.num_tokens, cached)

@@ -194,6 +194,8 @@ class RequestOutput:
     new_logprobs: Optional[list[tuple[float, list[int], list[float]]]] = None
     # every generated token's entry, in the final output only (like `token_ids`)
     logprobs: Optional[list[tuple[float, list[int], list[float]]]] = None
+    # prompt tokens whose KV came from the prefix cache when the request was first scheduled (0 until then)
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -33,7 +33,7 @@ class Sequence:
     __slots__ = ("request", "token_ids", "prompt_len", "block_table", "num_computed", "status", "finish_reason",
                  "num_preemptions", "first_token_time", "last_token_time", "_emitted", "dp_rank", "error",
                  "sampling_row", "num_failures", "stop_ids", "stopped_on_token", "logprobs", "new_logprobs",
-                 "block_hashes", "num_registered", "prefilled", "num_cached_tokens", "extras_flags",
+                 "block_hashes", "num_registered", "prefilled", "num_cached_tokens", "prompt_cached_tokens", "extras_flags",
                  "_table_array", "grammar")
 
     def __init__(self, request: Request, dp_rank: int = 0):
@@ -64,6 +64,7 @@ class Sequence:
         self.num_registered = 0  # leading blocks of block_table registered in the prefix cache
         self.prefilled = False  # the prompt (and, after a preemption, the generated tokens) is computed
         self.num_cached_tokens = 0  # tokens served from the prefix cache at the last admission
+        self.prompt_cached_tokens = -1  # prompt tokens served from the prefix cache at the first (-1: not yet)
         sp = request.sampling
         # (temperature, top_k, top_p, seed): this sequence's row of a step's sampling arrays. An unseeded sampled
         # request gets its seed here, once, on the driver: every rank that samples it draws the same token, and a
@@ -129,7 +130,7 @@ class Sequence:
         return RequestOutput(req.request_id, req.prompt_token_ids, new, self.token_ids[self.prompt_len:] if done else [],
                              self._emitted, done, self.finish_reason, req.arrival_time, self.first_token_time,
                              self.last_token_time if done else None, self.num_preemptions, self.error,
-                             done and self.stopped_on_token, lps, every)
+                             done and self.stopped_on_token, lps, every, max(0, self.prompt_cached_tokens))
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "

@@ -110,6 +110,7 @@ class Shape:
 def _feed(c: ChoiceState, outs: list) -> tuple[str, list[int]]:
     new = outs[0].new_token_ids if len(outs) == 1 else [t for o in outs for t in o.new_token_ids]
     last = outs[-1]
+    c.cached_tokens = last.num_cached_tokens
     lps = None if last.new_logprobs is None else [e for o in outs for e in (o.new_logprobs or ())]
     return c.feed(new, last.finished, last.finish_reason.value if last.finished and last.finish_reason else None,
                   stop_token=last.stopped_on_token, new_logprobs=lps)

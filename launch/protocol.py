@@ -345,15 +345,19 @@ def choice(index: int, text: str, token_ids: list[int], finish_reason: Optional[
             "finish_reason": finish_reason}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens whose KV came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def choices_usage(choices: list, n: int = 1) -> dict:
     """Usage of a response's choices (`launch.outputs.ChoiceState`): each prompt's tokens once (its n samples share
-    one prefill), every choice's completion tokens."""
-    return usage(sum(c.num_prompt_tokens for c in choices if c.index % n == 0), sum(len(c.token_ids) for c in choices))
+    one prefill; so do its cached tokens, those of its first sample), every choice's completion tokens."""
+    firsts = [c for c in choices if c.index % n == 0]
+    return usage(sum(c.num_prompt_tokens for c in firsts), sum(len(c.token_ids) for c in choices),
+                 sum(c.cached_tokens for c in firsts))
 
 
 def completion_response(rid: str, model: str, created: int, choices: list, n: int = 1,

@@ -121,3 +121,19 @@ def test_bad_text_options_are_400s_naming_the_field(served, fields, param):
     for status, body in asyncio.run(asyncio.wait_for(main(), 60)):
         assert status == 400 and body["error"]["param"] == param, body
     assert _complete(openai_client(served[0]), max_tokens=2)
+
+
+def test_usage_reports_the_prompt_tokens_from_the_prefix_cache(served):
+    client, tok = openai_client(served[0]), served[1]
+    ids = (tok.encode("a fresh prompt about nine quick foxes ") * 12)[:120]
+    first = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=2)
+    again = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < len(ids), again.usage
+    chunks = list(client.completions.create(model="tiny-chat", prompt=ids, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    chat = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                          n=3, temperature=1.0)
+    assert chat.usage.prompt_tokens_details.cached_tokens <= chat.usage.prompt_tokens
