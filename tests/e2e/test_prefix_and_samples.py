@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 BLOCK = 16  # TINY_ARGS --block-size
 PROMPT = np.random.default_rng(77).integers(1, 512, 50).tolist()  # 3 full blocks before its last token
+TOTALS = {"prompt_tokens": 50, "completion_tokens": 80, "total_tokens": 130, "prompt_tokens_details": None}
 
 
 def run(coro):
@@ -82,7 +83,7 @@ def test_n_seeded_samples_are_distinct_reproducible_and_share_the_prompt(server)
                 for c in chunk["choices"]:
                     got.setdefault(c["index"], []).extend(c["token_ids"])
                 usage = chunk.get("usage") or usage
-        assert usage == {"prompt_tokens": 50, "completion_tokens": 80, "total_tokens": 130}
+        assert usage | {"prompt_tokens_details": None} == TOTALS
         return got
 
     async def main():
@@ -98,9 +99,10 @@ def test_n_seeded_samples_are_distinct_reproducible_and_share_the_prompt(server)
     for status, b in runs:
         assert status == 200, b
         assert [c["index"] for c in b["choices"]] == [0, 1, 2, 3]
-        assert b["usage"] == {"prompt_tokens": 50, "completion_tokens": 80, "total_tokens": 130}
+        assert b["usage"] | {"prompt_tokens_details": None} == TOTALS
     samples = [c["token_ids"] for c in runs[0][1]["choices"]]
     assert samples == [c["token_ids"] for c in runs[1][1]["choices"]]  # reproducible
+    assert runs[1][1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3 * BLOCK}  # the first run's blocks
     assert len({tuple(t) for t in samples}) == 4 and all(len(t) == 20 for t in samples)  # distinct
     assert [streamed[i] for i in range(4)] == samples
     assert one[1]["choices"][0]["token_ids"] == samples[0]  # sample 0 is the n = 1 sample
