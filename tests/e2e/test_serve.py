@@ -97,7 +97,8 @@ def test_completion_batch_equals_offline_generate(server, offline):
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert [c["token_ids"] for c in body["choices"]] == offline["greedy"][:4]
     assert all(c["finish_reason"] == "length" for c in body["choices"])
-    assert body["usage"] == {"prompt_tokens_details": {"cached_tokens": 0}, "prompt_tokens": sum(map(len, PROMPTS[:4])), "completion_tokens": 4 * MAX_TOKENS,
+    assert body["usage"] == {"prompt_tokens_details": {"cached_tokens": 0}, "prompt_tokens": sum(map(len, PROMPTS[:4])),
+                             "completion_tokens": 4 * MAX_TOKENS,
                              "total_tokens": sum(map(len, PROMPTS[:4])) + 4 * MAX_TOKENS}
 
 

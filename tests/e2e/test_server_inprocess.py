@@ -167,8 +167,9 @@ def test_chat_with_n_seeded_samples_streamed_and_not(executor, tokenizer):
     assert [streamed[i] for i in range(3)] == texts
     expected = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True,
                                              return_dict=False)
-    assert whole[0]["usage"] | {"prompt_tokens_details": None} == {"prompt_tokens_details": None, "prompt_tokens": len(expected), "completion_tokens": 24, "total_tokens":
-                                 len(expected) + 24}
+    assert whole[0]["usage"] | {"prompt_tokens_details": None} == {
+        "prompt_tokens_details": None, "prompt_tokens": len(expected), "completion_tokens": 24,
+        "total_tokens": len(expected) + 24}
 
 
 def test_stop_strings_abort_the_request_and_free_its_blocks(executor, tokenizer):
