@@ -98,6 +98,12 @@ class Shape:
         calls = calls if tc.parallel else calls[:1]
         return content, calls, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
+    def writer(self, resp: web.StreamResponse, rid: str, greq: GenerationRequest, created: int,
+               choices: list[ChoiceState]) -> "_ChunkWriter":
+        """The writer of a streamed response's events (`start`, `choices`, `error`, `close`)."""
+        usage_of = (lambda: choices_usage(choices, greq.n)) if greq.text.continuous_usage else None
+        return _ChunkWriter(resp, rid, greq.model, created, self.object, usage_of, greq.include_usage)
+
     def response(self, rid: str, model: str, created: int, choices: list[ChoiceState], n: int) -> dict:
         lps = [self._logprobs(c, c.token_ids, c.logprobs or [], 0) for c in choices]
         tools = [self._tool_answer(c) for c in choices] if self.tool_choice is not None else None
@@ -157,9 +163,10 @@ class _ChunkWriter:
     that every chunk with choices carries."""
 
     def __init__(self, resp: web.StreamResponse, rid: str, model: str, created: int, object_: str,
-                 usage_of: Optional[Callable[[], dict]] = None):
+                 usage_of: Optional[Callable[[], dict]] = None, include_usage: bool = False):
         self.resp = resp
         self.usage_of = usage_of
+        self.include_usage = include_usage
         head = json.dumps(stream_chunk(rid, model, created, [], object_=object_))
         self._head = "data: " + head[: head.rindex('"choices": []')] + '"choices": ['
 
@@ -169,10 +176,21 @@ class _ChunkWriter:
         tail = "]" if usage_ is None else '], "usage": ' + json.dumps(usage_)
         await self.resp.write((self._head + ", ".join(json.dumps(c) for c in choices) + tail + "}\n\n").encode())
 
+    async def start(self, openings: list[dict]) -> None:
+        if openings:
+            await self.choices(openings)
+
     async def error(self, exc: BaseException) -> None:
         log_failure("stream failed", exc)
         err = ApiError(503, ENGINE_FAILED, None, "engine_failed", "server_error").body()
         await self.resp.write(f"data: {json.dumps(err)}\n\n".encode())
+
+    async def close(self, usage_: dict) -> None:
+        """`usage_`: of the finished choices (sent when `stream_options.include_usage` asked)."""
+        if self.include_usage:
+            await self.choices([], usage_)
+        await self.resp.write(b"data: [DONE]\n\n")
+        await self.resp.write_eof()
 
 
 async def _stream(request: web.Request, eng: AsyncLLMEngine, greq: GenerationRequest, reqs,
@@ -186,12 +204,9 @@ async def _stream(request: web.Request, eng: AsyncLLMEngine, greq: GenerationReq
         for r in reqs:
             streams.append(eng.submit(r, wake=False))
         await resp.prepare(request)
-        out = _ChunkWriter(resp, rid, greq.model, created, shape.object,
-                           (lambda: choices_usage(choices, greq.n)) if greq.text.continuous_usage else None)
+        out = shape.writer(resp, rid, greq, created, choices)
         eng.wake()
-        opening = [o for o in (shape.opening(c) for c in choices) if o is not None]
-        if opening:
-            await out.choices(opening)
+        await out.start([o for o in (shape.opening(c) for c in choices) if o is not None])
         if len(streams) == 1:  # the common case: read the request's stream directly, one task, no fan-in queue
             c, stream = choices[0], streams[0]
             try:
@@ -205,10 +220,7 @@ async def _stream(request: web.Request, eng: AsyncLLMEngine, greq: GenerationReq
                 await out.error(exc)
         else:
             await _stream_many(eng, streams, choices, shape, out)
-        if greq.include_usage:
-            await out.choices([], choices_usage([c for c in choices if c.done], greq.n))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        await out.close(choices_usage([c for c in choices if c.done], greq.n))
     finally:
         for s in streams:
             if not s.finished:

@@ -27,6 +27,8 @@ from launch.metrics import CONTENT_TYPE, ServerMetrics
 from launch.json_body import parse_json_body
 from launch.protocol import ApiError, GenerationRequest, ParseContext, ProtocolLimits, parse_completion_request
 from launch.reasoning import ThinkTags, think_tags
+from launch.responses import new_id, parse_responses_request
+from launch.responses_stream import ResponsesShape
 from launch.status import build_status
 from launch.structured import GrammarCompiler
 from launch.tokenize_api import detokenize, tokenize
@@ -172,11 +174,13 @@ async def _raw_body(request: web.Request, limits: ProtocolLimits) -> bytes:
 
 
 # ---- completions and chat
-async def _parse_generation(request: web.Request, state: ServerState, parser) -> GenerationRequest:
-    greq = await _parse(request, state, parser)
+async def _parse_generation(request: web.Request, state: ServerState, parser) -> Any:
+    """`parser`'s parse of the request: a `GenerationRequest`, or one and what else the parser returns."""
+    parsed = await _parse(request, state, parser)
+    greq = parsed[0] if isinstance(parsed, tuple) else parsed
     if greq.grammar is not None:
         state.metrics.structured_request(greq.grammar.kind)
-    return greq
+    return parsed
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -191,6 +195,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     greq = await _parse_generation(request, state, parse_chat_request)
     return await generate(request, state.engine, state.tokenizer, greq, "chat" + new_request_id(),
                           Shape(True, state.tokenizer, state.think_tags, greq.tool_choice))
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app[STATE]
+    greq, echo = await _parse_generation(request, state, parse_responses_request)
+    return await generate(request, state.engine, state.tokenizer, greq, new_id("resp"),
+                          ResponsesShape(state.tokenizer, state.think_tags, greq.tool_choice, echo))
 
 
 async def tokenize_route(request: web.Request) -> web.Response:
@@ -306,6 +317,7 @@ def build_app(state: ServerState) -> web.Application:
     app.on_response_prepare.append(_cors_headers)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/tokenize", tokenize_route)
     app.router.add_post("/detokenize", detokenize_route)
     app.router.add_get("/v1/models", models)

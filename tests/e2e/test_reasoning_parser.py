@@ -138,3 +138,19 @@ def test_a_forced_tool_call_follows_the_think_block(srv, scripted):
     (call,) = ch.message.tool_calls
     assert call.function.name == "get_weather"
     _check_call("get_weather", call.function.arguments)
+
+
+def test_the_responses_api_returns_the_think_block_as_a_reasoning_item(srv, scripted):
+    d, tok, reasoning, content, n_tokens = scripted
+    c = openai_client(srv)
+    r = c.responses.create(model="qwen3-thinks", input=MESSAGES[0]["content"], max_output_tokens=64, temperature=0)
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.status == "completed"
+    assert r.output[0].content[0].text == tok.decode(reasoning) and r.output_text == tok.decode(content)
+    assert r.usage.output_tokens_details.reasoning_tokens == len(reasoning) + 2 and r.usage.output_tokens == n_tokens
+    events = list(c.responses.create(model="qwen3-thinks", input=MESSAGES[0]["content"], max_output_tokens=64,
+                                     temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == tok.decode(reasoning)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == tok.decode(content)
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and [o.type for o in final.output] == ["reasoning", "message"]
+    assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message"]

@@ -1,0 +1,151 @@
+"""Streamed `/v1/responses`: the chat deltas of one choice (`launch.generation.Shape.delta`) as the Responses API's
+server-sent events, each `event: <type>` + `data: {"type", "sequence_number", ...}`.
+
+`response.created` and `response.in_progress` open the stream. Each output item is opened by
+`response.output_item.added` and closed by `response.output_item.done` before the next one opens:
+- reasoning (`--reasoning-parser`): `response.content_part.added` (a `reasoning_text` part), then
+  `response.reasoning_text.delta`s, `response.reasoning_text.done` and `response.content_part.done`;
+- the message: `response.content_part.added` (an `output_text` part), `response.output_text.delta`s,
+  `response.output_text.done`, `response.content_part.done`;
+- a function call: `response.function_call_arguments.delta`s (the whole arguments when the call arrives whole, the
+  next piece for a named `tool_choice`), `response.function_call_arguments.done`.
+`response.completed` (or `response.incomplete` when `max_output_tokens` cut the answer) carries the whole response
+object, whose items are the ones streamed (same ids, texts and call ids). An engine failure is an `error` event. No
+`[DONE]` follows, as OpenAI sends none on this API.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Optional
+
+from aiohttp import web
+
+from launch.generation import Shape, log_failure
+from launch.outputs import ChoiceState
+from launch.protocol import ApiError, GenerationRequest
+from launch.responses import (function_call_item, message_item, new_id, output_text, reasoning_item, response_object,
+                              usage_object)
+from launch.tools import ToolChoice
+
+TEXT_EVENTS = {"reasoning": ("response.reasoning_text.delta", "response.reasoning_text.done"),
+               "message": ("response.output_text.delta", "response.output_text.done")}
+
+
+class ResponseEventWriter:
+    """The events of one streamed response. `choices(deltas)`: chat deltas of its one choice; `close(usage)`: the
+    closing events and the final object (`usage`: the chat usage object of the finished choice)."""
+
+    def __init__(self, resp: web.StreamResponse, rid: str, created: int, echo: dict,
+                 failed: Callable[[BaseException], str]):
+        self.resp, self.rid, self.created, self.echo, self._failed = resp, rid, created, echo, failed
+        self.seq = 0
+        self.items: list[dict] = []  # the output items so far, each as streamed
+        self.open: Optional[dict] = None  # the item being streamed
+        self.finish_reason: Optional[str] = None
+
+    async def _event(self, kind: str, **fields: Any) -> None:
+        data = json.dumps({"type": kind, "sequence_number": self.seq, **fields})
+        self.seq += 1
+        await self.resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
+
+    async def start(self, openings: list[dict]) -> None:
+        """The opening events (the chat openings, a role each, have nothing to add)."""
+        snapshot = response_object(self.rid, self.created, self.echo, None, "in_progress")
+        await self._event("response.created", response=snapshot)
+        await self._event("response.in_progress", response=snapshot)
+
+    async def choices(self, deltas: list[dict], usage_: Optional[dict] = None) -> None:
+        for d in deltas:
+            delta = d["delta"]
+            if delta.get("reasoning_content"):
+                await self._text("reasoning", delta["reasoning_content"])
+            if delta.get("content"):
+                await self._text("message", delta["content"])
+            for call in delta.get("tool_calls") or ():
+                await self._call(call)
+            self.finish_reason = d["finish_reason"] or self.finish_reason
+
+    async def _open(self, item: dict, part: Optional[dict] = None) -> None:
+        await self._close_open()
+        self.open = item
+        self.items.append(item)
+        await self._event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        if part is not None:
+            item["content"].append(part)
+            await self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
+                              content_index=0, part=part)
+
+    async def _text(self, kind: str, text: str) -> None:
+        if self.open is None or self.open["type"] != kind:
+            if kind == "reasoning":
+                item = reasoning_item(new_id("rs"), "", "in_progress")
+                part = item["content"].pop()
+            else:
+                item, part = message_item(new_id("msg"), None, "in_progress"), output_text("")
+            await self._open(item, part)
+        self.open["content"][0]["text"] += text
+        await self._event(TEXT_EVENTS[kind][0], item_id=self.open["id"], output_index=len(self.items) - 1,
+                          content_index=0, delta=text)
+
+    async def _call(self, call: dict) -> None:
+        """A chat `tool_calls` delta entry: one with an `id` opens a call, the others add to the open one."""
+        if "id" in call:
+            opened = {**call, "function": {**call["function"], "arguments": ""}}
+            await self._open(function_call_item(new_id("fc"), opened, "in_progress"))
+        args = call["function"].get("arguments") or ""
+        if args and self.open is not None and self.open["type"] == "function_call":
+            self.open["arguments"] += args
+            await self._event("response.function_call_arguments.delta", item_id=self.open["id"],
+                              output_index=len(self.items) - 1, delta=args)
+
+    async def _close_open(self, status: str = "completed") -> None:
+        item, self.open = self.open, None
+        if item is None:
+            return
+        index = len(self.items) - 1
+        if item["type"] == "function_call":
+            await self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                              arguments=item["arguments"])
+        else:
+            part = item["content"][0]
+            await self._event(TEXT_EVENTS[item["type"]][1], item_id=item["id"], output_index=index, content_index=0,
+                              text=part["text"])
+            await self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                              content_index=0, part=part)
+        item["status"] = status
+        await self._event("response.output_item.done", output_index=index, item=item)
+
+    async def close(self, usage_: dict) -> None:
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        await self._close_open(status)
+        if not self.items:  # an empty answer is still a message
+            await self._open(message_item(new_id("msg"), None, "in_progress"), output_text(""))
+            await self._close_open(status)
+        final = response_object(self.rid, self.created, self.echo, None, status)
+        final["output"] = self.items
+        final["usage"] = usage_object(usage_)
+        final["incomplete_details"] = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        await self._event("response.completed" if status == "completed" else "response.incomplete", response=final)
+        await self.resp.write_eof()
+
+    async def error(self, exc: BaseException) -> None:
+        ref = self._failed(exc)
+        err = ApiError(503, f"the engine failed while serving this request; retry it (reference {ref})", None,
+                       "engine_failed", "server_error")
+        await self._event("error", code=err.code, message=err.message, param=None)
+
+
+
+class ResponsesShape(Shape):
+    """A Responses request's chat choice (n = 1), answered as a response object or streamed as its events."""
+
+    def __init__(self, tokenizer: Any, think_tags: Any, tool_choice: Optional[ToolChoice], echo: dict):
+        super().__init__(True, tokenizer, think_tags, tool_choice)
+        self.echo = echo
+
+    def writer(self, resp: web.StreamResponse, rid: str, greq: GenerationRequest, created: int,
+               choices: list[ChoiceState]) -> ResponseEventWriter:
+        return ResponseEventWriter(resp, rid, created, self.echo, lambda exc: log_failure("stream failed", exc))
+
+    def response(self, rid: str, model: str, created: int, choices: list[ChoiceState], n: int) -> dict:
+        return response_object(rid, created, self.echo, super().response(rid, model, created, choices, n))
