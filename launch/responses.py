@@ -35,6 +35,7 @@ PASSED = ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "see
 # chat's names for Responses fields, in error messages and `param`s
 RENAMED = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"))
 TEXT_PARTS = ("input_text", "output_text", "text")
+ROLES = ("user", "system", "developer", "assistant")
 
 
 def new_id(prefix: str) -> str:
@@ -77,7 +78,9 @@ def input_messages(instructions: Any, items: Any) -> list[dict]:
             raise RequestError(f"'{where}' must be an object", "input", "invalid_type")
         kind = item.get("type", "message")
         if kind == "message":
-            out.append({"role": item.get("role"), "content": _content(item.get("content"), where + ".content")})
+            if item.get("role") not in ROLES:
+                raise RequestError(f"'{where}.role' must be one of {', '.join(ROLES)}", "input", "invalid_value")
+            out.append({"role": item["role"], "content": _content(item.get("content"), where + ".content")})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise RequestError(f"'{where}' needs call_id, name and arguments (strings)", "input", "invalid_type")

@@ -130,13 +130,30 @@ def bad_chat_values() -> dict[str, list]:
     }
 
 
+def bad_responses_values() -> dict[str, list]:
+    return {
+        "input": [None, [], 5, [5], [{"role": "wizard", "content": "x"}], [{"type": "function_call"}],
+                  [{"role": "user", "content": [{"type": "input_image"}]}], [{"type": "computer_call"}], "w " * 300],
+        "instructions": [5, ["x"]],
+        "max_output_tokens": [0, -1, "4", *HUGE],
+        "text": ["json", {"format": {"type": "xml"}}, {"format": {"type": "json_schema", "schema": 5}}],
+        "tools": [[{"type": "web_search"}], [{"type": "function"}], {"x": 1}],
+        "tool_choice": [{"type": "function", "name": "nope"}, "always"],
+        "previous_response_id": ["resp_1"],
+        "background": [True],
+        "truncation": ["auto"],
+    }
+
+
 def generate_cases(n: int, seed: int, tokenizer: bool) -> list[Case]:
     rng = random.Random(seed)
     fields = bad_values(tokenizer)
     chat_fields = bad_chat_values()
+    responses_fields = bad_responses_values()
     good_extra = {"temperature": 0.5, "top_k": 10, "top_p": 0.9, "seed": 3, "max_tokens": 3, "stream": False}
     cases: list[Case] = []
-    kinds = ["field"] * 40 + ["chat"] * (12 if tokenizer else 6) + ["nesting"] * 4 + ["ctype"] * 6 + ["utf8"] * 5 \
+    kinds = ["field"] * 40 + ["chat"] * (12 if tokenizer else 6) + ["responses"] * (6 if tokenizer else 2) \
+        + ["nesting"] * 4 + ["ctype"] * 6 + ["utf8"] * 5 \
         + ["malformed"] * 8 + ["route"] * 4 + ["admin"] * 3 + ["nochat"] * (0 if tokenizer else 3) + ["oversize"]
     oversize_left = 3
     while len(cases) < n:
@@ -161,6 +178,12 @@ def generate_cases(n: int, seed: int, tokenizer: bool) -> list[Case]:
             if "continue_final_message" in bad:
                 body.pop("add_generation_prompt", None)
             cases.append(Case(f"chat {','.join(bad)}", path="/v1/chat/completions", body=_dumps(body)))
+        elif kind == "responses":
+            body = {"input": "hi there", "max_output_tokens": 4}
+            bad = rng.sample(sorted(responses_fields), rng.randint(1, 2))
+            for k in bad:
+                body[k] = rng.choice(responses_fields[k])
+            cases.append(Case(f"responses {','.join(bad)}", path="/v1/responses", body=_dumps(body)))
         elif kind == "nochat":  # a well-formed chat request to a model without a tokenizer
             cases.append(Case("chat without tokenizer", path="/v1/chat/completions",
                               body=_dumps({"messages": [{"role": "user", "content": "hi"}]})))
