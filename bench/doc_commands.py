@@ -58,6 +58,8 @@ def serve_once(extra: list[str], body: dict | None = None, timeout: float = 240,
                                      headers={"Content-Type": "application/json", **(headers or {})})
         with urllib.request.urlopen(req, timeout=120) as r:
             out = json.loads(r.read())
+        if out.get("object") == "response":
+            return True, f"{url}: {out['usage']['output_tokens']} tokens: {out['output'][0]['content'][0]['text']!r}"
         ch = out["choices"][0]
         got = f"{len(ch['token_ids'])} tokens" if "token_ids" in ch else f"{out['usage']['completion_tokens']} tokens: " \
             f"{ch['message']['content']!r}"
@@ -166,6 +168,14 @@ def rows(ckpt: Path, token_file: Path) -> list[tuple[str, callable]]:
                       "--concurrency", "1,2", "--requests-per-client", "1", "--prompt-len", "32", "--max-tokens", "8",
                       "--max-model-len", "128", "--server-arg=--device", "--server-arg=cpu",
                       "--out", str(token_file.parent / "bench_chat.json")])),
+        ("graphline bench --model <checkpoint dir> --api completions,responses",
+         lambda: run([py, "-m", "launch", "bench", "--model", str(ckpt), "--executor", "local", "--api",
+                      "completions,responses", "--concurrency", "1", "--requests-per-client", "1", "--prompt-len", "32",
+                      "--max-tokens", "8", "--max-model-len", "128", "--server-arg=--device", "--server-arg=cpu",
+                      "--out", str(token_file.parent / "bench_responses.json")])),
+        ("serve --model <checkpoint dir>: POST /v1/responses", lambda: serve_once(
+            ["--model", str(ckpt), "--device", "cpu", "--no-progress", "--executor", "local"],
+            body={"input": "hi", "max_output_tokens": 4}, path="/v1/responses")),
         ("launch/cluster.sh up --model qwen3-tiny --dp 2 --port 0", lambda: serve_via_cluster()),
         ("launch/cluster.sh --help", lambda: run(["bash", "launch/cluster.sh", "--help"])),
     ]

@@ -7,6 +7,7 @@
     graphline bench --model qwen3-0.6b --temperature 1.0 --top-p 0.9   # sampled requests (OpenAI's default is 1.0)
     graphline bench --model qwen3-0.6b --temperature 1.0 --compare-greedy   # sampled and greedy, one server
     graphline bench --model /ckpt/Qwen3-8B --api completions,chat     # chat vs completions TPOT, one server
+    graphline bench --model /ckpt/Qwen3-8B --api completions,responses   # the Responses API vs completions
     python -m bench.serve_bench ...                                # the same, from a checkout
 
 Every client streams (server-sent events) so the first token and every later token are timed
@@ -20,7 +21,9 @@ directory). Requests go to the server's URL only: use a loopback address.
 `--prompt-len` tokens and a stop string that never matches, `launch.bench_chat`); `--api completions,chat` runs
 both against the same server, at each concurrency one after the other, the completions prompts then being
 templated conversations as token ids (same length, same output tokens), and prints chat / completions ratios of
-TPOT, TTFT and throughput (JSON: `chat_vs_completions`). Without chat, completion prompts are random token ids.
+TPOT, TTFT and throughput (JSON: `chat_vs_completions`). `--api responses` sends the same conversations to
+`/v1/responses` (OpenAI's Responses API, streamed events) and `--api completions,responses` prints responses /
+completions ratios (`responses_vs_completions`). Without chat or responses, completion prompts are random token ids.
 """
 from __future__ import annotations
 
@@ -36,13 +39,14 @@ from typing import Optional
 
 import numpy as np
 
-from launch.bench_chat import (ChatPrompts, load_bench_tokenizer, one_chat_request, print_ratios, ratios,
+from launch.bench_chat import (ChatPrompts, load_bench_tokenizer, one_chat_request, one_responses_request,
+                               print_ratios, ratios,
                                stream_events, timings)
 from actors.environment import API_KEY_ENV
 from launch.credentials import API_KEY, CredentialError
 from launch.options import LaunchError
 
-APIS = ("completions", "chat")
+APIS = ("completions", "chat", "responses")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--response-format", default=None, choices=("json_object",),
                    help="also requests with this response_format at each concurrency (a checkpoint with a tokenizer), "
                         "and constrained / free ratios")
-    p.add_argument("--api", default="completions", help="completions, chat, or both side by side: completions,chat")
+    p.add_argument("--api", default="completions", help="completions, chat, responses, or several side by side: completions,chat,responses")
     p.add_argument("--tokenizer", default=None, help="with chat: the served checkpoint's directory (default --model)")
     p.add_argument("--api-key", default=None,
                    help="send 'Authorization: Bearer KEY' (a server with an API key; default: the GRAPHLINE_API_KEY "
@@ -138,7 +142,7 @@ def _prompts(api: str, clients: int, per_client: int, prompt_len: int, vocab: in
     out = []
     for _ in range(clients):
         convs = [chat.make(rng, prompt_len) for _ in range(per_client)]
-        out.append([(msgs if api == "chat" else ids, len(ids)) for msgs, ids in convs])
+        out.append([(ids if api == "completions" else msgs, len(ids)) for msgs, ids in convs])
     return out
 
 
@@ -151,7 +155,7 @@ async def run_level(url: str, model: str, clients: int, per_client: int, prompt_
 
     sampling = {"temperature": 0.0, "ignore_eos": True} if sampling is None else sampling
     prompts = _prompts(api, clients, per_client, prompt_len, vocab, chat)
-    send = one_chat_request if api == "chat" else one_request
+    send = {"chat": one_chat_request, "responses": one_responses_request}.get(api, one_request)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=clients + 4),
                                      headers=headers) as s:
@@ -232,8 +236,8 @@ def run(args: argparse.Namespace) -> int:
     headers = auth_headers(api_key)
     apis = list(dict.fromkeys(a.strip() for a in args.api.split(",") if a.strip()))
     if not apis or any(a not in APIS for a in apis):
-        raise LaunchError(f"--api {args.api!r}: use completions, chat or completions,chat")
-    chat = ChatPrompts(load_bench_tokenizer(args.tokenizer or args.model)) if "chat" in apis else None
+        raise LaunchError(f"--api {args.api!r}: use completions, chat, responses or several, e.g. completions,chat")
+    chat = ChatPrompts(load_bench_tokenizer(args.tokenizer or args.model)) if set(apis) - {"completions"} else None
     try:
         if url is None:
             proc, url, t0 = start_server(args, args.api_key)
@@ -263,8 +267,8 @@ def run(args: argparse.Namespace) -> int:
                           f"{lv['tpot_ms_median']:.3f} ms; armed decode so far {lv['armed_decode_after']}",
                           file=sys.stderr, flush=True)
         result["levels"] = levels
-        if len(apis) > 1:
-            result["chat_vs_completions"] = ratios([lv for lv in levels if lv["sampling"] == primary])
+        for api in set(apis) - {"completions"} if "completions" in apis else ():
+            result[f"{api}_vs_completions"] = ratios([lv for lv in levels if lv["sampling"] == primary], api)
         if primary == "sampled" and args.compare_greedy:
             result["sampled_vs_greedy"] = mode_ratios(levels, "sampled", "greedy")
         if args.response_format:
@@ -277,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     print_table(result)
-    print_ratios(result.get("chat_vs_completions", []))
+    for api in APIS[1:]:
+        print_ratios(result.get(f"{api}_vs_completions", []), api)
     for key in ("sampled_vs_greedy", "constrained_vs_free"):
         for row in result.get(key, []):
             print(f"{key.replace('_vs_', ' / ')}, {row['api']}, {row['clients']} clients: TPOT median "

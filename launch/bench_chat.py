@@ -1,5 +1,6 @@
-"""The chat side of `graphline bench` (`--api chat`, `--api completions,chat`): conversations of about `--prompt-len`
-tokens, the streamed `/v1/chat/completions` client, and the chat / completions ratios.
+"""The chat side of `graphline bench` (`--api chat`, `--api responses`, `--api completions,chat,responses`):
+conversations of about `--prompt-len` tokens, the streamed `/v1/chat/completions` and `/v1/responses` clients, and
+their ratios to completions.
 
 Prompts: a fixed system message and a user message of random words, cut so that the conversation through the
 checkpoint's chat template (`apply_chat_template`, the call `launch.chat.render_chat` makes on the server) is at
@@ -98,6 +99,8 @@ async def stream_events(session, url: str, body: dict):
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
+            if chunk.get("type") == "error":  # a Responses API error event
+                raise RuntimeError(chunk["message"])
             yield chunk
 
 
@@ -120,13 +123,35 @@ async def one_chat_request(session, url: str, model: Optional[str], messages: li
     return {**timings(t0, times, usage["completion_tokens"], t_end), "prompt_tokens": usage["prompt_tokens"]}
 
 
-def ratios(levels: list[dict]) -> list[dict]:
-    """Per concurrency with both APIs: chat / completions of TPOT (median, mean, p99), TTFT median and
+async def one_responses_request(session, url: str, model: Optional[str], messages: list[dict], max_tokens: int,
+                                sampling: dict) -> dict:
+    """`one_chat_request` through `/v1/responses` (the messages as `input`; `response_format` as `text.format`):
+    its events with text, then the final event, are the token arrivals; the final object's usage the counts."""
+    sampling = dict(sampling)
+    fmt = sampling.pop("response_format", None)
+    body = {"model": model, "input": messages, "max_output_tokens": max_tokens, **sampling, "stop": [CHAT_STOP],
+            "stream": True, **({"text": {"format": fmt}} if fmt else {})}
+    t0 = time.perf_counter()
+    times, usage = [], None
+    async for event in stream_events(session, f"{url}/v1/responses", body):
+        if event["type"] == "response.output_text.delta":
+            times.append(time.perf_counter())
+        elif event["type"] in ("response.completed", "response.incomplete"):
+            times.append(time.perf_counter())
+            usage = event["response"]["usage"]
+    t_end = time.perf_counter()
+    if usage is None:
+        raise RuntimeError("the stream ended without a final response event")
+    return {**timings(t0, times, usage["output_tokens"], t_end), "prompt_tokens": usage["input_tokens"]}
+
+
+def ratios(levels: list[dict], api: str = "chat") -> list[dict]:
+    """Per concurrency with both APIs: `api` / completions of TPOT (median, mean, p99), TTFT median and
     throughput."""
     by = {(lv["clients"], lv.get("api", "completions")): lv for lv in levels}
     out = []
     for c in dict.fromkeys(lv["clients"] for lv in levels):
-        chat, comp = by.get((c, "chat")), by.get((c, "completions"))
+        chat, comp = by.get((c, api)), by.get((c, "completions"))
         if chat is None or comp is None:
             continue
 
@@ -140,12 +165,12 @@ def ratios(levels: list[dict]) -> list[dict]:
     return out
 
 
-def print_ratios(rows: list[dict]) -> None:
+def print_ratios(rows: list[dict], api: str = "chat") -> None:
     if not rows:
         return
     f = lambda v: f"{v:>10.3f}" if v is not None else f"{'-':>10}"  # noqa: E731
-    print("chat / completions (same server; same prompt length and output tokens; chat adds its template, a stop "
-          "string and its chunks):")
+    print(f"{api} / completions (same server; same prompt length and output tokens; {api} adds the template, a stop "
+          "string and its events):")
     hdr = f"{'clients':>7} {'TPOT med':>10} {'TPOT mean':>10} {'TPOT p99':>10} {'TTFT med':>10} {'tok/s':>10}"
     print(hdr)
     print("-" * len(hdr))

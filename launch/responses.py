@@ -8,8 +8,8 @@ items are dropped), `instructions` (a system message first), `max_output_tokens`
 `tools` (`[{"type": "function", "name", "description"?, "parameters"?}]`), `tool_choice` ("auto", "none",
 "required" or `{"type": "function", "name"}`), `parallel_tool_calls`, `text.format` (`{"type": "text" |
 "json_object"}` or `{"type": "json_schema", "name", "schema", "strict"?}`) and the vLLM sampling extras chat takes
-(`seed`, `top_k`, `min_p`, penalties, `stop`, `logit_bias`, `chat_template_kwargs`, `structured_outputs`). Nothing is
-stored: `previous_response_id`, `conversation`, `background` and `truncation: "auto"` are 400s naming the field;
+(`seed`, `top_k`, `min_p`, penalties, `stop`, `stop_token_ids`, `ignore_eos`, `min_tokens`, `logit_bias`,
+`chat_template_kwargs`, `structured_outputs`). Nothing is stored: `previous_response_id`, `conversation`, `background` and `truncation: "auto"` are 400s naming the field;
 `store`, `metadata`, `user`, `include` and `reasoning` are taken and not acted on. An error of the translated request
 names the Responses field (`input`, `max_output_tokens`, `text.format`, ...).
 
@@ -30,8 +30,8 @@ from launch.protocol import ApiError, GenerationRequest, ParseContext, parse_mod
 
 # chat fields a Responses request sets under the same name
 PASSED = ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p",
-          "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logit_bias", "chat_template_kwargs",
-          "structured_outputs")
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
+          "min_tokens", "logit_bias", "chat_template_kwargs", "structured_outputs")
 # chat's names for Responses fields, in error messages and `param`s
 RENAMED = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"))
 TEXT_PARTS = ("input_text", "output_text", "text")
