@@ -45,7 +45,7 @@ from engine.grammar import TokenGrammar
 from engine.llm_engine import EngineStepError, LLMEngine, RoundRejectedError, StepInfo
 from engine.request import Request, RequestError, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.streams import EngineFailedError, RequestStream, Wakeup
+from engine.streams import EngineBusyError, EngineFailedError, RequestStream, Wakeup
 
 __all__ = ["AsyncLLMEngine", "EngineFailedError", "EngineObserver", "RequestStream", "HANDOFF_MAX_OUTPUTS"]
 
@@ -70,12 +70,16 @@ class AsyncLLMEngine(EngineStatus):
     `engine.engine_status.EngineStatus`."""
 
     def __init__(self, engine: LLMEngine, observer: Optional[EngineObserver] = None,
-                 first_token_handoff_s: float = FIRST_TOKEN_HANDOFF_S):
+                 first_token_handoff_s: float = FIRST_TOKEN_HANDOFF_S, max_in_flight: int = 0):
         """`first_token_handoff_s`: the longest a step that gave first tokens waits for the event loop to dispatch
-        them (seconds, finite, >= 0; 0 never waits; see the module doc)."""
+        them (seconds, finite, >= 0; 0 never waits; see the module doc). `max_in_flight`: requests submitted and not
+        finished that `admit` allows (0: no bound)."""
         if not isinstance(first_token_handoff_s, (int, float)) or isinstance(first_token_handoff_s, bool) \
                 or not 0 <= first_token_handoff_s < float("inf"):
             raise ValueError(f"first_token_handoff_s must be a finite number >= 0, got {first_token_handoff_s!r}")
+        if type(max_in_flight) is not int or max_in_flight < 0:
+            raise ValueError(f"max_in_flight must be an int >= 0, got {max_in_flight!r}")
+        self.max_in_flight = max_in_flight
         self.engine = engine
         self.observer = observer or EngineObserver()
         engine.on_step = self._on_step
@@ -140,6 +144,17 @@ class AsyncLLMEngine(EngineStatus):
     def make_samples(self, request: Request, n: int, fit_max_tokens: bool = False) -> list[Request]:
         """The n requests of n samples of `request`'s prompt (`LLMEngine.make_samples`); submit them in order."""
         return self.engine.make_samples(request, n, fit_max_tokens)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished or aborted (event loop thread)."""
+        return len(self._streams)
+
+    def admit(self, k: int) -> None:
+        """Raise `EngineBusyError` unless `k` more requests fit under `max_in_flight` (call before submitting them
+        together, on the event loop thread)."""
+        if self.max_in_flight and len(self._streams) + k > self.max_in_flight:
+            raise EngineBusyError(len(self._streams), self.max_in_flight)
 
     def submit(self, request: Request, wake: bool = True) -> RequestStream:
         """Queue a validated request; raises `RequestError` (bad request) or `EngineFailedError` (dead).

@@ -16,6 +16,14 @@ from typing import Any, Optional
 from engine.request import FinishReason, Request, RequestOutput
 
 
+class EngineBusyError(RuntimeError):
+    """The engine holds as many requests as it may (`AsyncLLMEngine.max_in_flight`): retry later."""
+
+    def __init__(self, held: int, limit: int):
+        super().__init__(f"the server holds {held} requests, its limit is {limit}; retry later")
+        self.held, self.limit = held, limit
+
+
 class EngineFailedError(RuntimeError):
     """The request could not complete because the executor failed (or the engine is dead/stopped)."""
 

@@ -133,6 +133,7 @@ async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, gr
                            think=splitter_for(shape.think_tags, greq.prompts[i // greq.n]),
                            include_stop=greq.text.include_stop_str, skip_special_tokens=greq.text.skip_special_tokens)
                for i in range(len(reqs))]
+    eng.admit(len(reqs))  # EngineBusyError (429) before anything is queued
     created = now_s()
     if greq.stream:
         return await _stream(request, eng, greq, reqs, choices, rid, created, shape)

@@ -45,6 +45,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="chat completions with 'tools' return the model's <tool_call> JSON blocks (Hermes format: "
                         "Qwen3 and others) as message.tool_calls, finish_reason tool_calls")
+    s.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
+                   help="engine requests (a request's n choices count n) the server holds at once, running and "
+                        "waiting; more are refused with 429 and Retry-After until some finish. Default: 4 x the "
+                        "running sequences all DP ranks can hold, at least 256")
     s.add_argument("--metrics-interval-s", type=float, default=5.0,
                    help="refresh of status-derived Ray metrics (ray.util.metrics) when Ray is up")
     p.set_defaults(func=run_serve)
@@ -68,6 +72,8 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_origins = parse_origins(args.allowed_origins)
     except (CredentialError, OriginsError) as exc:
         raise LaunchError(str(exc)) from None
+    if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
+        raise LaunchError(f"--max-concurrent-requests must be >= 1, got {args.max_concurrent_requests}")
     if api_key is None and not is_loopback(args.host):
         print(f"graphline: warning: --host {args.host} is not a loopback address and no API key is configured: "
               f"/v1/* answers anyone who reaches the port (pass --api-key-file PATH or set GRAPHLINE_API_KEY)",
@@ -90,7 +96,8 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = LLMEngine(executor, engine_config(args, defaults.get("eos_token_id", ())))
         metrics = ServerMetrics()  # after start: Ray is initialised by then (ray.util.metrics mirror)
         state = ServerState(
-            engine=AsyncLLMEngine(engine, metrics), metrics=metrics, model_name=served_model_name(args),
+            engine=AsyncLLMEngine(engine, metrics, max_in_flight=max_concurrent_requests(args, engine)),
+            metrics=metrics, model_name=served_model_name(args),
             model_aliases=(args.model,) if args.model != served_model_name(args) else (),
             tokenizer=tokenizer, deployment=deployment_summary(args, kind),
             startup={"executor": timings, "engine_ready_s": time.perf_counter() - t0}, admin_token=admin_token,
@@ -103,6 +110,13 @@ def run_serve(args: argparse.Namespace) -> int:
         if shutdown is not None:
             shutdown()
     return 0
+
+
+def max_concurrent_requests(args: argparse.Namespace, engine) -> int:
+    """`--max-concurrent-requests`, or its default: 4 x max_num_seqs x DP ranks, at least 256."""
+    if args.max_concurrent_requests is not None:
+        return args.max_concurrent_requests
+    return max(256, 4 * engine.sched_config.max_num_seqs * len(engine.schedulers))
 
 
 def _log_events_to_stderr() -> None:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from engine.async_engine import AsyncLLMEngine, EngineFailedError
+from engine.async_engine import AsyncLLMEngine, EngineBusyError, EngineFailedError
 from engine.errors import RequestError
 from engine.request import new_request_id
 from launch.admin import check_admin_request
@@ -114,6 +114,10 @@ async def _errors(request: web.Request, handler):
         resp = web.json_response(exc.body(), status=exc.status)
     except RequestError as exc:
         resp = _error(400, str(exc), exc.param, exc.code)
+    except EngineBusyError as exc:
+        resp = _error(429, f"{exc} (graphline serve --max-concurrent-requests)", None, "server_busy",
+                      "rate_limit_error")
+        resp.headers["Retry-After"] = "1"
     except EngineFailedError as exc:
         log_failure("request failed", exc)
         resp = _error(503, ENGINE_FAILED, None, "engine_failed", "server_error")
