@@ -62,6 +62,7 @@ class ParseContext:
     limits: ProtocolLimits = field(default_factory=ProtocolLimits)
     tool_call_parser: Optional[str] = None  # `launch.tools.TOOL_CALL_PARSERS`: chat may ask for tool calls
     grammars: Any = None  # `launch.structured.GrammarCompiler` of the tokenizer (None without one)
+    responses: Any = None  # `launch.responses_store.ResponseStore` (None: `/v1/responses` stores nothing)
 
 
 @dataclass

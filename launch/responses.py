@@ -9,9 +9,11 @@ items are dropped), `instructions` (a system message first), `max_output_tokens`
 "required" or `{"type": "function", "name"}`), `parallel_tool_calls`, `text.format` (`{"type": "text" |
 "json_object"}` or `{"type": "json_schema", "name", "schema", "strict"?}`) and the vLLM sampling extras chat takes
 (`seed`, `top_k`, `min_p`, penalties, `stop`, `stop_token_ids`, `ignore_eos`, `min_tokens`, `logit_bias`,
-`chat_template_kwargs`, `structured_outputs`). Nothing is stored: `previous_response_id`, `conversation`, `background` and `truncation: "auto"` are 400s naming the field;
-`store`, `metadata`, `user`, `include` and `reasoning` are taken and not acted on. An error of the translated request
-names the Responses field (`input`, `max_output_tokens`, `text.format`, ...).
+`chat_template_kwargs`, `structured_outputs`). With `--responses-store N` (`launch.responses_store`) a response is
+kept unless `store` is false, and `previous_response_id` continues a kept one's conversation (its `instructions` are
+not carried over); without it, `previous_response_id` is a 400. `conversation`, `background` and `truncation: "auto"`
+are 400s naming the field; `metadata`, `user`, `include` and `reasoning` are taken and not acted on. An error of the
+translated request names the Responses field (`input`, `max_output_tokens`, `text.format`, ...).
 
 Response (`response_object`): `{"id": "resp_...", "object": "response", "status": "completed" | "incomplete",
 "incomplete_details": {"reason": "max_output_tokens"} | null, "output": [...], "usage": {...}, ...}`, the output
@@ -22,11 +24,13 @@ tool calls) and one `function_call` item per call (`call_id`, `name`, `arguments
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from engine.errors import RequestError
 from launch.chat import parse_chat_request
 from launch.protocol import ApiError, GenerationRequest, ParseContext, parse_model, require_object
+from launch.responses_store import answer_messages
 
 # chat fields a Responses request sets under the same name
 PASSED = ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p",
@@ -59,13 +63,17 @@ def _content(v: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def input_messages(instructions: Any, items: Any) -> list[dict]:
-    """Chat messages of `instructions` and `input` (each problem a 400 naming `instructions` or `input`)."""
+def instruction_messages(instructions: Any) -> list[dict]:
+    if instructions is None:
+        return []
+    if not isinstance(instructions, str):
+        raise RequestError("'instructions' must be a string", "instructions", "invalid_type")
+    return [{"role": "system", "content": instructions}]
+
+
+def input_messages(items: Any) -> list[dict]:
+    """Chat messages of `input` (each problem a 400 naming `input`)."""
     out: list[dict] = []
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise RequestError("'instructions' must be a string", "instructions", "invalid_type")
-        out.append({"role": "system", "content": instructions})
     if isinstance(items, str):
         return out + [{"role": "user", "content": items}]
     if items is None:
@@ -152,30 +160,66 @@ def _renamed(exc: Exception) -> Exception:
     return RequestError(message, param, exc.code)
 
 
-def parse_responses_request(body: Any, ctx: ParseContext) -> tuple[GenerationRequest, dict]:
-    """The generation request (one choice) and the request's fields the response object repeats."""
+@dataclass
+class ResponsesRequest:
+    """A parsed `/v1/responses` request: the chat request answering it (one choice), the fields the response object
+    repeats, and its conversation (earlier turns and the input, as chat messages) when it is to be stored."""
+
+    greq: GenerationRequest
+    echo: dict
+    conversation: Optional[list[dict]]
+
+    def keeper(self, store: Any) -> Optional[Callable[[dict], None]]:
+        """What stores the finished response object (None: nothing is stored)."""
+        if store is None or self.conversation is None:
+            return None
+        conv = self.conversation
+        return lambda obj: store.put(obj, conv + answer_messages(obj["output"]))
+
+
+def _earlier_turns(body: dict, ctx: ParseContext) -> list[dict]:
+    prev = body.get("previous_response_id")
+    if prev is None:
+        return []
+    if ctx.responses is None:
+        raise ApiError(400, "'previous_response_id' needs stored responses: start the server with "
+                            "--responses-store N, or send the whole conversation in 'input'", "previous_response_id",
+                       "unsupported")
+    hit = ctx.responses.get(prev) if isinstance(prev, str) else None
+    if hit is None:
+        raise ApiError(404, f"no stored response {str(prev)[:80]!r} (kept: the last {ctx.responses.capacity})",
+                       "previous_response_id", "response_not_found")
+    return hit[1]
+
+
+def parse_responses_request(body: Any, ctx: ParseContext) -> ResponsesRequest:
     body = require_object(body)
     model = parse_model(body, ctx)
-    _refuse(body, "previous_response_id", (None,), "nothing is stored; send the whole conversation in 'input'")
-    _refuse(body, "conversation", (None,), "nothing is stored; send the whole conversation in 'input'")
+    _refuse(body, "conversation", (None,), "send the conversation in 'input' or use 'previous_response_id'")
     _refuse(body, "background", (None, False), "responses are answered in the request")
     _refuse(body, "truncation", (None, "disabled"), "only \"disabled\"")
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise RequestError("'store' must be a boolean", "store", "invalid_type")
+    turns = _earlier_turns(body, ctx) + input_messages(body.get("input"))
     chat = {k: body[k] for k in PASSED if body.get(k) is not None}
-    chat.update(messages=input_messages(body.get("instructions"), body.get("input")), tools=_tools(body.get("tools")),
+    chat.update(messages=instruction_messages(body.get("instructions")) + turns, tools=_tools(body.get("tools")),
                 tool_choice=_tool_choice(body.get("tool_choice")), response_format=_text_format(body.get("text")),
                 max_completion_tokens=body.get("max_output_tokens"))
     try:
         greq = parse_chat_request({k: v for k, v in chat.items() if v is not None}, ctx)
     except (RequestError, ApiError) as exc:
         raise _renamed(exc) from None
-    echo = {"model": model, "instructions": body.get("instructions"),
+    stored = ctx.responses is not None and store is not False
+    echo = {"model": model, "instructions": body.get("instructions"), "store": stored,
+            "previous_response_id": body.get("previous_response_id"),
             "max_output_tokens": body.get("max_output_tokens"), "temperature": greq.sampling.temperature,
             "top_p": greq.sampling.top_p, "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
             "reasoning": body.get("reasoning"), "user": body.get("user")}
-    return greq, echo
+    return ResponsesRequest(greq, echo, turns if stored else None)
 
 
 def response_object(rid: str, created: int, echo: dict, answer: Optional[dict], status: str = "completed") -> dict:
@@ -195,8 +239,7 @@ def response_object(rid: str, created: int, echo: dict, answer: Optional[dict], 
         usage = usage_object(u)
         details = {"reason": "max_output_tokens"} if status == "incomplete" else None
     return {"id": rid, "object": "response", "created_at": created, "status": status, "error": None,
-            "incomplete_details": details, "output": output, "usage": usage, "store": False,
-            "previous_response_id": None, "truncation": "disabled", **echo}
+            "incomplete_details": details, "output": output, "usage": usage, "truncation": "disabled", **echo}
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:

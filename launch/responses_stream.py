@@ -36,8 +36,10 @@ class ResponseEventWriter:
     closing events and the final object (`usage`: the chat usage object of the finished choice)."""
 
     def __init__(self, resp: web.StreamResponse, rid: str, created: int, echo: dict,
-                 failed: Callable[[BaseException], str]):
+                 failed: Callable[[BaseException], str], keep: Optional[Callable[[dict], None]] = None):
+        """`failed`: logs an engine failure, returns its reference; `keep`: stores the final object."""
         self.resp, self.rid, self.created, self.echo, self._failed = resp, rid, created, echo, failed
+        self.keep = keep
         self.seq = 0
         self.items: list[dict] = []  # the output items so far, each as streamed
         self.open: Optional[dict] = None  # the item being streamed
@@ -125,6 +127,8 @@ class ResponseEventWriter:
         final["output"] = self.items
         final["usage"] = usage_object(usage_)
         final["incomplete_details"] = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        if self.keep is not None:
+            self.keep(final)
         await self._event("response.completed" if status == "completed" else "response.incomplete", response=final)
         await self.resp.write_eof()
 
@@ -139,13 +143,19 @@ class ResponseEventWriter:
 class ResponsesShape(Shape):
     """A Responses request's chat choice (n = 1), answered as a response object or streamed as its events."""
 
-    def __init__(self, tokenizer: Any, think_tags: Any, tool_choice: Optional[ToolChoice], echo: dict):
+    def __init__(self, tokenizer: Any, think_tags: Any, tool_choice: Optional[ToolChoice], echo: dict,
+                 keep: Optional[Callable[[dict], None]] = None):
+        """`keep`: stores the finished response object (`launch.responses.ResponsesRequest.keeper`)."""
         super().__init__(True, tokenizer, think_tags, tool_choice)
-        self.echo = echo
+        self.echo, self.keep = echo, keep
 
     def writer(self, resp: web.StreamResponse, rid: str, greq: GenerationRequest, created: int,
                choices: list[ChoiceState]) -> ResponseEventWriter:
-        return ResponseEventWriter(resp, rid, created, self.echo, lambda exc: log_failure("stream failed", exc))
+        return ResponseEventWriter(resp, rid, created, self.echo, lambda exc: log_failure("stream failed", exc),
+                                   self.keep)
 
     def response(self, rid: str, model: str, created: int, choices: list[ChoiceState], n: int) -> dict:
-        return response_object(rid, created, self.echo, super().response(rid, model, created, choices, n))
+        obj = response_object(rid, created, self.echo, super().response(rid, model, created, choices, n))
+        if self.keep is not None:
+            self.keep(obj)
+        return obj

@@ -49,6 +49,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="engine requests (a request's n choices count n) the server holds at once, running and "
                         "waiting; more are refused with 429 and Retry-After until some finish. Default: 4 x the "
                         "running sequences all DP ranks can hold, at least 256")
+    s.add_argument("--responses-store", type=int, default=0, metavar="N",
+                   help="keep the last N /v1/responses answers in memory for previous_response_id and GET / DELETE "
+                        "/v1/responses/{id}; default 0: none kept")
     s.add_argument("--metrics-interval-s", type=float, default=5.0,
                    help="refresh of status-derived Ray metrics (ray.util.metrics) when Ray is up")
     p.set_defaults(func=run_serve)
@@ -58,6 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncLLMEngine
     from engine.llm_engine import LLMEngine
     from launch.metrics import ServerMetrics
+    from launch.responses_store import ResponseStore
     from launch.server import ServerState
 
     from launch.admin import is_loopback, require_token_off_loopback, resolve_admin_token
@@ -74,6 +78,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise LaunchError(str(exc)) from None
     if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
         raise LaunchError(f"--max-concurrent-requests must be >= 1, got {args.max_concurrent_requests}")
+    if args.responses_store < 0:
+        raise LaunchError(f"--responses-store must be >= 0, got {args.responses_store}")
     if api_key is None and not is_loopback(args.host):
         print(f"graphline: warning: --host {args.host} is not a loopback address and no API key is configured: "
               f"/v1/* answers anyone who reaches the port (pass --api-key-file PATH or set GRAPHLINE_API_KEY)",
@@ -103,6 +109,7 @@ def run_serve(args: argparse.Namespace) -> int:
             startup={"executor": timings, "engine_ready_s": time.perf_counter() - t0}, admin_token=admin_token,
             api_key=api_key, allowed_origins=allowed_origins, generation_defaults=defaults,
             reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+            responses_store=ResponseStore(args.responses_store) if args.responses_store else None,
         )
         asyncio.run(_serve(state, args, t0))
     finally:

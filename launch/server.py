@@ -28,6 +28,7 @@ from launch.json_body import parse_json_body
 from launch.protocol import ApiError, GenerationRequest, ParseContext, ProtocolLimits, parse_completion_request
 from launch.reasoning import ThinkTags, think_tags
 from launch.responses import new_id, parse_responses_request
+from launch.responses_store import ResponseStore
 from launch.responses_stream import ResponsesShape
 from launch.status import build_status
 from launch.structured import GrammarCompiler
@@ -57,6 +58,7 @@ class ServerState:
     limits: ProtocolLimits = field(default_factory=ProtocolLimits)
     reasoning_parser: Optional[str] = None  # `launch.reasoning.REASONING_PARSERS`: chat returns reasoning_content
     tool_call_parser: Optional[str] = None  # `launch.tools.TOOL_CALL_PARSERS`: chat may return tool_calls
+    responses_store: Optional[ResponseStore] = None  # `--responses-store N`: stored /v1/responses (None: off)
     defaults: GenerationDefaults = field(init=False)
     think_tags: Optional[ThinkTags] = field(init=False, default=None)
     tokenize_pool: Optional[concurrent.futures.ThreadPoolExecutor] = field(init=False, default=None)
@@ -93,7 +95,7 @@ class ServerState:
         return ParseContext(self.served_names, self.tokenizer, lim.vocab_size, lim.max_model_len,
                             lim.max_blocks_per_request * lim.block_size, self.defaults,
                             self.eos_ids_in(lim.vocab_size), self.limits,
-                            self.tool_call_parser, self.grammars)
+                            self.tool_call_parser, self.grammars, self.responses_store)
 
 
 STATE = web.AppKey("graphline_state", ServerState)
@@ -179,9 +181,9 @@ async def _raw_body(request: web.Request, limits: ProtocolLimits) -> bytes:
 
 # ---- completions and chat
 async def _parse_generation(request: web.Request, state: ServerState, parser) -> Any:
-    """`parser`'s parse of the request: a `GenerationRequest`, or one and what else the parser returns."""
+    """`parser`'s parse of the request: a `GenerationRequest`, or an object holding one as `greq`."""
     parsed = await _parse(request, state, parser)
-    greq = parsed[0] if isinstance(parsed, tuple) else parsed
+    greq = getattr(parsed, "greq", parsed)
     if greq.grammar is not None:
         state.metrics.structured_request(greq.grammar.kind)
     return parsed
@@ -203,9 +205,35 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def responses(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
-    greq, echo = await _parse_generation(request, state, parse_responses_request)
+    rreq = await _parse_generation(request, state, parse_responses_request)
+    greq = rreq.greq
     return await generate(request, state.engine, state.tokenizer, greq, new_id("resp"),
-                          ResponsesShape(state.tokenizer, state.think_tags, greq.tool_choice, echo))
+                          ResponsesShape(state.tokenizer, state.think_tags, greq.tool_choice, rreq.echo,
+                                         rreq.keeper(state.responses_store)))
+
+
+def _stored(request: web.Request) -> tuple[ResponseStore, str]:
+    state: ServerState = request.app[STATE]
+    rid = request.match_info["response_id"]
+    if state.responses_store is None:
+        raise ApiError(404, "responses are not stored by this server (graphline serve --responses-store N)", None,
+                       "response_not_found")
+    return state.responses_store, rid
+
+
+async def get_response(request: web.Request) -> web.Response:
+    store, rid = _stored(request)
+    hit = store.get(rid)
+    if hit is None:
+        raise ApiError(404, f"no stored response {rid[:80]!r}", None, "response_not_found")
+    return web.json_response(hit[0])
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    store, rid = _stored(request)
+    if not store.delete(rid):
+        raise ApiError(404, f"no stored response {rid[:80]!r}", None, "response_not_found")
+    return web.json_response({"id": rid, "object": "response.deleted", "deleted": True})
 
 
 async def tokenize_route(request: web.Request) -> web.Response:
@@ -322,6 +350,8 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_post("/tokenize", tokenize_route)
     app.router.add_post("/detokenize", detokenize_route)
     app.router.add_get("/v1/models", models)

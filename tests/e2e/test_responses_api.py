@@ -127,6 +127,15 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
     return asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def _delete(url: str, rid: str) -> tuple[int, dict]:
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async with s.delete(f"{url}/v1/responses/{rid}") as r:
+                return r.status, await r.json()
+
+    return asyncio.run(asyncio.wait_for(main(), 60))
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"input": None}, "input"),
     ({"input": []}, "input"),
@@ -153,3 +162,57 @@ def test_bad_fields_are_400s_naming_the_responses_field(srv, fields, param):
     assert "messages" not in body["error"]["message"] and "max_completion_tokens" not in body["error"]["message"]
     ok = openai_client(srv).responses.create(model="tiny-chat", input="still there?", max_output_tokens=2)
     assert ok.status == "incomplete"
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    d = build_checkpoint(tmp_path_factory.mktemp("responses-store") / "tiny-chat", max_position_embeddings=1024)
+    s = serve_checkpoint(d, "--max-model-len", "1024", "--responses-store", "3")
+    yield s
+    s.stop()
+
+
+def test_previous_response_id_continues_a_stored_conversation(stored):
+    client = openai_client(stored)
+    first = client.responses.create(model="tiny-chat", instructions="Only for the first turn.",
+                                    input="My name is Ann.", max_output_tokens=6, temperature=0)
+    assert first.store is True and client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(model="tiny-chat", previous_response_id=first.id, input="What is my name?",
+                                     max_output_tokens=6, temperature=0)
+    chat = client.chat.completions.create(model="tiny-chat", max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": "My name is Ann."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}])  # the first turn's instructions are not carried over
+    assert second.previous_response_id == first.id and second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    events = list(client.responses.create(model="tiny-chat", previous_response_id=second.id, input="And?",
+                                          max_output_tokens=4, temperature=0, stream=True))
+    third = client.responses.retrieve(events[-1].response.id)
+    assert third.output_text == events[-1].response.output_text and third.previous_response_id == second.id
+    assert _delete(stored.url, first.id) == (200, {"id": first.id, "object": "response.deleted", "deleted": True})
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    assert _delete(stored.url, first.id)[0] == 404
+
+
+def test_the_store_keeps_the_last_n_and_honours_store_false(stored):
+    client = openai_client(stored)
+    ids = [client.responses.create(model="tiny-chat", input=f"turn {i}", max_output_tokens=2).id for i in range(4)]
+    with pytest.raises(openai.NotFoundError):  # 3 kept: the oldest is gone
+        client.responses.retrieve(ids[0])
+    assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+    status, body = _post(stored.url, {"model": "tiny-chat", "input": "x", "previous_response_id": ids[0]})
+    assert status == 404 and body["error"]["param"] == "previous_response_id", body
+    unkept = client.responses.create(model="tiny-chat", input="x", max_output_tokens=2, store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    status, body = _post(stored.url, {"model": "tiny-chat", "input": "x", "store": "yes"})
+    assert status == 400 and body["error"]["param"] == "store", body
+
+
+def test_without_a_store_nothing_is_kept(srv):
+    client = openai_client(srv)
+    r = client.responses.create(model="tiny-chat", input="x", max_output_tokens=2)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
