@@ -173,9 +173,10 @@ def rows(ckpt: Path, token_file: Path) -> list[tuple[str, callable]]:
                       "completions,responses", "--concurrency", "1", "--requests-per-client", "1", "--prompt-len", "32",
                       "--max-tokens", "8", "--max-model-len", "128", "--server-arg=--device", "--server-arg=cpu",
                       "--out", str(token_file.parent / "bench_responses.json")])),
-        ("serve --model <checkpoint dir>: POST /v1/responses", lambda: serve_once(
-            ["--model", str(ckpt), "--device", "cpu", "--no-progress", "--executor", "local"],
-            body={"input": "hi", "max_output_tokens": 4}, path="/v1/responses")),
+        ("serve --model <checkpoint dir> --responses-store 16: POST /v1/responses", lambda: serve_once(
+            ["--model", str(ckpt), "--device", "cpu", "--no-progress", "--executor", "local", "--responses-store",
+             "16"], body={"input": "hi", "max_output_tokens": 4}, path="/v1/responses")),
+        ("serve --max-concurrent-requests 8", s("--executor", "local", "--max-concurrent-requests", "8")),
         ("launch/cluster.sh up --model qwen3-tiny --dp 2 --port 0", lambda: serve_via_cluster()),
         ("launch/cluster.sh --help", lambda: run(["bash", "launch/cluster.sh", "--help"])),
     ]
