@@ -133,8 +133,14 @@ class _StatusCollector:
             evicted.add_metric([str(i)], float(pc.get("evictions", 0)))
             shared.add_metric([str(i)], float(d.get("shared_kv_blocks", 0)))
             chunks.add_metric([str(i)], float(d.get("prefill_chunks", 0)))
+        adm = st.get("admission") or {}
+        held = GaugeMetricFamily("graphline_requests_in_flight", "Engine requests held (running and waiting)",
+                                 value=float(adm.get("in_flight", 0)))
+        bound = GaugeMetricFamily("graphline_max_concurrent_requests", "Requests held at most before 429 "
+                                  "(--max-concurrent-requests; 0: no bound)", value=float(adm.get("max_in_flight", 0)))
         yield from (steps, eager, real, padded, waste, cap, capb, graphs, pool, bridge, static, resets, up, kv, mem,
-                    lane, armed, waiting, running, free, total, pre, hits, queries, cached, evicted, shared, chunks)
+                    lane, armed, waiting, running, free, total, pre, hits, queries, cached, evicted, shared, chunks,
+                    held, bound)
 
 
 class ServerMetrics(EngineObserver):

@@ -293,6 +293,7 @@ async def current_status(state: ServerState) -> dict:
         "deployment": state.deployment, "startup": state.startup, "started_at": state.started_at,
         "uptime_s": time.time() - state.started_at, "tokenizer": state.tokenizer is not None,
         "admin_auth": state.admin_token is not None, "api_auth": state.api_key is not None,
+        "admission": {"in_flight": state.engine.in_flight, "max_in_flight": state.engine.max_in_flight},
     }, list(state.engine.reset_log), list(state.engine.failure_log))
     state.metrics.update_status(doc)
     return doc

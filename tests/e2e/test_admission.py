@@ -1,7 +1,9 @@
 """Admission control (`graphline serve --max-concurrent-requests N`) on a real server on 127.0.0.1: with N engine
 requests in flight (a request's n choices count n), the next one is refused with 429, `Retry-After` and an OpenAI
 error body, before anything is queued; the requests in flight finish untouched, and once they have, requests are
-served again. A bound below 1 is a one-line start-up error."""
+served again. `/status` (`admission`) and `/metrics` (`graphline_requests_in_flight`,
+`graphline_max_concurrent_requests`) show the requests held and the bound. A bound below 1 is a one-line start-up
+error."""
 from __future__ import annotations
 
 import asyncio
@@ -39,6 +41,13 @@ async def _hold_two_and_knock(url: str) -> tuple[list, list]:
         for r in held:
             firsts.append(await r.content.readline())
             assert r.status == 200 and firsts[-1].startswith(b"data: {")
+        async with s.get(url + "/status") as r:
+            admission = (await r.json())["admission"]
+        async with s.get(url + "/metrics") as r:
+            exposition = await r.text()
+        assert admission == {"in_flight": 2, "max_in_flight": 2}, admission
+        assert "graphline_requests_in_flight 2.0" in exposition and "graphline_max_concurrent_requests 2.0" in \
+            exposition
         knocks = []
         for body in ({"prompt": [4, 5], "max_tokens": 2}, {"prompt": [4, 5], "max_tokens": 2, "stream": True}):
             async with s.post(url + "/v1/completions", json=body) as r:
