@@ -73,7 +73,8 @@ def test_a_full_server_refuses_with_429_and_serves_again(srv):
     client = openai_client(srv)
     with pytest.raises(openai.RateLimitError):  # n = 3 choices never fit a bound of 2
         client.completions.create(model="qwen3-tiny", prompt=[1, 2], max_tokens=2, n=3, temperature=1.0)
-    ok = client.completions.create(model="qwen3-tiny", prompt=[1, 2], max_tokens=2, n=2, temperature=1.0)
+    ok = client.completions.create(model="qwen3-tiny", prompt=[1, 2], max_tokens=2, n=2, temperature=1.0,
+                                   extra_body={"ignore_eos": True})
     assert [c.finish_reason for c in ok.choices] == ["length", "length"]
 
 
