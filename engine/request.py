@@ -144,6 +144,10 @@ def validate_request(req: Request, limits: ModelLimits) -> None:
         if not 0 <= t < limits.vocab_size:
             raise RequestError(f"stop token id {_tid(t)} is outside the vocabulary [0, {limits.vocab_size})",
                                "stop_token_ids", "invalid_token_id")
+    for t in {t for w in req.sampling.bad_words for t in w}:
+        if t >= limits.vocab_size:
+            raise RequestError(f"bad_words token id {t} is outside the vocabulary [0, {limits.vocab_size})",
+                               "bad_words", "invalid_token_id")
     for t, _ in req.sampling.logit_bias:
         if t >= limits.vocab_size:
             raise RequestError(f"logit_bias token id {t} is outside the vocabulary [0, {limits.vocab_size})",

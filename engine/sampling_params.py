@@ -16,6 +16,7 @@ carry, negative seeds. Ranges (vLLM / OpenAI):
 | repetition_penalty | number | (0, 2] | 1.0 |
 | logit_bias | {token id: bias} or pairs | <= 300 entries, ids in [0, 2**31-1], bias [-100, 100] | () |
 | min_tokens | int | [0, 2**31-1] | 0 |
+| bad_words | token-id sequences | <= 128 sequences of 1-32 ids in [0, 2**31-1] | () |
 | ignore_eos | bool | | False |
 | logprobs | int or None | 0 .. 20 (top log-probabilities per token) | None |
 
@@ -42,11 +43,14 @@ PENALTY_MAX = 2.0
 LOGIT_BIAS_MAX = 100.0
 LOGIT_BIAS_MAX_ENTRIES = 300
 LOGPROBS_MAX = 20
+BAD_WORDS_MAX = 128
+BAD_WORD_MAX_TOKENS = 32
 
 # Fields the sampler on the ranks applies (`modeling.sampler`: temperature, top_k, top_p, seed in the step arrays,
 # the rest in `actors.batch.SamplerExtras`; min_tokens as banned stop ids until the request has that many tokens).
 ENGINE_APPLIES: frozenset[str] = frozenset({"temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty",
-                                            "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"})
+                                            "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                                            "bad_words"})
 # Fields handled outside the sampler: ignore_eos by whoever builds the stop token ids (the HTTP layer leaves
 # EOS out), logprobs accepted with null values until the sampler returns them.
 HANDLED_OUTSIDE: frozenset[str] = frozenset({"ignore_eos", "logprobs"})
@@ -128,6 +132,19 @@ def _logit_bias(v: LogitBiasInput) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+def _bad_words(v: Any) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(v, (list, tuple)) or len(v) > BAD_WORDS_MAX:
+        raise RequestError(f"'bad_words' must be at most {BAD_WORDS_MAX} token-id sequences", "bad_words",
+                           "invalid_type")
+    out = []
+    for w in v:
+        if not isinstance(w, (list, tuple)) or not 1 <= len(w) <= BAD_WORD_MAX_TOKENS:
+            raise RequestError(f"each of 'bad_words' must be 1 to {BAD_WORD_MAX_TOKENS} tokens", "bad_words",
+                               "invalid_value")
+        out.append(tuple(check_int("bad_words", t, 0, INT32_MAX) for t in w))
+    return tuple(dict.fromkeys(out))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request's tokens are sampled (ranges in the module docstring); validated and normalised on
@@ -145,6 +162,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    # vLLM's bad_words as token-id sequences: the last id of one is banned whenever the output ends with the others
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         t = check_number("temperature", self.temperature, 0.0, TEMPERATURE_MAX)
@@ -168,6 +187,7 @@ class SamplingParams:
             "min_tokens": check_int("min_tokens", self.min_tokens, 0, INT32_MAX),
             "ignore_eos": check_bool("ignore_eos", self.ignore_eos),
             "logprobs": None if self.logprobs is None else check_int("logprobs", self.logprobs, 0, LOGPROBS_MAX),
+            "bad_words": _bad_words(self.bad_words),
         }
         for k, v in values.items():
             object.__setattr__(self, k, v)

@@ -18,14 +18,17 @@ import numpy as np
 
 from actors.batch import SamplerExtras
 from engine.grammar import fill_masks
+from engine.sampling_params import BAD_WORD_MAX_TOKENS
 
-# `extras_flags` bits: a row with MIN_P, PENALTY, BIAS, LOGPROBS or GRAMMAR always needs extras; one with MIN_TOKENS
-# only while it has fewer output tokens than min_tokens and stop ids to ban (`_banned`). Above the bits (FLAG_BITS),
+# `extras_flags` bits: a row with MIN_P, PENALTY, BIAS, LOGPROBS, GRAMMAR or BAD_WORDS always needs extras (bad words'
+# bans depend on the last token, so their rows take one step at a time); one with MIN_TOKENS only while it has fewer
+# output tokens than min_tokens and stop ids to ban (`_banned`). Above the bits (FLAG_BITS),
 # the request's logprobs + 1 (0: none), so that the largest flags of a step's rows carry its largest logprobs.
-MIN_P, PENALTY, BIAS, LOGPROBS, MIN_TOKENS, GRAMMAR = 1, 2, 4, 8, 16, 32
-FLAG_BITS = 6
-ALWAYS = MIN_P | PENALTY | BIAS | LOGPROBS | GRAMMAR
-_LISTS = PENALTY | BIAS | MIN_TOKENS  # rows with per-row lists
+MIN_P, PENALTY, BIAS, LOGPROBS, MIN_TOKENS, GRAMMAR, BAD_WORDS = 1, 2, 4, 8, 16, 32, 64
+FLAG_BITS = 7
+ALWAYS = MIN_P | PENALTY | BIAS | LOGPROBS | GRAMMAR | BAD_WORDS
+_BANS = MIN_TOKENS | BAD_WORDS
+_LISTS = PENALTY | BIAS | _BANS  # rows with per-row lists
 
 
 def extras_flags(sp, grammar: bool = False) -> int:
@@ -34,7 +37,8 @@ def extras_flags(sp, grammar: bool = False) -> int:
     return (GRAMMAR if grammar else 0) | ((MIN_P if sp.min_p > 0 else 0)
             | (PENALTY if sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1 else 0)
             | (BIAS if sp.logit_bias else 0) | (LOGPROBS if sp.logprobs is not None else 0)
-            | (MIN_TOKENS if sp.min_tokens else 0) | (0 if sp.logprobs is None else sp.logprobs + 1) << FLAG_BITS)
+            | (MIN_TOKENS if sp.min_tokens else 0) | (BAD_WORDS if sp.bad_words else 0)
+            | (0 if sp.logprobs is None else sp.logprobs + 1) << FLAG_BITS)
 
 
 def needs_extras(seq) -> bool:
@@ -44,10 +48,18 @@ def needs_extras(seq) -> bool:
 
 
 def _banned(seq) -> Optional[list[int]]:
+    """The ids `seq` may not draw next: its stop ids before `min_tokens`, and the last id of every bad word whose
+    other ids end its output (None: none)."""
     sp = seq.request.sampling
-    if sp.min_tokens and seq.num_output_tokens < sp.min_tokens and seq.stop_ids:
-        return sorted(seq.stop_ids)
-    return None
+    out = set(seq.stop_ids) if sp.min_tokens and seq.num_output_tokens < sp.min_tokens else set()
+    if sp.bad_words:
+        n = seq.num_output_tokens
+        tail = seq.token_ids[len(seq.token_ids) - min(n, BAD_WORD_MAX_TOKENS - 1):] if n else []
+        for w in sp.bad_words:
+            k = len(w) - 1
+            if k == 0 or (k <= len(tail) and tuple(tail[len(tail) - k:]) == w[:k]):
+                out.add(w[-1])
+    return sorted(out) if out else None
 
 
 def _penalised(seq) -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +125,7 @@ def build_extras(seqs: Sequence) -> Optional[SamplerExtras]:
             if f & BIAS:
                 bias_ids[i] = [t for t, _ in sp.logit_bias]
                 bias_vals[i] = [v for _, v in sp.logit_bias]
-            if f & MIN_TOKENS:
+            if f & _BANS:
                 banned = _banned(seq)
                 if banned:
                     bans[i] = banned

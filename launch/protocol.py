@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from engine.errors import RequestError
 from engine.grammar import TokenGrammar
-from engine.sampling_params import INT32_MAX, LOGPROBS_MAX, SamplingParams, check_bool, check_int
+from engine.sampling_params import (BAD_WORD_MAX_TOKENS, BAD_WORDS_MAX, INT32_MAX, LOGPROBS_MAX, SamplingParams,
+                                    check_bool, check_int)
 from engine.samples import MAX_N
 from launch.defaults import GenerationDefaults
 from launch.structured import parse_response_format
@@ -159,12 +160,35 @@ def parse_sampling(body: dict, ctx: ParseContext, logprobs: Optional[int]) -> Sa
             v = ctx.defaults.sampling.get(key, HTTP_SAMPLING_DEFAULTS.get(key))
         if v is not None:
             kw[key] = v
-    sp = SamplingParams(**kw, logprobs=logprobs)
+    bad = parse_bad_words(body, ctx)
+    sp = SamplingParams(**kw, logprobs=logprobs, **({"bad_words": bad} if bad else {}))
     for name in sp.unapplied():
         if body.get(name) is not None:
             raise ApiError(400, f"'{name}' is accepted by the API but not applied by this engine yet; omit it or "
                                 "send its neutral value", name, "unsupported")
     return sp
+
+
+def parse_bad_words(body: dict, ctx: ParseContext) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `bad_words` (strings) as token-id sequences: each word as it starts a text and after a space, as the
+    served tokenizer writes them (`SamplingParams.bad_words`)."""
+    v = body.get("bad_words")
+    if v is None or v == []:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(w, str) and w.strip() for w in v) or len(v) > BAD_WORDS_MAX // 2:
+        raise RequestError(f"'bad_words' must be a list of at most {BAD_WORDS_MAX // 2} non-blank strings", "bad_words",
+                           "invalid_type")
+    if ctx.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer: 'bad_words' needs one", "bad_words", "no_tokenizer")
+    out = []
+    for w in v:
+        for prefix in ("", " "):
+            ids = ctx.tokenizer.encode(prefix + check_text(w, "bad_words").lstrip(), add_special_tokens=False)
+            if not 1 <= len(ids) <= BAD_WORD_MAX_TOKENS:
+                raise RequestError(f"each of 'bad_words' must be 1 to {BAD_WORD_MAX_TOKENS} tokens", "bad_words",
+                                   "invalid_value")
+            out.append(tuple(ids))
+    return tuple(dict.fromkeys(out))
 
 
 def parse_max_tokens(body: dict, keys: tuple[str, ...], default: Optional[int], prompts: list[list[int]],

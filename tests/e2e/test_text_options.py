@@ -106,6 +106,10 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(served):
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens"),
+    ({"bad_words": "fox"}, "bad_words"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"bad_words": ["fox " * 40]}, "bad_words"),
+    ({"bad_words": ["x"] * 65}, "bad_words"),
 ])
 def test_bad_text_options_are_400s_naming_the_field(served, fields, param):
     async def main():
@@ -139,3 +143,38 @@ def test_usage_reports_the_prompt_tokens_from_the_prefix_cache(served):
     chat = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                           n=3, temperature=1.0)
     assert chat.usage.prompt_tokens_details.cached_tokens <= chat.usage.prompt_tokens
+
+
+def _variants(tok, word: str) -> list[list[int]]:
+    """The token sequences `bad_words` bans for `word`: as it starts a text and after a space (vLLM's rule)."""
+    return [tok.encode(p + word.lstrip(), add_special_tokens=False) for p in ("", " ")]
+
+
+def _first_ban(out: list[int], words: list[list[int]]) -> int:
+    """The first position of `out` whose token a bad word forbids (its last id after its other ids), else len."""
+    for k, t in enumerate(out):
+        if any(w[-1] == t and out[max(0, k - len(w) + 1):k] == w[:-1] and k >= len(w) - 1 for w in words):
+            return k
+    return len(out)
+
+
+def _contains(out: list[int], w: list[int]) -> bool:
+    return any(out[i:i + len(w)] == w for i in range(len(out) - len(w) + 1))
+
+
+@pytest.mark.parametrize("span", [1, 2])
+def test_bad_words_never_appear_in_the_output_tokens(served, span):
+    client, tok = openai_client(served[0]), served[1]
+    kw = dict(model="tiny-chat", prompt="The quick brown fox", max_tokens=24, temperature=0,
+              extra_body={"ignore_eos": True})
+    free = client.completions.create(**kw).choices[0].token_ids
+    word = tok.decode(free[5:5 + span])
+    words = _variants(tok, word)
+    k = _first_ban(free, words)
+    assert k < len(free), (word, words, free)  # the word's tokens occur in the free output
+    banned = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "bad_words": [word]}})
+    got = banned.choices[0].token_ids
+    assert got[:k] == free[:k] and got[k] != free[k] and len(got) == 24
+    assert not any(_contains(got, w) for w in words)
+    stream = client.completions.create(stream=True, **{**kw, "extra_body": {"ignore_eos": True, "bad_words": [word]}})
+    assert [t for c in stream for t in (c.choices[0].token_ids if c.choices else [])] == got

@@ -27,6 +27,7 @@ GOOD = [
     ("logit_bias", {str(i): 1 for i in range(300)}),
     ("min_tokens", 0), ("min_tokens", INT32_MAX), ("ignore_eos", True), ("ignore_eos", False),
     ("logprobs", None), ("logprobs", 0), ("logprobs", 20),
+    ("bad_words", ()), ("bad_words", [[5], [1, 2, 3]]), ("bad_words", [[INT32_MAX] * 32] * 128),
 ]
 
 
@@ -68,6 +69,11 @@ BAD = [
     ("ignore_eos", 1, "invalid_type"), ("ignore_eos", "true", "invalid_type"), ("ignore_eos", None, "invalid_type"),
     ("logprobs", -1, "invalid_value"), ("logprobs", 21, "invalid_value"), ("logprobs", True, "invalid_type"),
     ("logprobs", 2.0, "invalid_type"),
+    ("bad_words", [[1]] * 129, "invalid_type"), ("bad_words", "x", "invalid_type"),
+    ("bad_words", None, "invalid_type"), ("bad_words", [[]], "invalid_value"),
+    ("bad_words", [[1] * 33], "invalid_value"),
+    ("bad_words", [5], "invalid_value"), ("bad_words", [[-1]], "invalid_value"), ("bad_words", [[1.0]], "invalid_type"),
+    ("bad_words", [[True]], "invalid_type"),
 ]
 
 

@@ -52,7 +52,7 @@ def _per_row_extras(seqs):
 
 
 def _random_sampling(rng) -> SamplingParams:
-    kind = rng.integers(0, 7)
+    kind = rng.integers(0, 8)
     kw = {}
     if kind == 1:
         kw["logprobs"] = int(rng.integers(0, 21))
@@ -66,6 +66,9 @@ def _random_sampling(rng) -> SamplingParams:
         kw["logit_bias"] = {int(t): float(v) for t, v in zip(rng.choice(500, 3, replace=False), [2.5, -100.0, 0.1])}
     elif kind == 6:
         kw["min_tokens"] = int(rng.integers(1, 6))
+    elif kind == 7:
+        kw["bad_words"] = [rng.integers(1, 500, int(rng.integers(1, 4))).tolist() for _ in range(3)]
+        kw["min_tokens"] = int(rng.integers(0, 3))
     return SamplingParams(temperature=float(rng.choice([0.0, 0.8])), **kw)
 
 
@@ -90,3 +93,22 @@ def test_build_extras_equals_the_per_row_construction(seed):
             if f.name not in ("num_logprobs", "allow_bits"):
                 a, w = getattr(got, f.name), getattr(want, f.name)
                 assert a.dtype == w.dtype and a.shape == w.shape and a.tobytes() == w.tobytes(), f.name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bad_words_ban_the_last_id_after_the_others(seed):
+    """`_banned` against a brute-force reading of vLLM's rule: a bad word's last id is banned when the output
+    (never the prompt) ends with its other ids; a one-id word always; with the stop ids before `min_tokens`."""
+    rng = np.random.default_rng(seed)
+    words = [[7], [3, 4], [4, 3, 5], [9, 9]] + [rng.integers(1, 10, int(rng.integers(1, 4))).tolist() for _ in range(3)]
+    for n_out in range(0, 12):
+        prompt = [3, 4, 4, 3, 9]  # ends with prefixes of the words: the prompt must not count
+        req = Request.make(prompt, SamplingParams(bad_words=words, min_tokens=4), max_tokens=50, stop_token_ids=(2,))
+        seq = Sequence(req)
+        out = rng.integers(1, 10, n_out).tolist()
+        seq.token_ids += out
+        want = {w[-1] for w in words if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] ==
+                                                       w[:-1])}
+        want |= {2} if n_out < 4 else set()
+        assert set(_banned(seq) or ()) == want, (out, words)
+        assert needs_extras(seq)  # bad words' rows always take sampler extras (one step at a time)
