@@ -140,3 +140,21 @@ def test_without_the_parser_tools_need_tool_choice_none(scripted):
         assert r.usage.prompt_tokens == len(_template(tok, MESSAGES, TOOLS))
     finally:
         s.stop()
+
+
+def test_the_responses_api_returns_parsed_calls_as_function_call_items(srv, scripted):
+    """`/v1/responses` with tools under the hermes parser: the sentence is a message item and the block a
+    function_call item, whole and streamed (the events' items are the final object's)."""
+    d, tok, sentence = scripted
+    c = openai_client(srv)
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    kw = dict(model=d.name, input=MESSAGES[1]["content"], instructions=MESSAGES[0]["content"], tools=tools,
+              max_output_tokens=32, temperature=0)
+    r = c.responses.create(**kw)
+    assert [o.type for o in r.output] == ["message", "function_call"] and r.status == "completed"
+    assert r.output_text == sentence.strip() and r.output[1].name == "get_weather"
+    assert json.loads(r.output[1].arguments) == {"city": "Paris", "unit": "C"}
+    events = list(c.responses.create(stream=True, **kw))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["message", "function_call"] and done[1].arguments == r.output[1].arguments
+    assert [o.id for o in events[-1].response.output] == [i.id for i in done]
