@@ -40,103 +40,113 @@ class ResponseEventWriter:
         """`failed`: logs an engine failure, returns its reference; `keep`: stores the final object."""
         self.resp, self.rid, self.created, self.echo, self._failed = resp, rid, created, echo, failed
         self.keep = keep
+        self._pending: list[str] = []  # events of this update, written together (one write per token)
         self.seq = 0
         self.items: list[dict] = []  # the output items so far, each as streamed
         self.open: Optional[dict] = None  # the item being streamed
         self.finish_reason: Optional[str] = None
 
-    async def _event(self, kind: str, **fields: Any) -> None:
+    def _event(self, kind: str, **fields: Any) -> None:
         data = json.dumps({"type": kind, "sequence_number": self.seq, **fields})
         self.seq += 1
-        await self.resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
+        self._pending.append(f"event: {kind}\ndata: {data}\n\n")
+
+    async def _flush(self) -> None:
+        if self._pending:
+            text, self._pending = "".join(self._pending), []
+            await self.resp.write(text.encode())
 
     async def start(self, openings: list[dict]) -> None:
         """The opening events (the chat openings, a role each, have nothing to add)."""
         snapshot = response_object(self.rid, self.created, self.echo, None, "in_progress")
-        await self._event("response.created", response=snapshot)
-        await self._event("response.in_progress", response=snapshot)
+        self._event("response.created", response=snapshot)
+        self._event("response.in_progress", response=snapshot)
+        await self._flush()
 
     async def choices(self, deltas: list[dict], usage_: Optional[dict] = None) -> None:
         for d in deltas:
             delta = d["delta"]
             if delta.get("reasoning_content"):
-                await self._text("reasoning", delta["reasoning_content"])
+                self._text("reasoning", delta["reasoning_content"])
             if delta.get("content"):
-                await self._text("message", delta["content"])
+                self._text("message", delta["content"])
             for call in delta.get("tool_calls") or ():
-                await self._call(call)
+                self._call(call)
             self.finish_reason = d["finish_reason"] or self.finish_reason
+        await self._flush()
 
-    async def _open(self, item: dict, part: Optional[dict] = None) -> None:
-        await self._close_open()
+    def _open(self, item: dict, part: Optional[dict] = None) -> None:
+        self._close_open()
         self.open = item
         self.items.append(item)
-        await self._event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        self._event("response.output_item.added", output_index=len(self.items) - 1, item=item)
         if part is not None:
             item["content"].append(part)
-            await self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
+            self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
                               content_index=0, part=part)
 
-    async def _text(self, kind: str, text: str) -> None:
+    def _text(self, kind: str, text: str) -> None:
         if self.open is None or self.open["type"] != kind:
             if kind == "reasoning":
                 item = reasoning_item(new_id("rs"), "", "in_progress")
                 part = item["content"].pop()
             else:
                 item, part = message_item(new_id("msg"), None, "in_progress"), output_text("")
-            await self._open(item, part)
+            self._open(item, part)
         self.open["content"][0]["text"] += text
-        await self._event(TEXT_EVENTS[kind][0], item_id=self.open["id"], output_index=len(self.items) - 1,
+        self._event(TEXT_EVENTS[kind][0], item_id=self.open["id"], output_index=len(self.items) - 1,
                           content_index=0, delta=text)
 
-    async def _call(self, call: dict) -> None:
+    def _call(self, call: dict) -> None:
         """A chat `tool_calls` delta entry: one with an `id` opens a call, the others add to the open one."""
         if "id" in call:
             opened = {**call, "function": {**call["function"], "arguments": ""}}
-            await self._open(function_call_item(new_id("fc"), opened, "in_progress"))
+            self._open(function_call_item(new_id("fc"), opened, "in_progress"))
         args = call["function"].get("arguments") or ""
         if args and self.open is not None and self.open["type"] == "function_call":
             self.open["arguments"] += args
-            await self._event("response.function_call_arguments.delta", item_id=self.open["id"],
+            self._event("response.function_call_arguments.delta", item_id=self.open["id"],
                               output_index=len(self.items) - 1, delta=args)
 
-    async def _close_open(self, status: str = "completed") -> None:
+    def _close_open(self, status: str = "completed") -> None:
         item, self.open = self.open, None
         if item is None:
             return
         index = len(self.items) - 1
         if item["type"] == "function_call":
-            await self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+            self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                               arguments=item["arguments"])
         else:
             part = item["content"][0]
-            await self._event(TEXT_EVENTS[item["type"]][1], item_id=item["id"], output_index=index, content_index=0,
+            self._event(TEXT_EVENTS[item["type"]][1], item_id=item["id"], output_index=index, content_index=0,
                               text=part["text"])
-            await self._event("response.content_part.done", item_id=item["id"], output_index=index,
+            self._event("response.content_part.done", item_id=item["id"], output_index=index,
                               content_index=0, part=part)
         item["status"] = status
-        await self._event("response.output_item.done", output_index=index, item=item)
+        self._event("response.output_item.done", output_index=index, item=item)
 
     async def close(self, usage_: dict) -> None:
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        await self._close_open(status)
+        self._close_open(status)
         if not self.items:  # an empty answer is still a message
-            await self._open(message_item(new_id("msg"), None, "in_progress"), output_text(""))
-            await self._close_open(status)
+            self._open(message_item(new_id("msg"), None, "in_progress"), output_text(""))
+            self._close_open(status)
         final = response_object(self.rid, self.created, self.echo, None, status)
         final["output"] = self.items
         final["usage"] = usage_object(usage_)
         final["incomplete_details"] = {"reason": "max_output_tokens"} if status == "incomplete" else None
         if self.keep is not None:
             self.keep(final)
-        await self._event("response.completed" if status == "completed" else "response.incomplete", response=final)
+        self._event("response.completed" if status == "completed" else "response.incomplete", response=final)
+        await self._flush()
         await self.resp.write_eof()
 
     async def error(self, exc: BaseException) -> None:
         ref = self._failed(exc)
         err = ApiError(503, f"the engine failed while serving this request; retry it (reference {ref})", None,
                        "engine_failed", "server_error")
-        await self._event("error", code=err.code, message=err.message, param=None)
+        self._event("error", code=err.code, message=err.message, param=None)
+        await self._flush()
 
 
 
