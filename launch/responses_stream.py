@@ -10,8 +10,9 @@ server-sent events, each `event: <type>` + `data: {"type", "sequence_number", ..
 - a function call: `response.function_call_arguments.delta`s (the whole arguments when the call arrives whole, the
   next piece for a named `tool_choice`), `response.function_call_arguments.done`.
 `response.completed` (or `response.incomplete` when `max_output_tokens` cut the answer) carries the whole response
-object, whose items are the ones streamed (same ids, texts and call ids). An engine failure is an `error` event. No
-`[DONE]` follows, as OpenAI sends none on this API.
+object, whose items are the ones streamed (same ids, texts and call ids). An engine failure is an `error` event and
+then `response.failed` (status "failed", the items streamed so far, nothing stored). No `[DONE]` follows, as OpenAI
+sends none on this API.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class ResponseEventWriter:
         self.items: list[dict] = []  # the output items so far, each as streamed
         self.open: Optional[dict] = None  # the item being streamed
         self.finish_reason: Optional[str] = None
+        self.failure: Optional[dict] = None  # set by `error`: the stream ends with response.failed
 
     def _event(self, kind: str, **fields: Any) -> None:
         data = json.dumps({"type": kind, "sequence_number": self.seq, **fields})
@@ -126,6 +128,14 @@ class ResponseEventWriter:
         self._event("response.output_item.done", output_index=index, item=item)
 
     async def close(self, usage_: dict) -> None:
+        if self.failure is not None:  # the engine failed: what was streamed, then response.failed
+            self._close_open("incomplete")
+            final = response_object(self.rid, self.created, self.echo, None, "failed")
+            final.update(output=self.items, error=self.failure)
+            self._event("response.failed", response=final)
+            await self._flush()
+            await self.resp.write_eof()
+            return
         status = "incomplete" if self.finish_reason == "length" else "completed"
         self._close_open(status)
         if not self.items:  # an empty answer is still a message
@@ -146,6 +156,7 @@ class ResponseEventWriter:
         err = ApiError(503, f"the engine failed while serving this request; retry it (reference {ref})", None,
                        "engine_failed", "server_error")
         self._event("error", code=err.code, message=err.message, param=None)
+        self.failure = {"code": "server_error", "message": err.message}
         await self._flush()
 
 
