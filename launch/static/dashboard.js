@@ -140,7 +140,8 @@ function render(st) {
   h.textContent = ok ? "healthy" : "unhealthy: " + st.health;
   h.className = "pill badge " + (ok ? "ok" : "bad");
   $("uptime").textContent = "up " + duration(st.uptime_s);
-  $("in-flight").textContent = num(eng.in_flight);
+  const adm = st.admission || {};
+  $("in-flight").textContent = num(adm.in_flight ?? eng.in_flight) + (adm.max_in_flight ? " / " + num(adm.max_in_flight) : "");
   $("queue").textContent = num(eng.waiting) + " / " + num(eng.running);
   $("generated").textContent = num(eng.generated_tokens);
   $("steps-total").textContent = num(eng.steps);

@@ -96,6 +96,8 @@ def test_dashboard_shows_ranks_and_counters(server, artifacts):
     assert f"dp {nranks}" in dom.by_id["topology"]
     assert int(dom.by_id["steps-total"].replace(",", "")) > 0
     assert int(dom.by_id["generated"].replace(",", "")) > 0
+    held, bound = (int(x.replace(",", "")) for x in dom.by_id["in-flight"].split(" / "))
+    assert held >= 0 and bound >= 256  # --max-concurrent-requests' default
     for row in dom.rows:
         assert int(row["steps-eager"].replace(",", "")) > 0  # CPU: eager steps
         assert "no_cuda" in row["eager-reasons"]
