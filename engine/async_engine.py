@@ -138,8 +138,10 @@ class AsyncLLMEngine(EngineStatus):
     # ---- requests (event-loop thread)
     def make_request(self, prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,
                      max_tokens: Optional[int] = 16, stop_token_ids: Sequence[int] = (),
-                     request_id: Optional[str] = None, grammar: Optional[TokenGrammar] = None) -> Request:
-        return self.engine.make_request(prompt_token_ids, sampling, max_tokens, stop_token_ids, request_id, grammar)
+                     request_id: Optional[str] = None, grammar: Optional[TokenGrammar] = None,
+                     priority: int = 0) -> Request:
+        return self.engine.make_request(prompt_token_ids, sampling, max_tokens, stop_token_ids, request_id, grammar,
+                                        priority)
 
     def make_samples(self, request: Request, n: int, fit_max_tokens: bool = False) -> list[Request]:
         """The n requests of n samples of `request`'s prompt (`LLMEngine.make_samples`); submit them in order."""

@@ -57,6 +57,7 @@ class EngineConfig:
     decode_steps: int = 1
     overlap: bool = False  # schedule and submit the next decode round before collecting the current one
     overlap_max_seqs: int = 32  # ... while a round has at most this many sequences (all DP ranks together)
+    scheduling_policy: str = "fcfs"  # `engine.scheduler_config.SCHEDULING_POLICIES`
     # generation stops at these unless a request sets ignore_eos: the checkpoint's EOS ids (generation_config.json,
     # else config.json); None = the executor's model config's
     eos_token_ids: Optional[tuple[int, ...]] = None
@@ -91,7 +92,8 @@ class LLMEngine(EngineRecovery):
             DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill else max(self.limits.max_model_len, 2048))
         self.sched_config = SchedulerConfig(config.max_num_seqs, budget, self.limits.max_model_len,
                                             config.watermark_blocks, config.decode_steps,
-                                            config.enable_chunked_prefill, config.enable_prefix_caching)
+                                            config.enable_chunked_prefill, config.enable_prefix_caching,
+                                            config.scheduling_policy)
         self.schedulers = [Scheduler(self.sched_config, self.limits.num_kv_blocks, self.limits.block_size)
                            for _ in range(int(executor.dp_size))]
         eos = config.eos_token_ids if config.eos_token_ids is not None else getattr(mcfg, "eos_token_ids", ())
@@ -114,9 +116,14 @@ class LLMEngine(EngineRecovery):
 
     def make_request(self, prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,
                      max_tokens: Optional[int] = 16, stop_token_ids: Sequence[int] = (),
-                     request_id: Optional[str] = None, grammar: Optional[TokenGrammar] = None) -> Request:
-        """Build and validate a request (raises `RequestError`); schedules nothing. `grammar`: `engine.grammar`."""
-        req = Request.make(prompt_token_ids, sampling, max_tokens, stop_token_ids, request_id, grammar)
+                     request_id: Optional[str] = None, grammar: Optional[TokenGrammar] = None,
+                     priority: int = 0) -> Request:
+        """Build and validate a request (raises `RequestError`); schedules nothing. `grammar`: `engine.grammar`;
+        `priority`: only under the priority scheduling policy (else it must be 0)."""
+        if priority != 0 and self.sched_config.scheduling_policy != "priority":
+            raise RequestError("'priority' needs the priority scheduling policy (graphline serve --scheduling-policy "
+                               "priority)", "priority", "unsupported")
+        req = Request.make(prompt_token_ids, sampling, max_tokens, stop_token_ids, request_id, grammar, priority)
         validate_request(req, self.limits)
         return req
 

@@ -47,7 +47,8 @@ class Request:
     sampling: `engine.sampling_params.SamplingParams`. parent_id: another sample of the same prompt (`n > 1`,
     `engine.samples`): this request waits until that one has computed the prompt, then shares its cached blocks.
     grammar: the constraint every generated token obeys (`engine.grammar`; the HTTP layer's `response_format`), None
-    = free text."""
+    = free text. priority: under the priority scheduling policy a lower value is admitted first (ties: arrival
+    order); int32, 0 by default."""
 
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
@@ -57,11 +58,13 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     parent_id: Optional[str] = None
     grammar: Optional[TokenGrammar] = None
+    priority: int = 0
 
     @staticmethod
     def make(prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,
              max_tokens: Optional[int] = 16, stop_token_ids: Sequence[int] = (),
-             request_id: Optional[str] = None, grammar: Optional[TokenGrammar] = None) -> "Request":
+             request_id: Optional[str] = None, grammar: Optional[TokenGrammar] = None,
+             priority: int = 0) -> "Request":
         """Build a request from loose inputs; type and range errors become `RequestError` (nothing is validated
         against the model here: see `validate_request`). `sampling` may be a legacy
         object with the same attributes (converted field by field)."""
@@ -97,9 +100,11 @@ class Request:
         kw = {} if request_id is None else {"request_id": str(request_id)}
         if grammar is not None and not isinstance(grammar, TokenGrammar):
             raise RequestError("the grammar must be an engine.grammar.TokenGrammar", "response_format", "invalid_type")
+        if not _is_int(priority) or not -INT32_MAX - 1 <= int(priority) <= INT32_MAX:
+            raise RequestError("'priority' must be an int32", "priority", "invalid_value")
         return Request(ids, sampling,
                        None if max_tokens is None else int(max_tokens),
-                       frozenset(int(t) for t in stop_token_ids), grammar=grammar, **kw)
+                       frozenset(int(t) for t in stop_token_ids), grammar=grammar, priority=int(priority), **kw)
 
 
 def _tid(t: int) -> str:

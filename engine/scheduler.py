@@ -94,6 +94,11 @@ class Scheduler(StepPlanner):
         seq.status = SeqStatus.WAITING
         if after is not None and not after.prefilled and not after.is_finished:
             self._held.setdefault(after.request_id, []).append(seq)
+        elif self.cfg.scheduling_policy == "priority":  # behind every waiting one of the same or a lower value
+            p, i = seq.request.priority, len(self.waiting)
+            while i and self.waiting[i - 1].request.priority > p:
+                i -= 1
+            self.waiting.insert(i, seq)
         else:
             self.waiting.append(seq)
 

@@ -127,7 +127,8 @@ async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, gr
     """Submit one request per choice (n per prompt) and answer with the finished choices, or stream them (SSE)."""
     reqs = [r for p, mt in zip(greq.prompts, greq.max_tokens)
             for r in eng.make_samples(eng.make_request(p, greq.sampling, mt, greq.stop_token_ids,
-                                                       grammar=gate_for_reasoning(greq.grammar, shape.think_tags, p)),
+                                                       grammar=gate_for_reasoning(greq.grammar, shape.think_tags, p),
+                                                       priority=greq.priority),
                                       greq.n, fit_max_tokens=not greq.max_tokens_given)]
     choices = [ChoiceState(i, len(greq.prompts[i // greq.n]), tokenizer, greq.stop, keep_logprobs=not greq.stream,
                            think=splitter_for(shape.think_tags, greq.prompts[i // greq.n]),

@@ -43,6 +43,9 @@ def add_model_args(p: argparse.ArgumentParser, executor_default: str = "ray") ->
                         "4096")
     c.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per DP rank "
                    "(default: --max-decode-batch, so every decode batch has a graph)")
+    c.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="which waiting request is admitted first: fcfs (arrival order) or priority (a request's "
+                        "'priority', lower first, then arrival order; requests may set it only under this policy)")
     c.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step per DP rank: decode rows plus prefill chunks (default 2048 on "
                         "GPUs, 512 on CPU, at most --pcg-max-tokens so mixed steps replay a captured plan); a budget "
@@ -255,6 +258,7 @@ def engine_config(args: argparse.Namespace, eos_token_ids: Optional[Sequence[int
                         enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
                         overlap=bool(getattr(args, "overlap", False)),
                         overlap_max_seqs=getattr(args, "overlap_max_seqs", 32),
+                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
                         eos_token_ids=None if eos_token_ids is None else tuple(eos_token_ids))
 
 

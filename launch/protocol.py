@@ -84,6 +84,7 @@ class GenerationRequest:
     tool_choice: Optional[ToolChoice] = None  # chat: `launch.tools.parse_tool_choice` (None: completions)
     grammar: Optional[TokenGrammar] = None  # `response_format` (`launch.structured`): every choice obeys it
     text: "TextOptions" = field(default_factory=lambda: TextOptions())
+    priority: int = 0  # vLLM's `priority` (the server's --scheduling-policy priority: lower first)
 
 
 @dataclass(frozen=True)
@@ -280,10 +281,12 @@ def parse_common(body: Any, ctx: ParseContext, prompts: list[list[int]], logprob
     stream, include_usage, continuous = parse_stream(body)
     text = TextOptions(_flag(body, "include_stop_str_in_output", False),
                        _flag(body, "skip_special_tokens", True), continuous)
+    priority = body.get("priority")
     return GenerationRequest(parse_model(body, ctx), prompts, sampling, max_tokens,
                              parse_stop_token_ids(body, ctx, sampling.ignore_eos), parse_stop(body, ctx),
                              stream, include_usage, n, any(body.get(k) is not None for k in max_tokens_keys),
-                             text=text)
+                             text=text, priority=0 if priority is None else check_int("priority", priority,
+                                                                                      -INT32_MAX - 1, INT32_MAX))
 
 
 def require_object(body: Any) -> dict:

@@ -35,7 +35,7 @@ from launch.responses_store import answer_messages
 # chat fields a Responses request sets under the same name
 PASSED = ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
-          "min_tokens", "logit_bias", "chat_template_kwargs", "structured_outputs")
+          "min_tokens", "logit_bias", "chat_template_kwargs", "structured_outputs", "priority")
 # chat's names for Responses fields, in error messages and `param`s
 RENAMED = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"))
 TEXT_PARTS = ("input_text", "output_text", "text")

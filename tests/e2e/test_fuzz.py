@@ -97,6 +97,7 @@ def bad_values(tokenizer: bool) -> dict[str, list]:
         "include_stop_str_in_output": ["yes", 1, [], Raw("NaN")],
         "skip_special_tokens": [0, "false", {}],
         "truncate_prompt_tokens": [0, -2, 1.5, "3", True, *HUGE, *RAW_BAD_NUMBERS],
+        "priority": [1, -1, 1.5, "0", True, 2**31, *RAW_BAD_NUMBERS],
         "bad_words": ["x", [5], [""], {"a": 1}] + (["w " * 100] if tokenizer else [["ok"]]),
         "echo": [True],
         "suffix": ["x"],

@@ -294,3 +294,37 @@ def test_abort_and_reset_while_a_round_runs_ahead():
     assert got[keep] == ex.reference([1, 2, 3], 12)
     assert eng.schedulers[0].allocator.num_free == 63
     assert ex.ahead_rounds > 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_priority_policy_admits_lower_values_first_and_keeps_arrival_order_within_one(policy):
+    """One running sequence at a time: the admission order is arrival order under fcfs, and (priority, arrival)
+    under priority; a preempted sequence still goes back to the front."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=64, scheduling_policy=policy), 100, 4)
+    prios = [0, 5, -3, 0, 5, -3, 2]
+    seqs = [_seq(3, max_tokens=1, priority=p) for p in prios]
+    for q in seqs:
+        s.add(q)
+    order = []
+    while s.has_unfinished:
+        b = s.schedule()
+        order += b.seqs
+        s.update(b, np.array([1] * len(b.seqs)))
+    want = seqs if policy == "fcfs" else [seqs[i] for i in sorted(range(len(prios)), key=lambda i: (prios[i], i))]
+    assert order == want
+    with pytest.raises(ValueError):
+        SchedulerConfig(scheduling_policy="lifo")
+
+
+def test_priority_needs_the_priority_policy():
+    fcfs = LLMEngine(PagedToyExecutor(num_kv_blocks=16, block_size=4), EngineConfig(max_model_len=64))
+    from engine.errors import RequestError
+
+    with pytest.raises(RequestError) as info:
+        fcfs.make_request([1, 2, 3], priority=1)
+    assert info.value.param == "priority"
+    prio = LLMEngine(PagedToyExecutor(num_kv_blocks=16, block_size=4),
+                     EngineConfig(max_model_len=64, scheduling_policy="priority"))
+    assert prio.make_request([1, 2, 3], priority=-7).priority == -7
+    with pytest.raises(RequestError):
+        prio.make_request([1, 2, 3], priority=2**31)
