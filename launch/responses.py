@@ -12,7 +12,9 @@ items are dropped), `instructions` (a system message first), `max_output_tokens`
 `chat_template_kwargs`, `structured_outputs`). With `--responses-store N` (`launch.responses_store`) a response is
 kept unless `store` is false, and `previous_response_id` continues a kept one's conversation (its `instructions` are
 not carried over); without it, `previous_response_id` is a 400. `conversation`, `background` and `truncation: "auto"`
-are 400s naming the field; `metadata`, `user`, `include` and `reasoning` are taken and not acted on. An error of the
+are 400s naming the field; `include: ["message.output_text.logprobs"]` or `top_logprobs` (0-20) return the output
+text's token logprobs (chat's entries; streamed with each text delta); `metadata`, `user`, other `include` values and
+`reasoning` are taken and not acted on. An error of the
 translated request names the Responses field (`input`, `max_output_tokens`, `text.format`, ...).
 
 Response (`response_object`): `{"id": "resp_...", "object": "response", "status": "completed" | "incomplete",
@@ -143,6 +145,17 @@ def _text_format(text: Any) -> Any:
     return fmt
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _wants_logprobs(body: dict) -> bool:
+    """`include` names the output text's logprobs, or `top_logprobs` is set (0-20; chat checks it)."""
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
+        raise RequestError("'include' must be a list of strings", "include", "invalid_type")
+    return LOGPROBS_INCLUDE in (include or ()) or body.get("top_logprobs") is not None
+
+
 def _refuse(body: dict, key: str, allowed: tuple, why: str) -> None:
     if body.get(key) not in allowed:
         raise ApiError(400, f"'{key}' is not supported: {why}", key, "unsupported")
@@ -203,6 +216,8 @@ def parse_responses_request(body: Any, ctx: ParseContext) -> ResponsesRequest:
         raise RequestError("'store' must be a boolean", "store", "invalid_type")
     turns = _earlier_turns(body, ctx) + input_messages(body.get("input"))
     chat = {k: body[k] for k in PASSED if body.get(k) is not None}
+    if _wants_logprobs(body):
+        chat.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)
     chat.update(messages=instruction_messages(body.get("instructions")) + turns, tools=_tools(body.get("tools")),
                 tool_choice=_tool_choice(body.get("tool_choice")), response_format=_text_format(body.get("text")),
                 max_completion_tokens=body.get("max_output_tokens"))
@@ -235,6 +250,7 @@ def response_object(rid: str, created: int, echo: dict, answer: Optional[dict], 
             output.append(reasoning_item(new_id("rs"), msg["reasoning_content"]))
         if msg["content"] or not msg.get("tool_calls"):
             output.append(message_item(new_id("msg"), msg["content"] or "", status))
+            output[-1]["content"][0]["logprobs"] = (ch.get("logprobs") or {}).get("content") or []
         output += [function_call_item(new_id("fc"), c) for c in msg.get("tool_calls") or []]
         usage = usage_object(u)
         details = {"reason": "max_output_tokens"} if status == "incomplete" else None

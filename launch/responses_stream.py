@@ -47,6 +47,7 @@ class ResponseEventWriter:
         self.open: Optional[dict] = None  # the item being streamed
         self.finish_reason: Optional[str] = None
         self.failure: Optional[dict] = None  # set by `error`: the stream ends with response.failed
+        self._lp_held: list = []  # logprob entries of tokens that brought no text yet
 
     def _event(self, kind: str, **fields: Any) -> None:
         data = json.dumps({"type": kind, "sequence_number": self.seq, **fields})
@@ -70,8 +71,12 @@ class ResponseEventWriter:
             delta = d["delta"]
             if delta.get("reasoning_content"):
                 self._text("reasoning", delta["reasoning_content"])
+            lps = (d.get("logprobs") or {}).get("content") or []
             if delta.get("content"):
-                self._text("message", delta["content"])
+                self._text("message", delta["content"], self._lp_held + lps)
+                self._lp_held = []
+            else:  # tokens without text yet (part of a character): their entries go with the next text
+                self._lp_held += lps
             for call in delta.get("tool_calls") or ():
                 self._call(call)
             self.finish_reason = d["finish_reason"] or self.finish_reason
@@ -87,7 +92,8 @@ class ResponseEventWriter:
             self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
                               content_index=0, part=part)
 
-    def _text(self, kind: str, text: str) -> None:
+    def _text(self, kind: str, text: str, logprobs: Optional[list] = None) -> None:
+        """`logprobs`: the chat entries of the delta's tokens (message text only)."""
         if self.open is None or self.open["type"] != kind:
             if kind == "reasoning":
                 item = reasoning_item(new_id("rs"), "", "in_progress")
@@ -95,9 +101,14 @@ class ResponseEventWriter:
             else:
                 item, part = message_item(new_id("msg"), None, "in_progress"), output_text("")
             self._open(item, part)
-        self.open["content"][0]["text"] += text
+        part = self.open["content"][0]
+        part["text"] += text
+        extra = {}
+        if kind == "message":
+            part["logprobs"] += logprobs or []
+            extra["logprobs"] = logprobs or []
         self._event(TEXT_EVENTS[kind][0], item_id=self.open["id"], output_index=len(self.items) - 1,
-                          content_index=0, delta=text)
+                    content_index=0, delta=text, **extra)
 
     def _call(self, call: dict) -> None:
         """A chat `tool_calls` delta entry: one with an `id` opens a call, the others add to the open one."""
@@ -137,6 +148,8 @@ class ResponseEventWriter:
             await self.resp.write_eof()
             return
         status = "incomplete" if self.finish_reason == "length" else "completed"
+        if self._lp_held and self.open is not None and self.open["type"] == "message":
+            self._text("message", "", self._lp_held)  # the last tokens brought no text
         self._close_open(status)
         if not self.items:  # an empty answer is still a message
             self._open(message_item(new_id("msg"), None, "in_progress"), output_text(""))

@@ -155,6 +155,8 @@ def _delete(url: str, rid: str) -> tuple[int, dict]:
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"temperature": 101}, "temperature"),
+    ({"top_logprobs": 25}, "top_logprobs"),
+    ({"include": "message.output_text.logprobs"}, "include"),
 ])
 def test_bad_fields_are_400s_naming_the_responses_field(srv, fields, param):
     status, body = _post(srv.url, {"model": "tiny-chat", "input": "hi", "max_output_tokens": 4, **fields})
@@ -217,3 +219,22 @@ def test_without_a_store_nothing_is_kept(srv):
     assert r.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
+
+
+def test_output_text_logprobs_equal_chats(srv):
+    client = openai_client(srv)
+    kw = dict(model="tiny-chat", input="Count to three.", max_output_tokens=8, temperature=0,
+              include=["message.output_text.logprobs"], top_logprobs=2, extra_body={"ignore_eos": True})
+    r = client.responses.create(**kw)
+    chat = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Count to three."}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    got = [(e.token, round(e.logprob, 5), [t.token for t in e.top_logprobs]) for e in r.output[0].content[0].logprobs]
+    want = [(e.token, round(e.logprob, 5), [t.token for t in e.top_logprobs]) for e in chat.choices[0].logprobs.content]
+    assert got == want and len(got) >= 1
+    events = list(client.responses.create(stream=True, **kw))
+    streamed = [(e2["token"], round(e2["logprob"], 5)) for e in events if e.type == "response.output_text.delta"
+                for e2 in (x if isinstance(x, dict) else x.model_dump() for x in e.logprobs)]
+    assert streamed == [(t, lp) for t, lp, _ in want]
+    plain = client.responses.create(model="tiny-chat", input="Count to three.", max_output_tokens=2)
+    assert plain.output[0].content[0].logprobs == []
