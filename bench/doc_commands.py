@@ -177,6 +177,9 @@ def rows(ckpt: Path, token_file: Path) -> list[tuple[str, callable]]:
             ["--model", str(ckpt), "--device", "cpu", "--no-progress", "--executor", "local", "--responses-store",
              "16"], body={"input": "hi", "max_output_tokens": 4}, path="/v1/responses")),
         ("serve --max-concurrent-requests 8", s("--executor", "local", "--max-concurrent-requests", "8")),
+        ("serve --scheduling-policy priority (a request with priority -1)",
+         s("--executor", "local", "--scheduling-policy", "priority",
+           body={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "priority": -1})),
         ("launch/cluster.sh up --model qwen3-tiny --dp 2 --port 0", lambda: serve_via_cluster()),
         ("launch/cluster.sh --help", lambda: run(["bash", "launch/cluster.sh", "--help"])),
     ]
