@@ -123,6 +123,29 @@ def assert_serve_refuses(serve_args: list[str], extra: list[str], needle: str, e
     assert "serving" not in out.stdout
 
 
+def http_json(url: str, method: str = "POST", body: Optional[dict] = None, timeout: float = 60) -> tuple[int, dict]:
+    """One request to `url` (a loopback address) with a JSON `body`: (status, the JSON answer)."""
+    import asyncio
+
+    import aiohttp
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async with s.request(method, url, json=body) as r:
+                return r.status, await r.json()
+
+    return asyncio.run(asyncio.wait_for(main(), timeout))
+
+
+def metric_counts(url: str, family: str, label: str) -> dict[str, float]:
+    """The server's `/metrics` samples of counter `family` (`..._total`) by the value of `label`."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    pattern = rf'^{re.escape(family)}_total\{{{re.escape(label)}="(\w+)"\}} (\S+)$'
+    return {k: float(v) for k, v in re.findall(pattern, text, re.M)}
+
+
 def openai_client(srv: Server):
     """The official `openai` client of `srv` (no retries: a failure shows as it is)."""
     import openai

@@ -4,13 +4,11 @@ requests to 127.0.0.1. Every expectation comes from the same server's chat compl
 a response is the chat answer in the Responses shape, and its stream's events build the same output."""
 from __future__ import annotations
 
-import asyncio
 import json
 
-import aiohttp
 import pytest
 
-from e2e_support import openai_client, serve_checkpoint
+from e2e_support import http_json, openai_client, serve_checkpoint
 from tests.fixtures.hf_checkpoints import build_checkpoint
 
 openai = pytest.importorskip("openai")
@@ -119,21 +117,11 @@ def test_text_format_json_schema(srv):
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
-    async def main():
-        async with aiohttp.ClientSession() as s:
-            async with s.post(url + "/v1/responses", json=body) as r:
-                return r.status, await r.json()
-
-    return asyncio.run(asyncio.wait_for(main(), 60))
+    return http_json(url + "/v1/responses", body=body)
 
 
 def _delete(url: str, rid: str) -> tuple[int, dict]:
-    async def main():
-        async with aiohttp.ClientSession() as s:
-            async with s.delete(f"{url}/v1/responses/{rid}") as r:
-                return r.status, await r.json()
-
-    return asyncio.run(asyncio.wait_for(main(), 60))
+    return http_json(f"{url}/v1/responses/{rid}", "DELETE")
 
 
 @pytest.mark.parametrize("fields, param", [

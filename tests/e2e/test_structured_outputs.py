@@ -14,7 +14,7 @@ import re
 import aiohttp
 import pytest
 
-from e2e_support import openai_client, serve_checkpoint
+from e2e_support import metric_counts, openai_client, serve_checkpoint
 from tests.fixtures.hf_checkpoints import build_checkpoint
 
 pytest.importorskip("transformers")
@@ -176,12 +176,8 @@ def test_bad_response_formats_are_400s_naming_the_field(srv, fmt, param):
 
 
 def test_metrics_count_accepted_grammars_by_kind(srv):
-    import urllib.request
-
     def counts() -> dict:
-        text = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
-        return {k: float(v) for k, v in re.findall(r'^graphline_structured_requests_total\{kind="(\w+)"\} (\S+)$', text,
-                                                    re.M)}
+        return metric_counts(srv.url, "graphline_structured_requests", "kind")
 
     before = counts()
     client = openai_client(srv)

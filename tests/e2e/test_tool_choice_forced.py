@@ -8,14 +8,11 @@ with arguments that parse into its tool's schema. Streamed, the deltas join to t
 unstreamed."""
 from __future__ import annotations
 
-import asyncio
 import json
-import re
 
-import aiohttp
 import pytest
 
-from e2e_support import openai_client, serve_checkpoint
+from e2e_support import http_json, metric_counts, openai_client, serve_checkpoint
 from tests.fixtures.hf_checkpoints import build_checkpoint
 
 openai = pytest.importorskip("openai")
@@ -108,15 +105,6 @@ def test_required_calls_come_from_the_tools(srv):
         json.loads(free.choices[0].message.content)  # without the grammar this model writes no call
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    async def main():
-        async with aiohttp.ClientSession() as s:
-            async with s.post(url + "/v1/chat/completions", json=body) as r:
-                return r.status, await r.json()
-
-    return asyncio.run(asyncio.wait_for(main(), 60))
-
-
 @pytest.mark.parametrize("fields, param", [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_mood"}}}, "tool_choice"),
@@ -128,7 +116,8 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
     ({"tools": TOOLS}, "tool_choice"),  # "auto" needs --tool-call-parser
 ])
 def test_bad_forced_tool_choices_are_400s_naming_the_field(srv, fields, param):
-    status, body = _post(srv.url, {"model": "tiny-chat", "messages": MESSAGES, "max_tokens": 4, **fields})
+    status, body = http_json(srv.url + "/v1/chat/completions",
+                             body={"model": "tiny-chat", "messages": MESSAGES, "max_tokens": 4, **fields})
     assert status == 400 and body["error"]["param"] == param and len(body["error"]["message"]) < 320, body
     ok = openai_client(srv).chat.completions.create(model="tiny-chat", messages=MESSAGES, tools=TOOLS,
                                                     tool_choice=NAMED, max_tokens=64, temperature=0)
@@ -136,12 +125,8 @@ def test_bad_forced_tool_choices_are_400s_naming_the_field(srv, fields, param):
 
 
 def test_metrics_count_forced_tool_choices(srv):
-    import urllib.request
-
     def counts() -> dict:
-        text = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
-        return {k: float(v) for k, v in re.findall(r'^graphline_structured_requests_total\{kind="(\w+)"\} (\S+)$', text,
-                                                    re.M)}
+        return metric_counts(srv.url, "graphline_structured_requests", "kind")
 
     before = counts()
     client = openai_client(srv)
