@@ -130,11 +130,11 @@ async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, gr
                                                        grammar=gate_for_reasoning(greq.grammar, shape.think_tags, p),
                                                        priority=greq.priority),
                                       greq.n, fit_max_tokens=not greq.max_tokens_given)]
+    eng.admit(len(reqs))  # EngineBusyError (429) before anything is queued
     choices = [ChoiceState(i, len(greq.prompts[i // greq.n]), tokenizer, greq.stop, keep_logprobs=not greq.stream,
                            think=splitter_for(shape.think_tags, greq.prompts[i // greq.n]),
                            include_stop=greq.text.include_stop_str, skip_special_tokens=greq.text.skip_special_tokens)
                for i in range(len(reqs))]
-    eng.admit(len(reqs))  # EngineBusyError (429) before anything is queued
     created = now_s()
     if greq.stream:
         return await _stream(request, eng, greq, reqs, choices, rid, created, shape)
