@@ -94,7 +94,8 @@ class LLMEngine(EngineRecovery):
                                             config.watermark_blocks, config.decode_steps,
                                             config.enable_chunked_prefill, config.enable_prefix_caching,
                                             config.scheduling_policy)
-        self.schedulers = [Scheduler(self.sched_config, self.limits.num_kv_blocks, self.limits.block_size)
+        self.schedulers = [Scheduler(self.sched_config, self.limits.num_kv_blocks, self.limits.block_size,
+                                     self.limits.vocab_size)
                            for _ in range(int(executor.dp_size))]
         eos = config.eos_token_ids if config.eos_token_ids is not None else getattr(mcfg, "eos_token_ids", ())
         self.eos_token_ids = frozenset(int(t) for t in eos or () if 0 <= int(t) < self.limits.vocab_size)

@@ -153,6 +153,10 @@ def validate_request(req: Request, limits: ModelLimits) -> None:
         if t >= limits.vocab_size:
             raise RequestError(f"bad_words token id {t} is outside the vocabulary [0, {limits.vocab_size})",
                                "bad_words", "invalid_token_id")
+    allowed = req.sampling.allowed_token_ids
+    if allowed is not None and allowed[-1] >= limits.vocab_size:
+        raise RequestError(f"allowed_token_ids token id {allowed[-1]} is outside the vocabulary [0, "
+                           f"{limits.vocab_size})", "allowed_token_ids", "invalid_token_id")
     for t, _ in req.sampling.logit_bias:
         if t >= limits.vocab_size:
             raise RequestError(f"logit_bias token id {t} is outside the vocabulary [0, {limits.vocab_size})",

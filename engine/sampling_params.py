@@ -17,6 +17,7 @@ carry, negative seeds. Ranges (vLLM / OpenAI):
 | logit_bias | {token id: bias} or pairs | <= 300 entries, ids in [0, 2**31-1], bias [-100, 100] | () |
 | min_tokens | int | [0, 2**31-1] | 0 |
 | bad_words | token-id sequences | <= 128 sequences of 1-32 ids in [0, 2**31-1] | () |
+| allowed_token_ids | token ids | 1 .. 2**20 distinct ids in [0, 2**31-1] (vLLM's: only these may be drawn) | None |
 | ignore_eos | bool | | False |
 | logprobs | int or None | 0 .. 20 (top log-probabilities per token) | None |
 
@@ -45,12 +46,13 @@ LOGIT_BIAS_MAX_ENTRIES = 300
 LOGPROBS_MAX = 20
 BAD_WORDS_MAX = 128
 BAD_WORD_MAX_TOKENS = 32
+ALLOWED_TOKEN_IDS_MAX = 2**20
 
 # Fields the sampler on the ranks applies (`modeling.sampler`: temperature, top_k, top_p, seed in the step arrays,
 # the rest in `actors.batch.SamplerExtras`; min_tokens as banned stop ids until the request has that many tokens).
 ENGINE_APPLIES: frozenset[str] = frozenset({"temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty",
                                             "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-                                            "bad_words"})
+                                            "bad_words", "allowed_token_ids"})
 # Fields handled outside the sampler: ignore_eos by whoever builds the stop token ids (the HTTP layer leaves
 # EOS out), logprobs accepted with null values until the sampler returns them.
 HANDLED_OUTSIDE: frozenset[str] = frozenset({"ignore_eos", "logprobs"})
@@ -145,6 +147,18 @@ def _bad_words(v: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(dict.fromkeys(out))
 
 
+def _allowed_token_ids(v: Any) -> Optional[tuple[int, ...]]:
+    if v is None:
+        return None
+    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+        raise RequestError(f"'allowed_token_ids' must be a list of token ids, got {_kind(v)}", "allowed_token_ids",
+                           "invalid_type")
+    if not 1 <= len(v) <= ALLOWED_TOKEN_IDS_MAX:
+        raise RequestError(f"'allowed_token_ids' must hold 1 to {ALLOWED_TOKEN_IDS_MAX} token ids, got {len(v)}",
+                           "allowed_token_ids", "invalid_value")
+    return tuple(sorted({check_int("allowed_token_ids", t, 0, INT32_MAX) for t in v}))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request's tokens are sampled (ranges in the module docstring); validated and normalised on
@@ -164,6 +178,8 @@ class SamplingParams:
     logprobs: Optional[int] = None
     # vLLM's bad_words as token-id sequences: the last id of one is banned whenever the output ends with the others
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # vLLM's allowed_token_ids: only these ids may be drawn (sorted, distinct); None = every id
+    allowed_token_ids: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         t = check_number("temperature", self.temperature, 0.0, TEMPERATURE_MAX)
@@ -188,6 +204,7 @@ class SamplingParams:
             "ignore_eos": check_bool("ignore_eos", self.ignore_eos),
             "logprobs": None if self.logprobs is None else check_int("logprobs", self.logprobs, 0, LOGPROBS_MAX),
             "bad_words": _bad_words(self.bad_words),
+            "allowed_token_ids": _allowed_token_ids(self.allowed_token_ids),
         }
         for k, v in values.items():
             object.__setattr__(self, k, v)

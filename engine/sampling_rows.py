@@ -1,8 +1,9 @@
 """The rarer per-row sampling inputs of a step (`actors.batch.SamplerExtras`), built from the sequences' requests.
 
 A step carries extras only when a row needs one: min_p, a penalty, a logit bias, banned ids (the stop ids while a
-request has fewer than `min_tokens` output tokens), logprobs or a grammar (the allowed-token bitmask of each
-constrained row, `engine.grammar`; other rows of that step allow every id). Penalty inputs follow vLLM:
+request has fewer than `min_tokens` output tokens), logprobs, or an allowed-token bitmask (int32 words, bit j % 32 of
+word j // 32 = id j): a grammar's next tokens (`engine.grammar`) and / or the request's `allowed_token_ids`, ANDed;
+the other rows of that step allow every id. Penalty inputs follow vLLM:
 repetition_penalty over the distinct tokens of prompt and output, presence / frequency over the output tokens (their
 counts). Plain numpy, no torch.
 
@@ -12,6 +13,7 @@ logprobs builds its arrays without a pass over their parameters.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional, Sequence
 
 import numpy as np
@@ -20,13 +22,14 @@ from actors.batch import SamplerExtras
 from engine.grammar import fill_masks
 from engine.sampling_params import BAD_WORD_MAX_TOKENS
 
-# `extras_flags` bits: a row with MIN_P, PENALTY, BIAS, LOGPROBS, GRAMMAR or BAD_WORDS always needs extras (bad words'
-# bans depend on the last token, so their rows take one step at a time); one with MIN_TOKENS only while it has fewer
-# output tokens than min_tokens and stop ids to ban (`_banned`). Above the bits (FLAG_BITS),
+# `extras_flags` bits: a row with MIN_P, PENALTY, BIAS, LOGPROBS, GRAMMAR, BAD_WORDS or ALLOWED always needs extras
+# (bad words' bans depend on the last token, so their rows take one step at a time); one with MIN_TOKENS only while it
+# has fewer output tokens than min_tokens and stop ids to ban (`_banned`). Above the bits (FLAG_BITS),
 # the request's logprobs + 1 (0: none), so that the largest flags of a step's rows carry its largest logprobs.
-MIN_P, PENALTY, BIAS, LOGPROBS, MIN_TOKENS, GRAMMAR, BAD_WORDS = 1, 2, 4, 8, 16, 32, 64
-FLAG_BITS = 7
-ALWAYS = MIN_P | PENALTY | BIAS | LOGPROBS | GRAMMAR | BAD_WORDS
+MIN_P, PENALTY, BIAS, LOGPROBS, MIN_TOKENS, GRAMMAR, BAD_WORDS, ALLOWED = 1, 2, 4, 8, 16, 32, 64, 128
+FLAG_BITS = 8
+ALWAYS = MIN_P | PENALTY | BIAS | LOGPROBS | GRAMMAR | BAD_WORDS | ALLOWED
+_MASKS = GRAMMAR | ALLOWED  # rows with an allowed-token bitmask
 _BANS = MIN_TOKENS | BAD_WORDS
 _LISTS = PENALTY | BIAS | _BANS  # rows with per-row lists
 
@@ -38,6 +41,7 @@ def extras_flags(sp, grammar: bool = False) -> int:
             | (PENALTY if sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1 else 0)
             | (BIAS if sp.logit_bias else 0) | (LOGPROBS if sp.logprobs is not None else 0)
             | (MIN_TOKENS if sp.min_tokens else 0) | (BAD_WORDS if sp.bad_words else 0)
+            | (ALLOWED if sp.allowed_token_ids is not None else 0)
             | (0 if sp.logprobs is None else sp.logprobs + 1) << FLAG_BITS)
 
 
@@ -84,8 +88,9 @@ def _padded(b: int, rows: dict[int, Sequence], dtype, fill) -> np.ndarray:
     return out
 
 
-def build_extras(seqs: Sequence) -> Optional[SamplerExtras]:
-    """The step's `SamplerExtras` for `seqs` (batch order), or None when no row needs any. Once per step on the
+def build_extras(seqs: Sequence, mask_words: int = 0) -> Optional[SamplerExtras]:
+    """The step's `SamplerExtras` for `seqs` (batch order), or None when no row needs any. `mask_words`: the
+    allowed-token bitmask's width, ceil(vocab / 32) (needed when a row has `allowed_token_ids`). Once per step on the
     driver: the rows' `extras_flags` decide which arrays come from the rows' parameters and which rows build lists;
     an array no row sets is the off value (min_p 0, penalties (0, 0, 1), lists of one unused column), read-only and
     shared by every step of that batch size (`SamplerExtras.off`: a logprobs-only step's extras are that, whole)."""
@@ -99,9 +104,9 @@ def build_extras(seqs: Sequence) -> Optional[SamplerExtras]:
     b = len(seqs)
     num_logprobs = (max(flags) >> FLAG_BITS) - 1  # the rows' largest logprobs (-1: none asks)
     off = SamplerExtras.off(b, num_logprobs)
-    if not union & (MIN_P | _LISTS | GRAMMAR):  # logprobs only: every array off
+    if not union & (MIN_P | _LISTS | _MASKS):  # logprobs only: every array off
         return off
-    allow = _allowed(seqs, flags) if union & GRAMMAR else None
+    allow = _allowed(seqs, flags, mask_words) if union & _MASKS else None
     off = (off.min_p, off.penalties, off.bias_ids, off.bias_vals, off.ban_ids, off.pen_ids, off.pen_counts)
     if union & MIN_P:
         min_p = np.array([s.request.sampling.min_p for s in seqs], np.float32)
@@ -137,11 +142,29 @@ def build_extras(seqs: Sequence) -> Optional[SamplerExtras]:
     return SamplerExtras(min_p, penalties, *lists, num_logprobs, allow_bits=allow)
 
 
-def _allowed(seqs: Sequence, flags: list[int]) -> np.ndarray:
-    """The step's `SamplerExtras.allow_bits`: int32 `[B, W]`, each constrained row its grammar's next tokens, the
-    other rows every id (-1 words)."""
+def _allowed(seqs: Sequence, flags: list[int], mask_words: int) -> np.ndarray:
+    """The step's `SamplerExtras.allow_bits`: int32 `[B, W]`, each constrained row its grammar's next tokens ANDed
+    with its `allowed_token_ids`, the other rows every id (-1 words)."""
     rows = [(i, s) for i, (s, f) in enumerate(zip(seqs, flags)) if f & GRAMMAR]
-    grammar = rows[0][1].request.grammar
-    allow = np.full((len(seqs), grammar.words), -1, np.int32)
-    fill_masks(allow, [(i, s.grammar) for i, s in rows], grammar.executor)
+    words = rows[0][1].request.grammar.words if rows else mask_words
+    if words <= 0:
+        raise ValueError("a row has allowed_token_ids but the step's mask width (ceil(vocab / 32)) is unknown")
+    allow = np.full((len(seqs), words), -1, np.int32)
+    if rows:
+        fill_masks(allow, [(i, s.grammar) for i, s in rows], rows[0][1].request.grammar.executor)
+    for i, (s, f) in enumerate(zip(seqs, flags)):
+        if f & ALLOWED:
+            allow[i] &= allowed_words(s.request.sampling.allowed_token_ids, words)
     return allow
+
+
+@lru_cache(maxsize=256)
+def allowed_words(ids: tuple[int, ...], words: int) -> np.ndarray:
+    """The bitmask of `ids` (sorted, distinct, each < 32 * words): int32 `[words]`, read-only (shared by every step
+    of the requests that send the same ids)."""
+    a = np.asarray(ids, dtype=np.int64)
+    bits = np.zeros(words, dtype=np.uint32)
+    np.bitwise_or.at(bits, a >> 5, (np.uint32(1) << (a & 31).astype(np.uint32)))
+    out = bits.view(np.int32)
+    out.flags.writeable = False
+    return out

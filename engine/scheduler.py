@@ -70,9 +70,12 @@ class ScheduledBatch:
 
 
 class Scheduler(StepPlanner):
-    def __init__(self, cfg: SchedulerConfig, num_kv_blocks: int, block_size: int):
+    def __init__(self, cfg: SchedulerConfig, num_kv_blocks: int, block_size: int, vocab_size: int = 0):
+        """`vocab_size`: the model's (the allowed-token masks of `allowed_token_ids` rows are that wide; 0: no row
+        may have them)."""
         self.cfg = cfg
         self.block_size = block_size
+        self.mask_words = -(-vocab_size // 32)
         self.blocks = BlockManager(num_kv_blocks, block_size, cfg.enable_prefix_caching)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -193,7 +196,8 @@ class Scheduler(StepPlanner):
         num_decode = sum(1 for s in seqs if s.prefilled)
         prefill = num_decode < len(seqs)
         steps = 1 if prefill else self._lookahead_steps(seqs)
-        sched = ScheduledBatch(seqs, build_batch(seqs, hist, q), prefill, steps, num_decode)
+        batch = build_batch(seqs, hist, q, mask_words=self.mask_words)
+        sched = ScheduledBatch(seqs, batch, prefill, steps, num_decode)
         self._in_flight = sched
         return sched
 
@@ -226,7 +230,8 @@ class Scheduler(StepPlanner):
         for seq, n in zip(cont, need):
             if n:
                 seq.block_table.extend(self.blocks.allocate(n))
-        batch = build_batch(cont, [s.num_tokens for s in cont], [1] * len(cont), tokens=[prev_token(r) for r in rows])
+        batch = build_batch(cont, [s.num_tokens for s in cont], [1] * len(cont),
+                            tokens=[prev_token(r) for r in rows], mask_words=self.mask_words)
         self._ahead = ScheduledBatch(cont, batch, False, 1, len(cont))
         return self._ahead
 
@@ -240,7 +245,7 @@ class Scheduler(StepPlanner):
         n = seq.num_tokens - seq.num_computed
         if self.cfg.chunked:
             n = min(n, self.cfg.max_num_batched_tokens)
-        return build_batch([seq], [seq.num_computed], [max(1, n)])
+        return build_batch([seq], [seq.num_computed], [max(1, n)], mask_words=self.mask_words)
 
     def update(self, sched: ScheduledBatch, next_tokens: np.ndarray, now: Optional[float] = None) -> list[Sequence]:
         """Apply one round's sampled tokens (int64 `[B]`, or `[B, num_steps]` for multi-step decode, applied in

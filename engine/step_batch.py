@@ -24,14 +24,15 @@ def block_tables(seqs: Sequence[Seq]) -> np.ndarray:
 
 
 def build_batch(seqs: Sequence[Seq], hist: Sequence[int], q: Sequence[int],
-                tokens: Optional[Sequence[int]] = None) -> StepBatch:
+                tokens: Optional[Sequence[int]] = None, mask_words: int = 0) -> StepBatch:
     """Row i feeds `seqs[i].token_ids[hist[i]:hist[i] + q[i]]` after `hist[i]` cached tokens (or, with `tokens`,
     one given token id per row, e.g. a previous-step reference, with every q 1). Block tables are the sequences'
     whole tables (they cover at least hist + q tokens; entries past a table's end are 0).
 
     Returns token_ids int64 `[sum(q)]`, q_seqlens / num_history int32 `[B]`, block_tables int32 `[B, W]`, and the
     sampling rows (temperature float32, top_k int32, top_p float32, seeds int64, each `[B]`; the rarer inputs in
-    `extras` when a row needs them, `engine.sampling_rows`)."""
+    `extras` when a row needs them, `engine.sampling_rows`; `mask_words`: ceil(vocab / 32), the width of the
+    `allowed_token_ids` masks)."""
     n = len(seqs)
     tables = block_tables(seqs)
     if tokens is None:
@@ -40,7 +41,7 @@ def build_batch(seqs: Sequence[Seq], hist: Sequence[int], q: Sequence[int],
         else:
             tokens = [t for s, h, k in zip(seqs, hist, q) for t in s.token_ids[h:h + k]]
     rows = [s.sampling_row for s in seqs]
-    extras = build_extras(seqs)
+    extras = build_extras(seqs, mask_words)
     if rows.count(_GREEDY_ROW) == n:  # every row greedy (with or without extras): no pass over the rows
         temperature, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
         seeds = np.full(n, -1, np.int64)

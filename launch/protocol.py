@@ -148,7 +148,7 @@ def _unsupported(body: dict, key: str, allowed: tuple, what: str) -> None:
 
 HTTP_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's defaults where they differ
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos")
+                  "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "allowed_token_ids")
 
 
 def parse_sampling(body: dict, ctx: ParseContext, logprobs: Optional[int]) -> SamplingParams:

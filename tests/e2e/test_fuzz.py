@@ -99,6 +99,7 @@ def bad_values(tokenizer: bool) -> dict[str, list]:
         "truncate_prompt_tokens": [0, -2, 1.5, "3", True, *HUGE, *RAW_BAD_NUMBERS],
         "priority": [1, -1, 1.5, "0", True, 2**31, *RAW_BAD_NUMBERS],
         "bad_words": ["x", [5], [""], {"a": 1}] + (["w " * 100] if tokenizer else [["ok"]]),
+        "allowed_token_ids": [[], [VOCAB], [-1], "1", [1.0], 5, [True], {"1": 1}, *[[h] for h in HUGE]],
         "echo": [True],
         "suffix": ["x"],
     }

@@ -1,8 +1,9 @@
 """vLLM's text and stream options on a real `graphline serve` of a checkpoint with a real byte-level BPE tokenizer
 (random weights), through the official `openai` client (`extra_body`) and raw HTTP, all requests to 127.0.0.1:
 `include_stop_str_in_output`, `skip_special_tokens`, `stream_options.continuous_usage_stats` and
-`truncate_prompt_tokens`. Every expectation is derived from another request to the same server (the greedy text
-without the option, the prompt cut by hand), never written down."""
+`truncate_prompt_tokens`; and the sampling options `bad_words` and `allowed_token_ids`. Every expectation is derived
+from another request to the same server (the greedy text without the option, the prompt cut by hand), never written
+down."""
 from __future__ import annotations
 
 import asyncio
@@ -110,6 +111,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(served):
     ({"bad_words": [" "]}, "bad_words"),
     ({"bad_words": ["fox " * 40]}, "bad_words"),
     ({"bad_words": ["x"] * 65}, "bad_words"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1, 10**6]}, "allowed_token_ids"),
+    ({"allowed_token_ids": ["a"]}, "allowed_token_ids"),
 ])
 def test_bad_text_options_are_400s_naming_the_field(served, fields, param):
     async def main():
@@ -178,3 +182,31 @@ def test_bad_words_never_appear_in_the_output_tokens(served, span):
     assert not any(_contains(got, w) for w in words)
     stream = client.completions.create(stream=True, **{**kw, "extra_body": {"ignore_eos": True, "bad_words": [word]}})
     assert [t for c in stream for t in (c.choices[0].token_ids if c.choices else [])] == got
+
+
+def test_allowed_token_ids_restrict_every_drawn_token(served):
+    """Greedy: allowing exactly the free answer's ids changes nothing, allowing all but one of them changes the
+    answer where that id came first. Sampled (n = 4, streamed too): every token is an allowed one; chat with one
+    allowed id writes that token's text only."""
+    client = openai_client(served[0])
+    kw = dict(model="tiny-chat", prompt="The quick brown fox", max_tokens=24, temperature=0)
+    free = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].token_ids
+    same = client.completions.create(**kw, extra_body={"ignore_eos": True, "allowed_token_ids": sorted(set(free))})
+    assert same.choices[0].token_ids == free
+    k = 3
+    fewer = sorted(set(free) - {free[k]})
+    got = client.completions.create(**kw, extra_body={"ignore_eos": True, "allowed_token_ids": fewer})
+    first = free.index(free[k])
+    assert got.choices[0].token_ids[:first] == free[:first] and got.choices[0].token_ids[first] != free[k]
+    allowed = [5, 77, 190, 301, 402]
+    sampled = client.completions.create(**{**kw, "temperature": 1.0, "n": 4, "seed": 3},
+                                        extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert all(set(c.token_ids) <= set(allowed) and len(c.token_ids) == 24 for c in sampled.choices)
+    assert len({tuple(c.token_ids) for c in sampled.choices}) > 1
+    stream = client.completions.create(stream=True, **{**kw, "temperature": 1.0, "seed": 5},
+                                       extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert set(t for c in stream for t in (c.choices[0].token_ids if c.choices else [])) <= set(allowed)
+    chat = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=12, temperature=1.0,
+                                          extra_body={"ignore_eos": True, "allowed_token_ids": [77]})
+    assert chat.choices[0].message.content == served[1].decode([77] * 12) and chat.usage.completion_tokens == 12

@@ -28,6 +28,8 @@ def engine():
     (dict(prompt_token_ids=list(range(30)), max_tokens=20), "you requested 50", "max_tokens"),
     (dict(prompt_token_ids=[1], stop_token_ids=[500]), "stop token id 500", "stop_token_ids"),
     (dict(prompt_token_ids=[1], stop_token_ids=["a"]), "stop_token_ids must be ints", "stop_token_ids"),
+    (dict(prompt_token_ids=[1], sampling=SamplingParams(allowed_token_ids=[3, 97])), "allowed_token_ids token id 97",
+     "allowed_token_ids"),
 ])
 def test_bad_requests_raise_before_scheduling(engine, kwargs, match, param):
     with pytest.raises(RequestError, match=match) as err:

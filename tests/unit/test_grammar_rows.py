@@ -156,3 +156,25 @@ def test_a_reasoning_gate_frees_the_think_block(compiler, tok, pool):
     row = np.zeros(17, np.int32)
     skip.fill(row)
     assert start not in _allowed(row)
+
+
+def test_allowed_token_ids_and_a_grammar_meet_in_one_mask(compiler, tok):
+    """A row with `allowed_token_ids` allows exactly those ids; with a grammar too, the ids both allow; the other
+    rows every id. Through the scheduler, whose width comes from the vocabulary."""
+    grammar = parse_response_format(FORMAT, compiler)
+    brace = tok.encode("{", add_special_tokens=False)[0]
+    only = Sequence(Request.make([1, 2], SamplingParams(allowed_token_ids=[5, 517, 33, 5])))
+    both = Sequence(Request.make([3], SamplingParams(allowed_token_ids=[brace, 40]), grammar=grammar))
+    none = Sequence(Request.make([3], SamplingParams(allowed_token_ids=[40]), grammar=grammar))
+    free = Sequence(Request.make([4], SamplingParams(temperature=1.0)))
+    ex = build_extras([only, both, none, free], mask_words(VOCAB))
+    assert ex.allow_bits.shape == (4, 17) and ex.processed
+    assert [_allowed(r) for r in ex.allow_bits[:3]] == [{5, 33, 517}, {brace}, set()]
+    assert (ex.allow_bits[3] == -1).all()
+    ex.validate(4, VOCAB)
+    with pytest.raises(ValueError, match="mask width"):
+        build_extras([only])  # no grammar row and no width given
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128), 32, 8, vocab_size=VOCAB)
+    sched.add(Sequence(Request.make([7, 8], SamplingParams(allowed_token_ids=[519]), max_tokens=4)))
+    batch = sched.schedule()
+    assert [_allowed(r) for r in batch.batch.extras.allow_bits] == [{519}]

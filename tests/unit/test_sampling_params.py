@@ -28,6 +28,7 @@ GOOD = [
     ("min_tokens", 0), ("min_tokens", INT32_MAX), ("ignore_eos", True), ("ignore_eos", False),
     ("logprobs", None), ("logprobs", 0), ("logprobs", 20),
     ("bad_words", ()), ("bad_words", [[5], [1, 2, 3]]), ("bad_words", [[INT32_MAX] * 32] * 128),
+    ("allowed_token_ids", None), ("allowed_token_ids", [0]), ("allowed_token_ids", (9, 3, 9, INT32_MAX)),
 ]
 
 
@@ -74,6 +75,10 @@ BAD = [
     ("bad_words", [[1] * 33], "invalid_value"),
     ("bad_words", [5], "invalid_value"), ("bad_words", [[-1]], "invalid_value"), ("bad_words", [[1.0]], "invalid_type"),
     ("bad_words", [[True]], "invalid_type"),
+    ("allowed_token_ids", [], "invalid_value"), ("allowed_token_ids", "5", "invalid_type"),
+    ("allowed_token_ids", 5, "invalid_type"), ("allowed_token_ids", [-1], "invalid_value"),
+    ("allowed_token_ids", [1.0], "invalid_type"), ("allowed_token_ids", [True], "invalid_type"),
+    ("allowed_token_ids", [INT32_MAX + 1], "invalid_value"),
 ]
 
 
@@ -99,6 +104,7 @@ def test_normalisation():
     assert sp.logit_bias == ((3, -2.5), (9, 1.0))
     assert SamplingParams(logit_bias=[(9, 1), (3, -2.5)]) == sp
     assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
+    assert SamplingParams(allowed_token_ids=[9, 3, 9]).allowed_token_ids == (3, 9)  # sorted, distinct
 
 
 def test_replace_validates_again():
