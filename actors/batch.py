@@ -170,10 +170,13 @@ class StepLogprobs(NamedTuple):
 
 
 class SampledTokens(NamedTuple):
-    """A step's result for a DP rank when logprobs were asked for: tokens int64 `[B]` and their `StepLogprobs`."""
+    """A step's result for a DP rank when logprobs were asked for: tokens int64 `[B]`, their `StepLogprobs` (None
+    when only prompt log-probabilities were), and `actors.prompt_logprobs.PromptLogprobs` when the batch asked for
+    them (`StepBatch.prompt_lp`)."""
 
     tokens: np.ndarray
-    logprobs: StepLogprobs
+    logprobs: Optional[StepLogprobs]
+    prompt: Optional["PromptLogprobs"] = None  # noqa: F821 (actors.prompt_logprobs imports this module)
 
 
 @dataclass
@@ -182,8 +185,9 @@ class StepBatch:
     block_tables int32 `[B, W]` (blocks covering history + new tokens; block 0 never used);
     temperature float32 `[B]` (0 = greedy), top_k int32 `[B]` (0 = off), top_p float32 `[B]`,
     seeds int64 `[B]` (the driver gives every sampled row one; -1 only for greedy rows); extras: the rarer sampling
-    inputs (`SamplerExtras`), None when no row needs them. The next token of each sequence is sampled at
-    position num_history + q_seqlen."""
+    inputs (`SamplerExtras`), None when no row needs them; prompt_lp: the prompt positions whose log-probabilities
+    the step returns (`actors.prompt_logprobs.PromptLogprobsAsk`), None for none. The next token of each sequence
+    is sampled at position num_history + q_seqlen."""
 
     token_ids: np.ndarray
     q_seqlens: np.ndarray
@@ -194,6 +198,7 @@ class StepBatch:
     top_p: np.ndarray
     seeds: np.ndarray
     extras: Optional[SamplerExtras] = None
+    prompt_lp: Optional["PromptLogprobsAsk"] = None  # noqa: F821
 
     @property
     def batch_size(self) -> int:
@@ -217,6 +222,8 @@ class StepBatch:
             self._validate(vocab_size, block_size, prev_rows)
         if self.extras is not None:
             self.extras.validate(self.batch_size, vocab_size)
+        if self.prompt_lp is not None:
+            self.prompt_lp.validate(self.num_tokens, vocab_size)
 
     def _validate(self, vocab_size: int, block_size: int, prev_rows: int) -> None:
         """`validate`'s checks in full (any batch); raises the BatchError of the first that fails."""
@@ -311,6 +318,8 @@ class StepBatch:
         """`validate` plus the limits of a deployment: block-table width and the cache's block count."""
         if self.extras is not None:
             self.extras.validate(self.batch_size, vocab_size)
+        if self.prompt_lp is not None:
+            self.prompt_lp.validate(self.num_tokens, vocab_size)
         if self._valid_decode(vocab_size, block_size, prev_rows, max_blocks_per_seq, num_kv_blocks):
             return
         self._validate(vocab_size, block_size, prev_rows)
@@ -329,8 +338,9 @@ class StepBatch:
             return
         if not self.is_decoding:
             raise BatchError("multi-step decode needs a decode batch (one new token per sequence)")
-        if self.extras is not None:
-            raise BatchError("multi-step decode takes no sampler extras (penalties, bias, banned ids, logprobs)")
+        if self.extras is not None or self.prompt_lp is not None:
+            raise BatchError("multi-step decode takes no sampler extras (penalties, bias, banned ids, logprobs) and "
+                             "no prompt logprobs")
         hist, tables = self.num_history, self.block_tables
         if (hist.dtype.kind == tables.dtype.kind == "i" and hist.ndim == 1 and tables.ndim == 2 and tables.size
                 and len(hist) == len(tables)):

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from actors.batch import SampledTokens, StepBatch, StepLogprobs
+from actors.prompt_logprobs import PromptLogprobs
 from actors.protocol import StepHints
 from graphrunner.runner import CUDAGraphRunner
 from graphrunner.step import ForwardStep
@@ -36,14 +37,17 @@ class PendingTokens:
     after that copy (None when
     the tokens are already on the host: CPU ranks, idle steps). Lifetime: owned by the caller; `result()` returns
     a copy and then hands the pinned buffer and its event back to `recycle` (the rank's free list) for a later
-    step, so `result()` is the only reader of `host`."""
+    step, so `result()` is the only reader of `host`. `prompt`: the step's prompt log-probabilities on the host
+    (`actors.rank_prompt_logprobs.prompt_logprobs`'s four tensors, copied before `event`), None when not asked."""
 
-    __slots__ = ("host", "event", "multi", "_recycle", "_out", "logprobs")
+    __slots__ = ("host", "event", "multi", "_recycle", "_out", "logprobs", "prompt")
 
     def __init__(self, host: Optional[torch.Tensor], event: Any = None, multi: bool = False,
-                 recycle: Optional[list] = None, logprobs: Optional[int] = None):
+                 recycle: Optional[list] = None, logprobs: Optional[int] = None,
+                 prompt: Optional[tuple[torch.Tensor, ...]] = None):
         self.host, self.event, self.multi, self._recycle, self._out = host, event, multi, recycle, None
         self.logprobs = logprobs  # N when the step returns N logprobs (`host` is packed)
+        self.prompt = prompt
 
     def ready(self) -> bool:
         """Whether `result()` returns without waiting for the device."""
@@ -61,6 +65,10 @@ class PendingTokens:
             self._out = unpack_logprobs(out.copy(), self.logprobs)
         else:
             self._out = out.T.copy() if self.multi else out.copy()
+        if self.prompt is not None:
+            o = self._out
+            toks, lp = (o.tokens, o.logprobs) if self.logprobs is not None else (o, None)
+            self._out = SampledTokens(toks, lp, PromptLogprobs(*(t.numpy().copy() for t in self.prompt)))
         if self._recycle is not None:  # the host buffer was copied out above: hand it back
             self._recycle.append((self.host, self.event))
             self._recycle = None

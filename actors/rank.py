@@ -73,6 +73,8 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
         # the step being launched's tokens and logprobs when its batch asks for N of them: (int32 `[n, 2 + 2M]` on the
         # device, packed by `actors.step_sampler.pack_logprobs` with M >= N top entries, N)
         self._step_logprobs: Optional[tuple[torch.Tensor, int]] = None
+        # the latest step's prompt log-probabilities (device tensors, `actors.rank_prompt_logprobs`), when asked
+        self._step_prompt: Optional[tuple[torch.Tensor, ...]] = None
         self._thread = threading.local()  # `.bound`: this thread's current stream is `self.stream` (`bind_stream`)
 
     def on_stream(self):
@@ -288,7 +290,7 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
             with torch.inference_mode():
                 return self.launch(batch, hints, validated=validated, num_steps=num_steps)
         lane, greedy = None, False
-        if validated and num_steps == 1 and batch is not None:
+        if validated and num_steps == 1 and batch is not None and batch.prompt_lp is None:
             lane = self._lanes.get((batch.batch_size, batch.num_tokens, hints))
             greedy = lane is not None and not (self.logits_observer is not None or batch.temperature.any()
                                                or batch.extras is not None)
@@ -314,12 +316,13 @@ class RankRuntime(RankDecodeSteps, RankStepIO):
                 self.check_batch(batch)
                 batch.check_multi_step(num_steps, self.cfg.block_size)
             ids, ids_dev = self._resolve_ids(batch.token_ids)
-            self._step_logprobs = None
+            self._step_logprobs = self._step_prompt = None
             if num_steps == 1:
                 tokens = self._step_tokens(batch, ids, ids_dev, hints)
                 self._last_tokens = tokens
-                if self._step_logprobs is not None:
-                    return self._read_back(tokens, multi=False, logprobs=self._step_logprobs)
+                if self._step_logprobs is not None or self._step_prompt is not None:
+                    return self._read_back(tokens, multi=False, logprobs=self._step_logprobs,
+                                           prompt=self._step_prompt)
             else:
                 tokens = self._multi_step_tokens(batch, ids, ids_dev, hints, num_steps)
                 self._last_tokens = tokens[-1]

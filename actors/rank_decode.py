@@ -18,6 +18,7 @@ from actors.batch import StepBatch
 from actors.decode_state import GREEDY_HEAD, LOGITS_HEAD, _DecodeLane, forward_step
 from actors.mixed_split import split_rows, splittable
 from actors.protocol import StepHints
+from actors.rank_prompt_logprobs import prompt_logprobs
 from actors.step_sampler import GraphHead, StepSampler, VocabShard
 from graphrunner.dispatch import Path as RunnerPath
 from graphrunner.step import ForwardStep
@@ -28,8 +29,9 @@ from modeling.attn_metadata import (AttentionMetadata, build_decode_step_host, b
 class RankDecodeSteps:
     def _step_tokens(self, batch: StepBatch, ids: np.ndarray, ids_dev: Optional[torch.Tensor],
                      hints: StepHints) -> torch.Tensor:
-        """Enqueue one step; its next tokens, int64 `[B]` on the rank's device (not waited for)."""
-        if self.device.type == "cuda":
+        """Enqueue one step; its next tokens, int64 `[B]` on the rank's device (not waited for). A step that asks for
+        prompt log-probabilities takes the general path (they need the hidden states of every asked row)."""
+        if self.device.type == "cuda" and batch.prompt_lp is None:
             decoding = batch.num_tokens == batch.batch_size
             if not decoding:
                 out = self._mixed_split(batch, ids, ids_dev, hints)
@@ -67,6 +69,8 @@ class RankDecodeSteps:
                                                   self.cfg.block_size, self.device)
         step = forward_step(ids_t if ids_dev is None else ids_dev, pos, self.kv_cache.layers, meta, hints)
         hidden = self.runner(step)
+        if batch.prompt_lp is not None:
+            self._step_prompt = prompt_logprobs(self.model.compute_logits, hidden, batch.prompt_lp)
         sampled = bool(batch.temperature.any()) or batch.extras is not None
         logits, greedy = self._eager_head(hidden, meta.last_token_index, sampled)
         return self._sample(logits, batch) if sampled else greedy

@@ -83,10 +83,18 @@ class RankStepIO:
             armer.cancel()
             self._sync()
 
-    def _read_back(self, tokens: torch.Tensor, multi: bool, logprobs: Optional[tuple[torch.Tensor, int]] = None
-                   ) -> PendingTokens:
+    def _read_back(self, tokens: torch.Tensor, multi: bool, logprobs: Optional[tuple[torch.Tensor, int]] = None,
+                   prompt: Optional[tuple[torch.Tensor, ...]] = None) -> PendingTokens:
         """`logprobs`: (the step's tokens and logprobs packed, int32 `[n, 2 + 2M]`, N of the M to keep): read back
-        in one copy instead of `tokens`."""
+        in one copy instead of `tokens`. `prompt`: the step's prompt log-probabilities (device tensors), copied to
+        fresh pinned buffers before the tokens (not recycled: steps that ask for them are rare)."""
+        if prompt is not None and prompt[0].device.type == "cuda":
+            hosts = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in prompt)
+            for h, t in zip(hosts, prompt):
+                h.copy_(t, non_blocking=True)
+            prompt = hosts
+        if prompt is not None:
+            return self._read_back_prompt(tokens, multi, logprobs, prompt)
         if logprobs is not None:
             packed, k = logprobs
             if packed.device.type != "cuda":  # the eager sampler's own output: nothing else writes it
@@ -109,6 +117,18 @@ class RankStepIO:
         host.copy_(tokens, non_blocking=True)
         event.record(self.stream)
         return PendingTokens(host, event, multi, recycle=free)
+
+    def _read_back_prompt(self, tokens: torch.Tensor, multi: bool, logprobs: Optional[tuple[torch.Tensor, int]],
+                          prompt: tuple[torch.Tensor, ...]) -> PendingTokens:
+        """`_read_back` of a step with prompt log-probabilities (already on the host, or being copied there)."""
+        packed, k = logprobs if logprobs is not None else (tokens, None)
+        if packed.device.type != "cuda":
+            return PendingTokens(packed.contiguous(), None, multi, logprobs=k, prompt=prompt)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return PendingTokens(host, event, multi, logprobs=k, prompt=prompt)
 
     def _resolve_ids(self, ids: np.ndarray) -> tuple[np.ndarray, Optional[torch.Tensor]]:
         """Previous-step references: `ids` int64 `[T]` where `-(j + 1)` stands for row j of this rank's latest

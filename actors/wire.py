@@ -7,10 +7,12 @@ length-prefixed so a reader knows how much to read from a stream.
 
 request  = u32 body length | body
 body     = u8 global_decode (0 False, 1 True, 2 None) | u8 flags (1 batch, 2 run, 4 arm next, 8 disarm,
-           16 extras) | i32 batch_bucket | i32 token_bucket | i32 static_tokens (-1 None) | i32 num_steps
+           16 extras, 32 prompt logprobs) | i32 batch_bucket | i32 token_bucket | i32 static_tokens (-1 None)
+           | i32 num_steps
            (global_decode, batch_bucket, token_bucket: the plan's `StepHints`)
            [| i32 B | i32 T | i32 W | token_ids i64[T] | q_seqlens i32[B] | num_history i32[B]
             | block_tables i32[B*W] | temperature f32[B] | top_k i32[B] | top_p f32[B] | seeds i64[B]
+            [| the batch's `PromptLogprobsAsk` (flag 32): i32 M | i32 K | rows i64[M] | targets i64[M]]
             [| the batch's `SamplerExtras` (flag 16: only steps with penalties, bias, bans, min_p, logprobs or
                allow masks carry them): i32 K | i32 M | i32 P | i32 num_logprobs | i32 A | min_p f32[B]
                | penalties f32[B*3] | bias_ids i32[B*K] | bias_vals f32[B*K] | ban_ids i32[B*M] | pen_ids i32[B*P]
@@ -22,7 +24,9 @@ body     = u8 global_decode (0 False, 1 True, 2 None) | u8 flags (1 batch, 2 run
 reply    = u32 body length | u8 status | f64 in-rank seconds | payload
            status OK: next tokens i64[B] (i64[B, num_steps] row-major for multi-step decode); NONE: nothing (idle
            rank or TP rank > 0); ERROR: utf-8 text;
-           LOGPROBS: i32 B | i32 N | tokens i64[B] | chosen f32[B] | top_ids i32[B*N] | top_logprobs f32[B*N]
+           LOGPROBS: i32 B | i32 N | i32 M | i32 K | tokens i64[B] | [chosen f32[B] | top_ids i32[B*N]
+           | top_logprobs f32[B*N], when N >= 0] | [prompt: chosen f32[M] | ranks i32[M] | top_ids i32[M*K]
+           | top_logprobs f32[M*K], when M >= 0]
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from typing import Optional
 import numpy as np
 
 from actors.batch import SampledTokens, SamplerExtras, StepBatch, StepLogprobs
+from actors.prompt_logprobs import PromptLogprobs, PromptLogprobsAsk
 from actors.protocol import RankArgs, StepHints, StepPlan, step_hints
 
 LENGTH = struct.Struct("<I")
@@ -60,8 +65,9 @@ _NDARRAYS = (np.ndarray,) * len(_FIELDS)
 _I64, _I32, _F32 = np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32)
 
 REPLY_OK, REPLY_NONE, REPLY_ERROR, REPLY_LOGPROBS = 0, 1, 2, 3
-ARM_NEXT, DISARM, EXTRAS = 4, 8, 16  # request flags (see the module docstring)
-_LP_HEAD = struct.Struct("<ii")
+ARM_NEXT, DISARM, EXTRAS, PROMPT_LP = 4, 8, 16, 32  # request flags (see the module docstring)
+_LP_HEAD = struct.Struct("<iiii")
+_ASK_HEAD = struct.Struct("<ii")
 _EXTRAS_HEAD = struct.Struct("<iiiii")  # K (bias columns), M (banned), P (penalised), num_logprobs, A (mask words)
 # SamplerExtras' arrays in wire order: (field, dtype, columns: 1, 3 or the head's K / M / P)
 _EXTRAS = (("min_p", _F32, 1), ("penalties", _F32, 3), ("bias_ids", _I32, "K"), ("bias_vals", _F32, "K"),
@@ -81,6 +87,12 @@ def encode_request(plan: StepPlan, dp_rank: int) -> bytes:
     extras = b"" if batch is None or batch.extras is None else encode_extras(batch.extras)
     if extras:
         flags |= EXTRAS
+    if batch is not None and batch.prompt_lp is not None:  # before the extras
+        ask = batch.prompt_lp
+        flags |= PROMPT_LP
+        extras = b"".join([_ASK_HEAD.pack(int(ask.rows.shape[0]), ask.num_top),
+                           np.ascontiguousarray(ask.rows, _I64).tobytes(),
+                           np.ascontiguousarray(ask.targets, _I64).tobytes(), extras])
     static = -1 if plan.static_tokens is None else plan.static_tokens
     hints = plan.hints
     head = (_DECODE_FLAG[hints.global_decode], flags, hints.batch_bucket, hints.token_bucket, static, plan.num_steps)
@@ -111,6 +123,18 @@ def encode_extras(ex: SamplerExtras) -> bytes:
     if bits is not None:
         parts.append(np.ascontiguousarray(bits, _I32).tobytes())  # no copy for the usual int32 C-order mask
     return b"".join(parts)
+
+
+def decode_ask(body: memoryview | bytes, off: int) -> tuple[PromptLogprobsAsk, int]:
+    """The `PromptLogprobsAsk` at `off`: (it, the offset after it). Its arrays are views into `body`."""
+    if len(body) < off + _ASK_HEAD.size:
+        raise WireError(f"request body of {len(body)} bytes ends inside its prompt logprobs head")
+    m, k = _ASK_HEAD.unpack_from(body, off)
+    off += _ASK_HEAD.size
+    end = off + 16 * m
+    if m < 0 or end > len(body):
+        raise WireError(f"request body of {len(body)} bytes ends inside its prompt logprobs (M={m})")
+    return PromptLogprobsAsk(np.frombuffer(body, _I64, m, off), np.frombuffer(body, _I64, m, off + 8 * m), k), end
 
 
 def decode_extras(body: memoryview | bytes, off: int, b: int) -> SamplerExtras:
@@ -159,7 +183,7 @@ def decode_request(body: memoryview | bytes) -> Optional[tuple[RankArgs, Optiona
         off = _HEAD.size + _SHAPE.size
         n = 5 * b + b * w  # q_seqlens, num_history, block_tables, temperature, top_k, top_p: 4-byte items
         need = off + 8 * t + 4 * n + 8 * b
-        if min(b, t, w) < 0 or need > len(body) or (need != len(body) and not has & EXTRAS):
+        if min(b, t, w) < 0 or need > len(body) or (need != len(body) and not has & (EXTRAS | PROMPT_LP)):
             raise WireError(f"request body has {len(body)} bytes, its header says {need} (B={b}, T={t}, W={w})")
         # four buffer views (positional arguments: keywords cost twice as much), then slices: the 4-byte fields
         # lie back to back, seen through one int32 and one float32 view
@@ -170,8 +194,12 @@ def decode_request(body: memoryview | bytes) -> Optional[tuple[RankArgs, Optiona
         e = 2 * b + b * w  # end of block_tables
         batch = StepBatch(ids, i32[:b], i32[b:2 * b], i32[2 * b:e].reshape(b, w), f32[e:e + b], i32[e + b:e + 2 * b],
                           f32[e + 2 * b:e + 3 * b], seeds)
+        if has & PROMPT_LP:
+            batch.prompt_lp, need = decode_ask(body, need)
         if has & EXTRAS:
             batch.extras = decode_extras(body, need, b)
+        elif need != len(body):
+            raise WireError(f"request body has {len(body) - need} bytes after its batch and no sampler extras")
     key = (flag, batch_bucket, token_bucket)
     hints = _HINTS_OF.get(key)
     if hints is None:
@@ -189,12 +217,18 @@ def encode_tokens(tokens: Optional[np.ndarray | SampledTokens], seconds: float) 
     if tokens is None:
         return encode_reply(REPLY_NONE, seconds)
     if isinstance(tokens, SampledTokens):
-        toks, lp = tokens
-        b, n = int(toks.shape[0]), int(lp.top_ids.shape[1])
-        raw = b"".join([_LP_HEAD.pack(b, n), np.ascontiguousarray(toks, dtype=_I64).tobytes(),
-                        np.ascontiguousarray(lp.chosen, dtype=_F32).tobytes(),
-                        np.ascontiguousarray(lp.top_ids, dtype=_I32).tobytes(),
-                        np.ascontiguousarray(lp.top_logprobs, dtype=_F32).tobytes()])
+        toks, lp, prompt = tokens
+        b = int(toks.shape[0])
+        n = -1 if lp is None else int(lp.top_ids.shape[1])
+        m, k = (-1, 0) if prompt is None else (int(prompt.chosen.shape[0]), int(prompt.top_ids.shape[1]))
+        parts = [_LP_HEAD.pack(b, n, m, k), np.ascontiguousarray(toks, dtype=_I64).tobytes()]
+        if lp is not None:
+            parts += [np.ascontiguousarray(lp.chosen, dtype=_F32).tobytes(),
+                      np.ascontiguousarray(lp.top_ids, dtype=_I32).tobytes(),
+                      np.ascontiguousarray(lp.top_logprobs, dtype=_F32).tobytes()]
+        if prompt is not None:
+            parts += [np.ascontiguousarray(a, dtype=d).tobytes() for a, d in zip(prompt, (_F32, _I32, _I32, _F32))]
+        raw = b"".join(parts)
         return _FRAME_REPLY.pack(_REPLY.size + len(raw), REPLY_LOGPROBS, seconds) + raw
     raw = np.ascontiguousarray(tokens, dtype=_I64).tobytes()
     return _FRAME_REPLY.pack(_REPLY.size + len(raw), REPLY_OK, seconds) + raw
@@ -211,14 +245,21 @@ def decode_reply(body: bytes) -> tuple[int, float, object]:
     if status == REPLY_NONE:
         return status, seconds, None
     if status == REPLY_LOGPROBS:
-        b, n = _LP_HEAD.unpack_from(body, _REPLY.size)
+        b, n, m, k = _LP_HEAD.unpack_from(body, _REPLY.size)
         off = _REPLY.size + _LP_HEAD.size
         toks = np.frombuffer(body, _I64, b, off).copy()
         off += 8 * b
-        # chosen, top ids, top logprobs: 4-byte items back to back, one copy, seen through int32 / float32 views
-        i32 = np.frombuffer(body, _I32, b * (1 + 2 * n), off).copy()
+        # the rest: 4-byte items back to back, one copy, seen through int32 / float32 views
+        i32 = np.frombuffer(body, _I32, -1, off).copy()
         f32 = i32.view(_F32)
-        e = b + b * n
-        return REPLY_OK, seconds, SampledTokens(toks, StepLogprobs(f32[:b], i32[b:e].reshape(b, n),
-                                                                   f32[e:].reshape(b, n)))
+        lp = prompt = None
+        e = 0
+        if n >= 0:  # chosen, top ids, top logprobs
+            e = b + b * n
+            lp = StepLogprobs(f32[:b], i32[b:e].reshape(b, n), f32[e:e + b * n].reshape(b, n))
+            e += b * n
+        if m >= 0:  # the prompt's chosen, ranks, top ids, top logprobs
+            prompt = PromptLogprobs(f32[e:e + m], i32[e + m:e + 2 * m], i32[e + 2 * m:e + 2 * m + m * k].reshape(m, k),
+                                    f32[e + 2 * m + m * k:e + 2 * m + 2 * m * k].reshape(m, k))
+        return REPLY_OK, seconds, SampledTokens(toks, lp, prompt)
     return status, seconds, bytes(body[_REPLY.size:]).decode("utf-8", "replace")

@@ -86,10 +86,13 @@ class StepPlanner:
     # ---- admission
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks `seq` can reuse: its longest run of full blocks in the prefix cache, leaving at least
-        its last token to compute (so a cached block is never written again)."""
+        its last token to compute (so a cached block is never written again), and no position whose prompt
+        log-probability it still needs (`engine.prompt_rows`)."""
         if not self.blocks.enable_caching:
             return []
         k = (seq.num_tokens - 1) // self.block_size
+        if seq.prompt_lp is not None:
+            k = min(k, len(seq.prompt_lp) // self.block_size)
         return self.blocks.match(chain_hashes(seq.token_ids, self.block_size, k, seq.block_hashes)[:k])
 
     def _admit(self, budget: int, chunked: bool) -> list[tuple[Sequence, int]]:

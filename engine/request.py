@@ -209,6 +209,9 @@ class RequestOutput:
     logprobs: Optional[list[tuple[float, list[int], list[float]]]] = None
     # prompt tokens whose KV came from the prefix cache when the request was first scheduled (0 until then)
     num_cached_tokens: int = 0
+    # when the request asked for prompt_logprobs: None for the first prompt token, then each one's entry (its
+    # log-probability, rank, top ids, top log-probabilities; `engine.prompt_rows`); in the first and the final output
+    prompt_logprobs: Optional[list] = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ carry, negative seeds. Ranges (vLLM / OpenAI):
 | allowed_token_ids | token ids | 1 .. 2**20 distinct ids in [0, 2**31-1] (vLLM's: only these may be drawn) | None |
 | ignore_eos | bool | | False |
 | logprobs | int or None | 0 .. 20 (top log-probabilities per token) | None |
+| prompt_logprobs | int or None | 0 .. 20 (top log-probabilities per prompt token; vLLM's) | None |
 
 `ENGINE_APPLIES` names the fields the engine's sampler honours today; `unapplied()` lists the
 fields of a `SamplingParams` set away from their default that it does not (the HTTP layer refuses
@@ -55,7 +56,7 @@ ENGINE_APPLIES: frozenset[str] = frozenset({"temperature", "top_k", "top_p", "se
                                             "bad_words", "allowed_token_ids"})
 # Fields handled outside the sampler: ignore_eos by whoever builds the stop token ids (the HTTP layer leaves
 # EOS out), logprobs accepted with null values until the sampler returns them.
-HANDLED_OUTSIDE: frozenset[str] = frozenset({"ignore_eos", "logprobs"})
+HANDLED_OUTSIDE: frozenset[str] = frozenset({"ignore_eos", "logprobs", "prompt_logprobs"})
 
 LogitBiasInput = Union[None, Mapping[Any, Any], Iterable[Any]]
 
@@ -180,6 +181,8 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()
     # vLLM's allowed_token_ids: only these ids may be drawn (sorted, distinct); None = every id
     allowed_token_ids: Optional[tuple[int, ...]] = None
+    # vLLM's prompt_logprobs: each prompt token after the first gets its log-probability (and this many top ones)
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         t = check_number("temperature", self.temperature, 0.0, TEMPERATURE_MAX)
@@ -205,6 +208,9 @@ class SamplingParams:
             "logprobs": None if self.logprobs is None else check_int("logprobs", self.logprobs, 0, LOGPROBS_MAX),
             "bad_words": _bad_words(self.bad_words),
             "allowed_token_ids": _allowed_token_ids(self.allowed_token_ids),
+            "prompt_logprobs": None if self.prompt_logprobs is None else check_int("prompt_logprobs",
+                                                                                   self.prompt_logprobs, 0,
+                                                                                   LOGPROBS_MAX),
         }
         for k, v in values.items():
             object.__setattr__(self, k, v)

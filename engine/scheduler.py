@@ -39,6 +39,7 @@ from engine.logprob_rows import step_entries, step_rows
 from engine.request import FinishReason, Request
 from engine.scheduler_config import SchedulerConfig
 from engine.sequence import Sequence, SeqStatus
+from engine.prompt_rows import build_ask, take_answers
 from engine.step_batch import build_batch
 
 
@@ -56,6 +57,8 @@ class ScheduledBatch:
     is_prefill: bool
     num_steps: int = 1
     num_decode_rows: int = 0
+    # (row, positions) of the rows whose prompt log-probabilities the step returns (`engine.prompt_rows`)
+    prompt_owners: Optional[list[tuple[int, int]]] = None
 
     @property
     def num_tokens(self) -> int:
@@ -197,7 +200,10 @@ class Scheduler(StepPlanner):
         prefill = num_decode < len(seqs)
         steps = 1 if prefill else self._lookahead_steps(seqs)
         batch = build_batch(seqs, hist, q, mask_words=self.mask_words)
-        sched = ScheduledBatch(seqs, batch, prefill, steps, num_decode)
+        owners = None
+        if prefill:  # only prompt chunks can ask for prompt log-probabilities
+            batch.prompt_lp, owners = build_ask(seqs, hist, q)
+        sched = ScheduledBatch(seqs, batch, prefill, steps, num_decode, owners or None)
         self._in_flight = sched
         return sched
 
@@ -253,14 +259,17 @@ class Scheduler(StepPlanner):
         if sched is not self._in_flight:
             raise SchedulerError("update() for a batch that is not in flight")
         self._in_flight, self._ahead = self._ahead, None  # the round scheduled ahead is now the one in flight
-        entries = None
+        entries = prompt = None
         if isinstance(next_tokens, SampledTokens):
-            next_tokens, lp = next_tokens
+            next_tokens, lp, prompt = next_tokens
             # once per step, not per row: the rows' entries as outputs carry them, and their compact rows, which
             # the sequences keep (`engine.logprob_rows`); a row asking n keeps the first n of the step's `width`
-            width = lp.top_ids.shape[1]
-            entries = step_entries(lp)
-            rows, row_size = step_rows(lp)
+            if lp is not None:
+                width = lp.top_ids.shape[1]
+                entries = step_entries(lp)
+                rows, row_size = step_rows(lp)
+        if sched.prompt_owners is not None:
+            take_answers(sched.seqs, sched.prompt_owners, prompt)
         toks = np.asarray(next_tokens)
         if toks.ndim == 1:
             toks = toks[:, None]

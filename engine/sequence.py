@@ -34,7 +34,7 @@ class Sequence:
                  "num_preemptions", "first_token_time", "last_token_time", "_emitted", "dp_rank", "error",
                  "sampling_row", "num_failures", "stop_ids", "stopped_on_token", "logprobs", "new_logprobs",
                  "block_hashes", "num_registered", "prefilled", "num_cached_tokens", "prompt_cached_tokens", "extras_flags",
-                 "_table_array", "grammar")
+                 "_table_array", "grammar", "prompt_lp")
 
     def __init__(self, request: Request, dp_rank: int = 0):
         self.request = request
@@ -75,6 +75,9 @@ class Sequence:
         self.extras_flags = extras_flags(sp, request.grammar is not None)
         # this sequence's position in the request's grammar (`engine.grammar`); None: free text
         self.grammar = request.grammar.start() if request.grammar is not None else None
+        # prompt log-probabilities (`engine.prompt_rows`): one entry per prompt token after the first, collected while
+        # the prompt is computed (every sample of an `n` > 1 prompt computes its own); None when not asked
+        self.prompt_lp: Optional[list] = [] if sp.prompt_logprobs is not None else None
 
     def block_table_array(self) -> np.ndarray:
         """`block_table` as int32 `[len]`, made again only when the table changed: tables only grow (`extend`) or are
@@ -122,7 +125,9 @@ class Sequence:
         self._emitted += len(new)
         done = self.status is SeqStatus.FINISHED
         req = self.request
-        lps = every = None
+        lps = every = prompt = None
+        if self.prompt_lp is not None and (done or start == self.prompt_len):  # the first output and the last
+            prompt = [None, *self.prompt_lp]
         if req.sampling.logprobs is not None:
             lps, self.new_logprobs = self.new_logprobs, []
             if done:
@@ -130,7 +135,7 @@ class Sequence:
         return RequestOutput(req.request_id, req.prompt_token_ids, new, self.token_ids[self.prompt_len:] if done else [],
                              self._emitted, done, self.finish_reason, req.arrival_time, self.first_token_time,
                              self.last_token_time if done else None, self.num_preemptions, self.error,
-                             done and self.stopped_on_token, lps, every, max(0, self.prompt_cached_tokens))
+                             done and self.stopped_on_token, lps, every, max(0, self.prompt_cached_tokens), prompt)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "

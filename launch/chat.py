@@ -182,7 +182,7 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     max_tokens = parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), ctx.defaults.max_tokens, [prompt],
                                   ctx)
     greq = parse_common(body, ctx, [prompt], (top_n or 0) if want else None, max_tokens, n,
-                        ("max_completion_tokens", "max_tokens"))
+                        ("max_completion_tokens", "max_tokens"), chat=True)
     greq.tool_choice = tool_choice
     greq.grammar = parse_response_format(body, ctx.grammars)
     if tool_choice.forced:

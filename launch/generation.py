@@ -17,6 +17,7 @@ from engine.async_engine import AsyncLLMEngine
 from launch.chat import chat_delta, chat_response
 from launch.logprobs import chat_logprobs, completion_logprobs
 from launch.outputs import ChoiceState
+from launch.prompt_logprobs import echo_logprobs, echo_text, vllm_prompt_logprobs
 from launch.protocol import (ApiError, GenerationRequest, choice, choices_usage, completion_response, now_s,
                              stream_chunk)
 from launch.reasoning import ThinkTags, splitter_for
@@ -50,6 +51,20 @@ class Shape:
         self.tool_choice = tool_choice if chat and tool_choice is not None and tool_choice.mode != "none" else None
         self._tool_streams: dict[int, Any] = {}  # per choice: a ToolCallStream ("auto") or a ForcedCallStream
         self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.greq: Optional[GenerationRequest] = None  # `bind`: the request's echo and prompt_logprobs
+
+    def bind(self, greq: GenerationRequest) -> None:
+        """The request this shape answers (its prompts, for `echo` and `prompt_logprobs`)."""
+        self.greq = greq
+
+    def _prompt(self, c: ChoiceState) -> list[int]:
+        return self.greq.prompts[c.index // self.greq.n]
+
+    def _echoed(self, c: ChoiceState, text: str, lp: Optional[dict], tokens: list[int]) -> tuple[str, Optional[dict]]:
+        """A completions choice's text and logprobs with its prompt in front (`echo`)."""
+        prompt = self._prompt(c)
+        lp = None if c.logprobs is None else echo_logprobs(self.tokenizer, prompt, c.prompt_lp, lp if tokens else None)
+        return echo_text(self.tokenizer, prompt) + text, lp
 
     def opening(self, c: ChoiceState) -> Optional[dict]:
         return chat_delta(c.index, "", None, first=True) if self.chat else None
@@ -70,6 +85,9 @@ class Shape:
                 text, calls, reason = self._tools_delta(c, text, reason)
             return chat_delta(c.index, text, reason, logprobs=lp, reasoning=r, tool_calls=calls) \
                 if text or r or reason or lp or calls else None
+        if self.greq is not None and self.greq.text.echo and not c.echoed:
+            c.echoed = True
+            text, lp = self._echoed(c, text, lp, tokens)
         return choice(c.index, text, tokens, reason, lp) if text or tokens or reason else None
 
     def _tools_delta(self, c: ChoiceState, text: str,
@@ -107,8 +125,20 @@ class Shape:
     def response(self, rid: str, model: str, created: int, choices: list[ChoiceState], n: int) -> dict:
         lps = [self._logprobs(c, c.token_ids, c.logprobs or [], 0) for c in choices]
         tools = [self._tool_answer(c) for c in choices] if self.tool_choice is not None else None
-        return chat_response(rid, model, created, choices, lps, self.think_tags is not None, tools) if self.chat else \
-            completion_response(rid, model, created, choices, n, lps)
+        if self.chat:
+            out = chat_response(rid, model, created, choices, lps, self.think_tags is not None, tools)
+            if self.greq is not None and self.greq.text.prompt_logprobs:
+                out["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, self._prompt(choices[0]),
+                                                              choices[0].prompt_lp)
+            return out
+        out = completion_response(rid, model, created, choices, n, lps)
+        text = None if self.greq is None else self.greq.text
+        for c, ch in zip(choices, out["choices"]):
+            if text is not None and text.echo:
+                ch["text"], ch["logprobs"] = self._echoed(c, ch["text"], ch["logprobs"], c.token_ids)
+            if text is not None and text.prompt_logprobs:
+                ch["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, self._prompt(c), c.prompt_lp)
+        return out
 
 
 
@@ -117,6 +147,8 @@ def _feed(c: ChoiceState, outs: list) -> tuple[str, list[int]]:
     new = outs[0].new_token_ids if len(outs) == 1 else [t for o in outs for t in o.new_token_ids]
     last = outs[-1]
     c.cached_tokens = last.num_cached_tokens
+    if outs[0].prompt_logprobs is not None:
+        c.prompt_lp = outs[0].prompt_logprobs
     lps = None if last.new_logprobs is None else [e for o in outs for e in (o.new_logprobs or ())]
     return c.feed(new, last.finished, last.finish_reason.value if last.finished and last.finish_reason else None,
                   stop_token=last.stopped_on_token, new_logprobs=lps)
@@ -131,6 +163,7 @@ async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, gr
                                                        priority=greq.priority),
                                       greq.n, fit_max_tokens=not greq.max_tokens_given)]
     eng.admit(len(reqs))  # EngineBusyError (429) before anything is queued
+    shape.bind(greq)
     choices = [ChoiceState(i, len(greq.prompts[i // greq.n]), tokenizer, greq.stop, keep_logprobs=not greq.stream,
                            think=splitter_for(shape.think_tags, greq.prompts[i // greq.n]),
                            include_stop=greq.text.include_stop_str, skip_special_tokens=greq.text.skip_special_tokens)

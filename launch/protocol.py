@@ -94,6 +94,8 @@ class TextOptions:
     include_stop_str: bool = False  # `include_stop_str_in_output`: a matched stop string ends the text
     skip_special_tokens: bool = True  # special tokens (e.g. `<|im_start|>`) have no text
     continuous_usage: bool = False  # `stream_options.continuous_usage_stats`: every chunk carries the usage so far
+    echo: bool = False  # completions' `echo`: each choice's text (and logprobs) starts with its prompt's
+    prompt_logprobs: bool = False  # vLLM's `prompt_logprobs`: the response carries them (`launch.prompt_logprobs`)
 
 
 # ---- shared fields
@@ -274,13 +276,26 @@ def parse_truncation(body: dict, ctx: ParseContext) -> Optional[int]:
 
 
 def parse_common(body: Any, ctx: ParseContext, prompts: list[list[int]], logprobs: Optional[int],
-                 max_tokens: list[int], n: int = 1, max_tokens_keys: tuple[str, ...] = ("max_tokens",)
-                 ) -> GenerationRequest:
-    """The fields completions and chat share, after the endpoint parsed its prompt, token budget and `n`."""
+                 max_tokens: list[int], n: int = 1, max_tokens_keys: tuple[str, ...] = ("max_tokens",),
+                 chat: bool = False) -> GenerationRequest:
+    """The fields completions and chat share, after the endpoint parsed its prompt, token budget and `n` (`echo`
+    is completions' only)."""
     sampling = parse_sampling(body, ctx, logprobs)
     stream, include_usage, continuous = parse_stream(body)
+    echo = _flag(body, "echo", False)
+    if echo and chat:
+        raise ApiError(400, "'echo' = true is not supported on chat completions", "echo", "unsupported")
+    v = body.get("prompt_logprobs")
+    wanted = None if v is None else check_int("prompt_logprobs", v, 0, LOGPROBS_MAX)
+    if wanted is not None and stream:
+        raise RequestError("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs",
+                           "invalid_value")
+    if echo and logprobs is not None:  # the echoed prompt's tokens carry logprobs too
+        wanted = max(logprobs, -1 if wanted is None else wanted)
+    if wanted is not None:
+        sampling = sampling.replace(prompt_logprobs=wanted)
     text = TextOptions(_flag(body, "include_stop_str_in_output", False),
-                       _flag(body, "skip_special_tokens", True), continuous)
+                       _flag(body, "skip_special_tokens", True), continuous, echo, v is not None)
     priority = body.get("priority")
     return GenerationRequest(parse_model(body, ctx), prompts, sampling, max_tokens,
                              parse_stop_token_ids(body, ctx, sampling.ignore_eos), parse_stop(body, ctx),
@@ -355,7 +370,6 @@ def parse_completion_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     body = require_object(body)
     parse_model(body, ctx)  # an unknown model is a 404 whatever else is wrong
     n = parse_n(body)
-    _unsupported(body, "echo", (False,), "= true")
     _unsupported(body, "suffix", ("",), "(insertion)")
     lp = body.get("logprobs")
     logprobs = None if lp is None else check_int("logprobs", lp, 0, LOGPROBS_MAX)

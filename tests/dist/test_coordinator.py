@@ -394,3 +394,25 @@ def test_tp2_sampled_rows_draw_the_same_token_on_both_ranks_and_equal_one_rank(t
     assert per_rank[0] == per_rank[1] == got.tokens.tolist() == want.tokens.tolist()
     np.testing.assert_allclose(got.logprobs.chosen, want.logprobs.chosen, atol=1e-4)
     assert got.logprobs.top_ids.tolist() == want.logprobs.top_ids.tolist()
+
+
+def test_tp2_prompt_logprobs_over_the_pipe_equal_one_rank(tp2, reference):
+    """A step asking for prompt log-probabilities (`StepBatch.prompt_lp`) under TP=2 on the pipe path: the ask
+    crosses the wire to both ranks, each gathers the logits of the asked rows in lock-step, and TP rank 0's answer
+    equals one rank's, beside the step's own logprobs."""
+    from actors.batch import SampledTokens, SamplerExtras
+    from actors.prompt_logprobs import PromptLogprobsAsk
+
+    coord, _ = tp2
+    b = StepBatch.from_sequences([[1, 2, 3, 4, 5], [9, 8, 7]], [0, 0], [[48], [49]], temperature=[0.0, 1.0],
+                                 seeds=[-1, 11])
+    b.prompt_lp = PromptLogprobsAsk(np.array([0, 1, 2, 3, 5, 6], np.int64), np.array([2, 3, 4, 5, 8, 7], np.int64), 3)
+    for extras in (None, SamplerExtras.off(2, 2)):
+        b.extras = extras
+        got, want = coord.step([b])[0], reference.execute(b)
+        assert isinstance(got, SampledTokens) and got.tokens.tolist() == want.tokens.tolist()
+        assert (got.logprobs is None) == (extras is None)
+        np.testing.assert_allclose(got.prompt.chosen, want.prompt.chosen, atol=1e-4)
+        assert got.prompt.ranks.tolist() == want.prompt.ranks.tolist()
+        assert got.prompt.top_ids.tolist() == want.prompt.top_ids.tolist() and got.prompt.top_ids.shape == (6, 3)
+        np.testing.assert_allclose(got.prompt.top_logprobs, want.prompt.top_logprobs, atol=1e-4)

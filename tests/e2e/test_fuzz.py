@@ -100,7 +100,8 @@ def bad_values(tokenizer: bool) -> dict[str, list]:
         "priority": [1, -1, 1.5, "0", True, 2**31, *RAW_BAD_NUMBERS],
         "bad_words": ["x", [5], [""], {"a": 1}] + (["w " * 100] if tokenizer else [["ok"]]),
         "allowed_token_ids": [[], [VOCAB], [-1], "1", [1.0], 5, [True], {"1": 1}, *[[h] for h in HUGE]],
-        "echo": [True],
+        "echo": ["yes", 1, [True]],
+        "prompt_logprobs": [21, -1, True, "1", 1.5, *HUGE],
         "suffix": ["x"],
     }
     if tokenizer:
@@ -123,6 +124,8 @@ def bad_chat_values() -> dict[str, list]:
         "max_completion_tokens": [0, -5, "4", *HUGE],
         "add_generation_prompt": ["no", 1],
         "continue_final_message": [True],
+        "echo": [True, "no"],
+        "prompt_logprobs": [21, -1, "0"],
         "tools": [[{"type": "function"}]],
         "tool_choice": ["required", "always", {"type": "function"}, {"type": "function", "function": {"name": "f"}},
                         {"function": {"name": 5}}],

@@ -29,6 +29,7 @@ GOOD = [
     ("logprobs", None), ("logprobs", 0), ("logprobs", 20),
     ("bad_words", ()), ("bad_words", [[5], [1, 2, 3]]), ("bad_words", [[INT32_MAX] * 32] * 128),
     ("allowed_token_ids", None), ("allowed_token_ids", [0]), ("allowed_token_ids", (9, 3, 9, INT32_MAX)),
+    ("prompt_logprobs", None), ("prompt_logprobs", 0), ("prompt_logprobs", 20),
 ]
 
 
@@ -79,6 +80,8 @@ BAD = [
     ("allowed_token_ids", 5, "invalid_type"), ("allowed_token_ids", [-1], "invalid_value"),
     ("allowed_token_ids", [1.0], "invalid_type"), ("allowed_token_ids", [True], "invalid_type"),
     ("allowed_token_ids", [INT32_MAX + 1], "invalid_value"),
+    ("prompt_logprobs", -1, "invalid_value"), ("prompt_logprobs", 21, "invalid_value"),
+    ("prompt_logprobs", True, "invalid_type"), ("prompt_logprobs", 1.0, "invalid_type"),
 ]
 
 
@@ -119,7 +122,7 @@ def test_the_sampler_applies_every_field():
     sp = SamplingParams(presence_penalty=0.5, min_p=0.1, logit_bias={"1": 2}, min_tokens=3, repetition_penalty=1.5,
                         frequency_penalty=-0.5)
     assert sp.unapplied() == ()
-    assert ENGINE_APPLIES | {"ignore_eos", "logprobs"} == set(FIELDS) and DEFAULTS["repetition_penalty"] == 1.0
+    assert ENGINE_APPLIES | {"ignore_eos", "logprobs", "prompt_logprobs"} == set(FIELDS) and DEFAULTS["repetition_penalty"] == 1.0
 
 
 def test_an_object_with_the_fields_is_coerced():
