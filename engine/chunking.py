@@ -49,6 +49,7 @@ class StepPlanner:
     # ---- the two policies
     def _plan_chunked(self) -> Rows:
         """Decode rows, then the prefill under way, then admissions, within the token budget (module docstring)."""
+        self._preempt_for_waiting()
         self._reserve_decode_blocks()
         seqs = [s for s in self.running if s.prefilled]
         hist = [s.num_computed for s in seqs]
@@ -71,6 +72,7 @@ class StepPlanner:
 
     def _plan_phased(self) -> Rows:
         """One prefill step of admitted sequences, or else one step of every running sequence."""
+        self._preempt_for_waiting()
         admitted = self._admit(self.cfg.max_num_batched_tokens, chunked=False)
         if not admitted:
             self._reserve_decode_blocks()
@@ -127,10 +129,36 @@ class StepPlanner:
             budget -= take
         return out
 
+    # ---- priority preemption
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: the newest; under the priority policy the one with the largest
+        (priority, arrival time), as vLLM picks it."""
+        if self.cfg.scheduling_policy != "priority":
+            return self.running[-1]
+        return max(reversed(self.running), key=lambda s: (s.request.priority, s.request.arrival_time))
+
+    def _preempt_for_waiting(self) -> None:
+        """Under the priority policy: while the head of the waiting queue has a lower priority value than a running
+        sequence and cannot be admitted (no sequence slot, or too few free blocks for its uncached tokens), preempt
+        the running sequence with the largest (priority, arrival) (vLLM's priority preemption)."""
+        if self.cfg.scheduling_policy != "priority":
+            return
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            victim = self._victim()
+            if victim.request.priority <= head.request.priority:
+                return
+            hits = self._cached_prefix(head)
+            need = self.blocks_for(head.num_tokens) - len(hits) + self.blocks.num_reviving(hits)
+            if len(self.running) < self.cfg.max_num_seqs and need + self.cfg.watermark_blocks <= self.blocks.num_free:
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
+
     # ---- decode blocks
     def _reserve_decode_blocks(self) -> None:
-        """A block for each running sequence whose next token starts one; preempts the newest running sequence
-        (possibly the one that needs it) while none is free."""
+        """A block for each running sequence whose next token starts one; preempts a running sequence (`_victim`,
+        possibly the one that needs it) while none is free."""
         i = 0
         bs = self.block_size
         while i < len(self.running):
@@ -140,10 +168,13 @@ class StepPlanner:
                 continue
             need = self.blocks_for(seq.num_tokens) - len(seq.block_table)
             while need > self.blocks.num_free:
-                victim = self.running.pop()
+                victim = self._victim()
+                self.running.remove(victim)
                 self._preempt(victim)
                 if victim is seq:
                     break
+                if self.running.index(seq) < i:  # a row before it left: it moved up
+                    i -= 1
             else:
                 if need:
                     seq.block_table.extend(self.blocks.allocate(need))

@@ -366,13 +366,21 @@ class Scheduler(StepPlanner):
         return out
 
     def _preempt(self, seq: Sequence) -> None:
+        """Back to the waiting queue, to be recomputed: at its front (under the priority policy, the front of its
+        priority's requests)."""
         self._release(seq)
         seq.num_computed = 0
         seq.prefilled = False
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.cfg.scheduling_policy == "priority":
+            p, i = seq.request.priority, 0
+            while i < len(self.waiting) and self.waiting[i].request.priority < p:
+                i += 1
+            self.waiting.insert(i, seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason, free: bool = True) -> Sequence:
         if free:

@@ -45,7 +45,9 @@ def add_model_args(p: argparse.ArgumentParser, executor_default: str = "ray") ->
                    "(default: --max-decode-batch, so every decode batch has a graph)")
     c.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="which waiting request is admitted first: fcfs (arrival order) or priority (a request's "
-                        "'priority', lower first, then arrival order; requests may set it only under this policy)")
+                        "'priority', lower first, then arrival order; a waiting request with a lower value than a "
+                        "running one that cannot be admitted preempts it; requests may set it only under this "
+                        "policy)")
     c.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step per DP rank: decode rows plus prefill chunks (default 2048 on "
                         "GPUs, 512 on CPU, at most --pcg-max-tokens so mixed steps replay a captured plan); a budget "

@@ -2,6 +2,8 @@
 sequence, block accounting, preemption by recompute (identical tokens), stop conditions."""
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -328,3 +330,53 @@ def test_priority_needs_the_priority_policy():
     assert prio.make_request([1, 2, 3], priority=-7).priority == -7
     with pytest.raises(RequestError):
         prio.make_request([1, 2, 3], priority=2**31)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_waiting_higher_priority_request_preempts_the_lowest_running_one(chunked):
+    """Priority policy, one sequence slot: a running request of priority 3 is preempted as soon as one of priority
+    -1 waits, which runs to the end first; the preempted one then recomputes its tokens and finishes. Equal or
+    larger values never preempt. Under fcfs nothing is preempted."""
+    for policy in ("priority", "fcfs"):
+        s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64,
+                                      scheduling_policy=policy, enable_chunked_prefill=chunked), 100, 4)
+        low = _seq(5, max_tokens=6, priority=3)
+        s.add(low)
+        for _ in range(3):  # prefill + two decode steps
+            b = s.schedule()
+            s.update(b, np.array([7]))
+        same = _seq(3, max_tokens=2, priority=3)
+        s.add(same)
+        b = s.schedule()
+        assert b.seqs == [low]  # an equal priority waits
+        s.update(b, np.array([7]))
+        high = _seq(4, max_tokens=2, priority=-1)
+        s.add(high)
+        order = []
+        while s.has_unfinished:
+            b = s.schedule()
+            order.append([q for q in b.seqs])
+            s.update(b, np.array([7] * len(b.seqs)))
+        if policy == "fcfs":
+            assert low.num_preemptions == 0 and order[0] == [low]
+            continue
+        assert order[0] == [high] and order[1] == [high] and low.num_preemptions == 1
+        assert order[2] == [low] and low.is_finished and low.num_output_tokens == 6
+        assert s.waiting == collections.deque() and same.is_finished
+
+
+def test_under_kv_pressure_the_priority_policy_preempts_the_largest_value_not_the_newest():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                                  scheduling_policy="priority", watermark_blocks=0), 5, 4)  # 4 usable blocks
+    old_low = _seq(4, max_tokens=20, priority=9)
+    new_high = _seq(4, max_tokens=20, priority=0)
+    s.add(old_low)
+    s.update(s.schedule(), np.array([7]))
+    s.add(new_high)  # admitted beside it (a free slot and blocks): the newest running sequence
+    b = s.schedule()
+    assert b.seqs == [old_low, new_high]
+    s.update(b, np.array([7, 7]))
+    while not old_low.num_preemptions:
+        b = s.schedule()
+        s.update(b, np.array([7] * len(b.seqs)))
+    assert new_high.num_preemptions == 0 and s.running == [new_high] and s.waiting[0] is old_low
