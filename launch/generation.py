@@ -149,6 +149,9 @@ def _feed(c: ChoiceState, outs: list) -> tuple[str, list[int]]:
     c.cached_tokens = last.num_cached_tokens
     if outs[0].prompt_logprobs is not None:
         c.prompt_lp = outs[0].prompt_logprobs
+    if c.echo_only:  # `max_tokens: 0`: the prompt alone
+        return c.feed([], last.finished, "length" if last.finished else None,
+                      new_logprobs=None if last.new_logprobs is None else [])
     lps = None if last.new_logprobs is None else [e for o in outs for e in (o.new_logprobs or ())]
     return c.feed(new, last.finished, last.finish_reason.value if last.finished and last.finish_reason else None,
                   stop_token=last.stopped_on_token, new_logprobs=lps)
@@ -168,6 +171,8 @@ async def generate(request: web.Request, eng: AsyncLLMEngine, tokenizer: Any, gr
                            think=splitter_for(shape.think_tags, greq.prompts[i // greq.n]),
                            include_stop=greq.text.include_stop_str, skip_special_tokens=greq.text.skip_special_tokens)
                for i in range(len(reqs))]
+    for c in choices:
+        c.echo_only = greq.text.echo_only
     created = now_s()
     if greq.stream:
         return await _stream(request, eng, greq, reqs, choices, rid, created, shape)

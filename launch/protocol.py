@@ -8,6 +8,8 @@ internals. No I/O here.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -95,6 +97,7 @@ class TextOptions:
     skip_special_tokens: bool = True  # special tokens (e.g. `<|im_start|>`) have no text
     continuous_usage: bool = False  # `stream_options.continuous_usage_stats`: every chunk carries the usage so far
     echo: bool = False  # completions' `echo`: each choice's text (and logprobs) starts with its prompt's
+    echo_only: bool = False  # `echo` with `max_tokens: 0`: the prompt alone (the one token generated is dropped)
     prompt_logprobs: bool = False  # vLLM's `prompt_logprobs`: the response carries them (`launch.prompt_logprobs`)
 
 
@@ -295,7 +298,7 @@ def parse_common(body: Any, ctx: ParseContext, prompts: list[list[int]], logprob
     if wanted is not None:
         sampling = sampling.replace(prompt_logprobs=wanted)
     text = TextOptions(_flag(body, "include_stop_str_in_output", False),
-                       _flag(body, "skip_special_tokens", True), continuous, echo, v is not None)
+                       _flag(body, "skip_special_tokens", True), continuous, echo=echo, prompt_logprobs=v is not None)
     priority = body.get("priority")
     return GenerationRequest(parse_model(body, ctx), prompts, sampling, max_tokens,
                              parse_stop_token_ids(body, ctx, sampling.ignore_eos), parse_stop(body, ctx),
@@ -374,8 +377,13 @@ def parse_completion_request(body: Any, ctx: ParseContext) -> GenerationRequest:
     lp = body.get("logprobs")
     logprobs = None if lp is None else check_int("logprobs", lp, 0, LOGPROBS_MAX)
     prompts = parse_prompts(body.get("prompt"), ctx, parse_truncation(body, ctx))
-    max_tokens = parse_max_tokens(body, ("max_tokens",), ctx.defaults.max_tokens or 16, prompts, ctx)
+    # `echo` with `max_tokens: 0` scores the prompt alone: one token is generated and not returned
+    echo_only = body.get("echo") is True and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+    max_tokens = [1] * len(prompts) if echo_only else \
+        parse_max_tokens(body, ("max_tokens",), ctx.defaults.max_tokens or 16, prompts, ctx)
     greq = parse_common(body, ctx, prompts, logprobs, max_tokens, n)
+    if echo_only:
+        greq.text = dataclasses.replace(greq.text, echo_only=True)
     greq.grammar = parse_response_format(body, ctx.grammars)
     return greq
 

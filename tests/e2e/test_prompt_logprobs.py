@@ -67,6 +67,11 @@ def test_echo_with_logprobs_is_the_loglikelihood_request(served):
     assert out.usage.prompt_tokens_details.cached_tokens == 0 < plain.usage.prompt_tokens_details.cached_tokens
     again = client.completions.create(**kw)  # the prompt is in the prefix cache now: its positions are computed again
     assert again.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)
+    scored = client.completions.create(**{**kw, "max_tokens": 0})  # the prompt alone
+    sc = scored.choices[0]
+    assert sc.text == "".join(texts) and sc.token_ids == [] and sc.finish_reason == "length"
+    assert sc.logprobs.tokens == texts and sc.logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:-1], abs=1e-5)
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(prompt)
     streamed = list(client.completions.create(stream=True, **kw))
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == c.text
     tokens = [t for ch in streamed if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
