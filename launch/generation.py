@@ -18,8 +18,8 @@ from launch.chat import chat_delta, chat_response
 from launch.logprobs import chat_logprobs, completion_logprobs
 from launch.outputs import ChoiceState
 from launch.prompt_logprobs import echo_logprobs, echo_text, vllm_prompt_logprobs
-from launch.protocol import (ApiError, GenerationRequest, choice, choices_usage, completion_response, now_s,
-                             stream_chunk)
+from launch.completions import choice, completion_response
+from launch.protocol import ApiError, GenerationRequest, choices_usage, now_s, stream_chunk
 from launch.reasoning import ThinkTags, splitter_for
 from launch.structured import gate_for_reasoning
 from launch.forced_tools import ForcedCallStream, forced_answer

@@ -25,7 +25,8 @@ from launch.defaults import GenerationDefaults
 from launch.generation import ENGINE_FAILED, Shape, generate, log_failure
 from launch.metrics import CONTENT_TYPE, ServerMetrics
 from launch.json_body import parse_json_body
-from launch.protocol import ApiError, GenerationRequest, ParseContext, ProtocolLimits, parse_completion_request
+from launch.completions import parse_completion_request
+from launch.protocol import ApiError, GenerationRequest, ParseContext, ProtocolLimits
 from launch.reasoning import ThinkTags, think_tags
 from launch.responses import new_id, parse_responses_request
 from launch.responses_store import ResponseStore

@@ -19,7 +19,8 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from launch.chat import parse_chat_request  # noqa: E402
 from launch.defaults import GenerationDefaults, GenerationDefaultsError  # noqa: E402
 from launch.json_body import parse_json_body  # noqa: E402
-from launch.protocol import ApiError, ParseContext, ProtocolLimits, parse_completion_request  # noqa: E402
+from launch.completions import parse_completion_request  # noqa: E402
+from launch.protocol import ApiError, ParseContext, ProtocolLimits  # noqa: E402
 
 LIMITS = ProtocolLimits(max_body_bytes=4096)
 MSG = [{"role": "user", "content": "hello"}]
