@@ -40,8 +40,24 @@ class StepPlanner:
     waiting: collections.deque[Sequence]
     running: list[Sequence]
 
-    def _preempt(self, seq: Sequence) -> None:  # pragma: no cover - the scheduler's
+    num_preemptions: int
+
+    def _release(self, seq: Sequence) -> None:  # pragma: no cover - the scheduler's
         raise NotImplementedError
+
+    def _queue(self, seq: Sequence, front: bool) -> None:  # pragma: no cover - the scheduler's
+        raise NotImplementedError
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Back to the waiting queue, to be recomputed (its blocks released): at its front (under the priority
+        policy, the front of its priority's sequences)."""
+        self._release(seq)
+        seq.num_computed = 0
+        seq.prefilled = False
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.num_preemptions += 1
+        self._queue(seq, front=True)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -38,13 +38,10 @@ from engine.grammar import GrammarViolation
 from engine.logprob_rows import step_entries, step_rows
 from engine.request import FinishReason, Request
 from engine.scheduler_config import SchedulerConfig
+from engine.scheduler_failures import SchedulerError, SchedulerFailures
 from engine.sequence import Sequence, SeqStatus
 from engine.prompt_rows import build_ask, take_answers
 from engine.step_batch import build_batch
-
-
-class SchedulerError(RuntimeError):
-    """The scheduler was driven out of order (e.g. an update without a scheduled batch)."""
 
 
 @dataclass
@@ -72,7 +69,7 @@ class ScheduledBatch:
         return "mixed" if self.num_decode_rows else "prefill"
 
 
-class Scheduler(StepPlanner):
+class Scheduler(StepPlanner, SchedulerFailures):
     def __init__(self, cfg: SchedulerConfig, num_kv_blocks: int, block_size: int, vocab_size: int = 0):
         """`vocab_size`: the model's (the allowed-token masks of `allowed_token_ids` rows are that wide; 0: no row
         may have them)."""
@@ -100,13 +97,24 @@ class Scheduler(StepPlanner):
         seq.status = SeqStatus.WAITING
         if after is not None and not after.prefilled and not after.is_finished:
             self._held.setdefault(after.request_id, []).append(seq)
-        elif self.cfg.scheduling_policy == "priority":  # behind every waiting one of the same or a lower value
-            p, i = seq.request.priority, len(self.waiting)
-            while i and self.waiting[i - 1].request.priority > p:
-                i -= 1
-            self.waiting.insert(i, seq)
         else:
-            self.waiting.append(seq)
+            self._queue(seq, front=False)
+
+    def _queue(self, seq: Sequence, front: bool) -> None:
+        """Into the waiting queue: at its back (`front`: its front, where a preempted sequence goes); under the
+        priority policy behind (`front`: before) the waiting sequences of the same priority."""
+        if self.cfg.scheduling_policy != "priority":
+            (self.waiting.appendleft if front else self.waiting.append)(seq)
+            return
+        p, w = seq.request.priority, self.waiting
+        i = 0 if front else len(w)
+        if front:
+            while i < len(w) and w[i].request.priority < p:
+                i += 1
+        else:
+            while i and w[i - 1].request.priority > p:
+                i -= 1
+        w.insert(i, seq)
 
     def _release_held(self, parent: Sequence) -> None:
         for seq in reversed(self._held.pop(parent.request_id, ())):
@@ -154,32 +162,6 @@ class Scheduler(StepPlanner):
 
     def _in_any_round(self, seq: Sequence) -> bool:
         return any(r is not None and any(s is seq for s in r.seqs) for r in (self._in_flight, self._ahead))
-
-    def preempt_all(self) -> int:
-        """Return every running sequence to the waiting queue (references dropped, recompute later). Resets."""
-        n = len(self.running)
-        while self.running:
-            self._preempt(self.running.pop())
-        return n
-
-    def requeue_after_failure(self) -> list[Sequence]:
-        """The executor failed (its ranks are rebuilt): forget the rounds in flight and return every running
-        sequence to the front of the waiting queue, in order, to be recomputed like a preemption (prompt plus the
-        tokens generated so far). Returns the requeued sequences. Blocks are rebuilt with `reset_blocks`."""
-        self._in_flight = self._ahead = None
-        seqs, self.running = self.running, []
-        for seq in reversed(seqs):
-            self._preempt(seq)
-        return seqs
-
-    def reset_blocks(self, num_kv_blocks: int) -> None:
-        """A new, empty block manager (the KV contents are gone: reset, resize, rebuild); only when no sequence
-        holds blocks. The prefix-cache counters carry on (they are cumulative)."""
-        if self.running or any(s.block_table for s in self.waiting):
-            raise SchedulerError("reset_blocks with sequences holding blocks; preempt_all first")
-        old = self.blocks
-        self.blocks = BlockManager(num_kv_blocks, self.block_size, self.cfg.enable_prefix_caching)
-        self.blocks.queries, self.blocks.hits, self.blocks.evictions = old.queries, old.hits, old.evictions
 
     @property
     def has_unfinished(self) -> bool:
@@ -346,41 +328,6 @@ class Scheduler(StepPlanner):
         for j in range(seq.num_registered, k):
             bm.register(table[j], keys[j])
         seq.num_registered = k
-
-    def cancel(self, sched: ScheduledBatch) -> None:
-        """Forget an in-flight batch whose step failed (its sequences are then failed by the engine)."""
-        if sched is self._in_flight:
-            self._in_flight = None
-            self._ahead = None
-
-    def fail_all(self, message: str) -> list[Sequence]:
-        """Finish every sequence with an error (the executor failed); returns them."""
-        self._in_flight = self._ahead = None
-        held = [s for group in self._held.values() for s in group]
-        self._held = {}
-        out = []
-        for seq in list(self.running) + list(self.waiting) + held:
-            seq.error = message
-            out.append(self._finish(seq, FinishReason.ERROR))
-        self.running, self.waiting = [], collections.deque()
-        return out
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Back to the waiting queue, to be recomputed: at its front (under the priority policy, the front of its
-        priority's requests)."""
-        self._release(seq)
-        seq.num_computed = 0
-        seq.prefilled = False
-        seq.num_preemptions += 1
-        seq.status = SeqStatus.WAITING
-        self.num_preemptions += 1
-        if self.cfg.scheduling_policy == "priority":
-            p, i = seq.request.priority, 0
-            while i < len(self.waiting) and self.waiting[i].request.priority < p:
-                i += 1
-            self.waiting.insert(i, seq)
-        else:
-            self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason, free: bool = True) -> Sequence:
         if free:
