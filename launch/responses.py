@@ -11,7 +11,8 @@ items are dropped), `instructions` (a system message first), `max_output_tokens`
 (`seed`, `top_k`, `min_p`, penalties, `stop`, `stop_token_ids`, `ignore_eos`, `min_tokens`, `logit_bias`,
 `chat_template_kwargs`, `structured_outputs`). With `--responses-store N` (`launch.responses_store`) a response is
 kept unless `store` is false, and `previous_response_id` continues a kept one's conversation (its `instructions` are
-not carried over); without it, `previous_response_id` is a 400. `conversation`, `background` and `truncation: "auto"`
+not carried over); without it, `previous_response_id` is a 400. `truncation: "auto"` drops the oldest input turns
+while the conversation overflows the context. `conversation` and `background`
 are 400s naming the field; `include: ["message.output_text.logprobs"]` or `top_logprobs` (0-20) return the output
 text's token logprobs (chat's entries; streamed with each text delta); `metadata`, `user`, other `include` values and
 `reasoning` are taken and not acted on. An error of the
@@ -210,7 +211,7 @@ def parse_responses_request(body: Any, ctx: ParseContext) -> ResponsesRequest:
     model = parse_model(body, ctx)
     _refuse(body, "conversation", (None,), "send the conversation in 'input' or use 'previous_response_id'")
     _refuse(body, "background", (None, False), "responses are answered in the request")
-    _refuse(body, "truncation", (None, "disabled"), "only \"disabled\"")
+    _refuse(body, "truncation", (None, "disabled", "auto"), "only \"disabled\" or \"auto\"")
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise RequestError("'store' must be a boolean", "store", "invalid_type")
@@ -218,13 +219,24 @@ def parse_responses_request(body: Any, ctx: ParseContext) -> ResponsesRequest:
     chat = {k: body[k] for k in PASSED if body.get(k) is not None}
     if _wants_logprobs(body):
         chat.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)
-    chat.update(messages=instruction_messages(body.get("instructions")) + turns, tools=_tools(body.get("tools")),
+    system, auto = instruction_messages(body.get("instructions")), body.get("truncation") == "auto"
+    chat.update(messages=system + turns, tools=_tools(body.get("tools")),
                 tool_choice=_tool_choice(body.get("tool_choice")), response_format=_text_format(body.get("text")),
                 max_completion_tokens=body.get("max_output_tokens"))
-    try:
-        greq = parse_chat_request({k: v for k, v in chat.items() if v is not None}, ctx)
-    except (RequestError, ApiError) as exc:
-        raise _renamed(exc) from None
+    while True:
+        try:
+            greq = parse_chat_request({k: v for k, v in chat.items() if v is not None}, ctx)
+            if not (auto and len(turns) > 1 and greq.max_tokens_given
+                    and len(greq.prompts[0]) + greq.max_tokens[0] > ctx.max_model_len):
+                break
+        except (RequestError, ApiError) as exc:
+            # `truncation: "auto"`: drop the oldest turns (a tool result never leads) while the context overflows
+            if not auto or getattr(exc, "code", None) != "context_length_exceeded" or len(turns) < 2:
+                raise _renamed(exc) from None
+        turns = turns[1:]
+        while len(turns) > 1 and turns[0].get("role") == "tool":
+            turns = turns[1:]
+        chat["messages"] = system + turns
     stored = ctx.responses is not None and store is not False
     echo = {"model": model, "instructions": body.get("instructions"), "store": stored,
             "previous_response_id": body.get("previous_response_id"),
@@ -233,7 +245,8 @@ def parse_responses_request(body: Any, ctx: ParseContext) -> ResponsesRequest:
             "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
-            "reasoning": body.get("reasoning"), "user": body.get("user")}
+            "reasoning": body.get("reasoning"), "user": body.get("user"),
+            "truncation": "auto" if body.get("truncation") == "auto" else "disabled"}
     return ResponsesRequest(greq, echo, turns if stored else None)
 
 
@@ -255,7 +268,7 @@ def response_object(rid: str, created: int, echo: dict, answer: Optional[dict], 
         usage = usage_object(u)
         details = {"reason": "max_output_tokens"} if status == "incomplete" else None
     return {"id": rid, "object": "response", "created_at": created, "status": status, "error": None,
-            "incomplete_details": details, "output": output, "usage": usage, "truncation": "disabled", **echo}
+            "incomplete_details": details, "output": output, "usage": usage, **echo}
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:

@@ -147,7 +147,7 @@ def bad_responses_values() -> dict[str, list]:
         "tool_choice": [{"type": "function", "name": "nope"}, "always"],
         "previous_response_id": ["resp_1"],
         "background": [True],
-        "truncation": ["auto"],
+        "truncation": ["middle", 1, True],
     }
 
 

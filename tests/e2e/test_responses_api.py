@@ -141,7 +141,7 @@ def _delete(url: str, rid: str) -> tuple[int, dict]:
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "middle"}, "truncation"),
     ({"temperature": 101}, "temperature"),
     ({"top_logprobs": 25}, "top_logprobs"),
     ({"include": "message.output_text.logprobs"}, "include"),
@@ -226,3 +226,26 @@ def test_output_text_logprobs_equal_chats(srv):
     assert streamed == [(t, lp) for t, lp, _ in want]
     plain = client.responses.create(model="tiny-chat", input="Count to three.", max_output_tokens=2)
     assert plain.output[0].content[0].logprobs == []
+
+
+def test_truncation_auto_drops_the_oldest_turns_that_overflow(srv):
+    """A conversation whose oldest turns overflow the 1024-token context: a 400 naming `input` when truncation is
+    disabled; with "auto" those turns are dropped (the instructions kept) and the answer is chat's of the rest."""
+    client = openai_client(srv)
+    turns = [{"role": "user", "content": "tell me everything " * 400}, {"role": "assistant", "content": "no"},
+             {"role": "user", "content": "a short question"}]
+    status, body = _post(srv.url, {"model": "tiny-chat", "input": turns, "max_output_tokens": 6})
+    assert status == 400 and body["error"]["param"] == "input", body
+    r = client.responses.create(model="tiny-chat", instructions="Be brief.", input=turns, max_output_tokens=6,
+                                temperature=0, truncation="auto")
+    chat = client.chat.completions.create(model="tiny-chat", max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, *turns[1:]])
+    assert r.truncation == "auto" and r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    # the prompt fits but not with max_output_tokens: the oldest turns go too
+    fits = [{"role": "user", "content": "tell me everything " * 150}, *turns[1:]]
+    status, body = _post(srv.url, {"model": "tiny-chat", "input": fits, "max_output_tokens": 900})
+    assert status == 400, body
+    r2 = client.responses.create(model="tiny-chat", input=fits, max_output_tokens=900, temperature=0,
+                                 truncation="auto", extra_body={"ignore_eos": True})
+    assert r2.usage.input_tokens + r2.usage.output_tokens <= 1024 and r2.usage.output_tokens == 900
