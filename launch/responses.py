@@ -12,11 +12,12 @@ items are dropped), `instructions` (a system message first), `max_output_tokens`
 `chat_template_kwargs`, `structured_outputs`). With `--responses-store N` (`launch.responses_store`) a response is
 kept unless `store` is false, and `previous_response_id` continues a kept one's conversation (its `instructions` are
 not carried over); without it, `previous_response_id` is a 400. `truncation: "auto"` drops the oldest input turns
-while the conversation overflows the context. `conversation` and `background`
-are 400s naming the field; `include: ["message.output_text.logprobs"]` or `top_logprobs` (0-20) return the output
-text's token logprobs (chat's entries; streamed with each text delta); `metadata`, `user`, other `include` values and
-`reasoning` are taken and not acted on. An error of the
-translated request names the Responses field (`input`, `max_output_tokens`, `text.format`, ...).
+while the conversation overflows the context. `background: true` (with a store) answers at once with the response
+`in_progress` and generates it in the server (`launch.responses_background`). `conversation` is a 400 naming it;
+`include: ["message.output_text.logprobs"]` or `top_logprobs` (0-20) return the output text's token logprobs (chat's
+entries; streamed with each text delta); `metadata`, `user`, other `include` values and `reasoning` are taken and not
+acted on. An error of the translated request names the Responses field (`input`, `max_output_tokens`, `text.format`,
+...).
 
 Response (`response_object`): `{"id": "resp_...", "object": "response", "status": "completed" | "incomplete",
 "incomplete_details": {"reason": "max_output_tokens"} | null, "output": [...], "usage": {...}, ...}`, the output
@@ -210,7 +211,12 @@ def parse_responses_request(body: Any, ctx: ParseContext) -> ResponsesRequest:
     body = require_object(body)
     model = parse_model(body, ctx)
     _refuse(body, "conversation", (None,), "send the conversation in 'input' or use 'previous_response_id'")
-    _refuse(body, "background", (None, False), "responses are answered in the request")
+    background = body.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise RequestError("'background' must be a boolean", "background", "invalid_type")
+    if background and (ctx.responses is None or body.get("store") is False or body.get("stream")):
+        raise ApiError(400, "'background': true needs a stored, unstreamed response (graphline serve "
+                            "--responses-store N, no 'store': false, no 'stream')", "background", "unsupported")
     _refuse(body, "truncation", (None, "disabled", "auto"), "only \"disabled\" or \"auto\"")
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
@@ -246,7 +252,7 @@ def parse_responses_request(body: Any, ctx: ParseContext) -> ResponsesRequest:
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
             "reasoning": body.get("reasoning"), "user": body.get("user"),
-            "truncation": "auto" if body.get("truncation") == "auto" else "disabled"}
+            "truncation": "auto" if body.get("truncation") == "auto" else "disabled", "background": bool(background)}
     return ResponsesRequest(greq, echo, turns if stored else None)
 
 

@@ -5,6 +5,7 @@ a response is the chat answer in the Responses shape, and its stream's events bu
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -140,7 +141,8 @@ def _delete(url: str, rid: str) -> tuple[int, dict]:
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"background": True}, "background"),
+    ({"background": True}, "background"),  # this server keeps no responses
+    ({"background": "yes"}, "background"),
     ({"truncation": "middle"}, "truncation"),
     ({"temperature": 101}, "temperature"),
     ({"top_logprobs": 25}, "top_logprobs"),
@@ -249,3 +251,37 @@ def test_truncation_auto_drops_the_oldest_turns_that_overflow(srv):
     r2 = client.responses.create(model="tiny-chat", input=fits, max_output_tokens=900, temperature=0,
                                  truncation="auto", extra_body={"ignore_eos": True})
     assert r2.usage.input_tokens + r2.usage.output_tokens <= 1024 and r2.usage.output_tokens == 900
+
+
+def _poll(client, rid: str, until: float = 60.0):
+    deadline = time.monotonic() + until
+    while True:
+        r = client.responses.retrieve(rid)
+        if r.status != "in_progress" or time.monotonic() > deadline:
+            return r
+        time.sleep(0.05)
+
+
+def test_background_responses_are_polled_and_cancelled(stored):
+    """`background: true`: answered at once `in_progress`, then the stored object becomes the same answer as the
+    request made in the foreground; a long one is cancelled (its engine request aborted: nothing keeps running)."""
+    client = openai_client(stored)
+    kw = dict(model="tiny-chat", input="Why is the sky blue?", max_output_tokens=8, temperature=0)
+    fg = client.responses.create(**kw)
+    bg = client.responses.create(background=True, **kw)
+    assert bg.background is True and bg.status in ("in_progress", "completed") and bg.id != fg.id
+    done = _poll(client, bg.id)
+    assert done.status == fg.status and done.output_text == fg.output_text and done.usage.output_tokens == 8
+    long = client.responses.create(model="tiny-chat", input="go on", max_output_tokens=900, background=True,
+                                   extra_body={"ignore_eos": True})
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    status, body = http_json(stored.url + f"/v1/responses/{bg.id}/cancel", "POST", {})
+    assert status == 400 and body["error"]["code"] == "invalid_state"  # finished: nothing to cancel
+    status, body = http_json(stored.url + "/v1/responses/resp_nope/cancel", "POST", {})
+    assert status == 404
+    status, body = http_json(stored.url + "/status", "GET")
+    assert status == 200 and body["engine"]["running"] == 0 and body["engine"]["waiting"] == 0, body
+    for bad in ({"stream": True}, {"store": False}):
+        status, body = _post(stored.url, {**kw, "background": True, **bad})
+        assert status == 400 and body["error"]["param"] == "background"
