@@ -85,10 +85,19 @@ class Shape:
                 text, calls, reason = self._tools_delta(c, text, reason)
             return chat_delta(c.index, text, reason, logprobs=lp, reasoning=r, tool_calls=calls) \
                 if text or r or reason or lp or calls else None
-        if self.greq is not None and self.greq.text.echo and not c.echoed:
-            c.echoed = True
-            text, lp = self._echoed(c, text, lp, tokens)
-        return choice(c.index, text, tokens, reason, lp) if text or tokens or reason else None
+        prompt_lp = None
+        if self.greq is not None and not c.first_sent and (text or tokens or reason):
+            c.first_sent = True  # the first chunk carries the prompt's echo and its prompt_logprobs
+            if self.greq.text.echo:
+                text, lp = self._echoed(c, text, lp, tokens)
+            if self.greq.text.prompt_logprobs:
+                prompt_lp = vllm_prompt_logprobs(self.tokenizer, self._prompt(c), c.prompt_lp)
+        if not (text or tokens or reason):
+            return None
+        ch = choice(c.index, text, tokens, reason, lp)
+        if prompt_lp is not None:
+            ch["prompt_logprobs"] = prompt_lp
+        return ch
 
     def _tools_delta(self, c: ChoiceState, text: str,
                      reason: Optional[str]) -> tuple[str, Optional[list], Optional[str]]:

@@ -24,7 +24,7 @@ class ChoiceState:
     __slots__ = ("index", "num_prompt_tokens", "detok", "stop", "token_ids", "texts", "finish_reason", "done",
                  "stopped_early", "logprobs", "last_logprobs", "_lp_queue", "text_len", "last_text_start",
                  "_keep_logprobs", "think", "rdetok", "reasoning_texts", "last_reasoning", "reasoning_tokens",
-                 "cached_tokens", "prompt_lp", "echoed", "echo_only")
+                 "cached_tokens", "prompt_lp", "first_sent", "echo_only")
 
     def __init__(self, index: int, num_prompt_tokens: int, tokenizer: Any = None, stop: Sequence[str] = (),
                  keep_logprobs: bool = True, think: Optional[ThinkSplitter] = None, include_stop: bool = False,
@@ -44,7 +44,7 @@ class ChoiceState:
         self.num_prompt_tokens = num_prompt_tokens
         self.cached_tokens = 0  # prompt tokens from the prefix cache (the engine's `RequestOutput.num_cached_tokens`)
         self.prompt_lp: Optional[list] = None  # the engine's `RequestOutput.prompt_logprobs`, once they came
-        self.echoed = False  # a streamed `echo` choice sent its prompt
+        self.first_sent = False  # a streamed completions choice sent its first chunk (its echo, its prompt_logprobs)
         self.echo_only = False  # `echo` with `max_tokens: 0`: the generated token is dropped, the choice ends `length`
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.stop = StopStringMatcher(stop, include_stop) if stop else None

@@ -287,9 +287,9 @@ def parse_common(body: Any, ctx: ParseContext, prompts: list[list[int]], logprob
         raise ApiError(400, "'echo' = true is not supported on chat completions", "echo", "unsupported")
     v = body.get("prompt_logprobs")
     wanted = None if v is None else check_int("prompt_logprobs", v, 0, LOGPROBS_MAX)
-    if wanted is not None and stream:
-        raise RequestError("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs",
-                           "invalid_value")
+    if wanted is not None and stream and chat:
+        raise RequestError("'prompt_logprobs' is not available with 'stream': true on chat completions",
+                           "prompt_logprobs", "invalid_value")
     if echo and logprobs is not None:  # the echoed prompt's tokens carry logprobs too
         wanted = max(logprobs, -1 if wanted is None else wanted)
     if wanted is not None:

@@ -97,6 +97,12 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(served):
             assert ranks == [r for r in (1, 2) if r != entry["rank"]][:len(ranks)] and len(pl[p]) in (2, 3)
             assert (entry["rank"] == 1) == (max(v["logprob"] for v in pl[p].values()) == entry["logprob"])
         assert ch.logprobs is None
+    streamed = [c for c in client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2, temperature=0,
+                                                      stream=True, extra_body={"ignore_eos": True,
+                                                                               "prompt_logprobs": 2})
+                if c.choices]
+    firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in streamed]
+    assert firsts[0] == [None, *(out.choices[0].prompt_logprobs[1:])] and not any(firsts[1:])
     chat = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hello there"}],
                                           max_tokens=2, extra_body={"prompt_logprobs": 0})
     pl = chat.model_extra["prompt_logprobs"]
@@ -107,7 +113,7 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(served):
     ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
     ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
     ("/v1/completions", {"prompt_logprobs": True}, "prompt_logprobs"),
-    ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"echo": "yes"}, "echo"),
     ("/v1/chat/completions", {"echo": True}, "echo"),
     ("/v1/chat/completions", {"prompt_logprobs": 1.5}, "prompt_logprobs"),
