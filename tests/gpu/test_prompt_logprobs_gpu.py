@@ -18,8 +18,8 @@ K = 4
 
 @pytest.fixture(scope="module")
 def rt():
-    r = make_runtime("qwen3-0.6b", dtype="float32", max_decode_batch=8, pcg_max_tokens=1024, pcg_token_stride=512,
-                     prefill_graph_max_tokens=512, prefill_graph_max_seqs=4)
+    r = make_runtime("qwen3-0.6b", dtype="float32", max_decode_batch=4, pcg_max_tokens=512, pcg_token_stride=256,
+                     prefill_graph_max_tokens=256, prefill_graph_max_seqs=2)
     yield r
     del r
     gc.collect()
