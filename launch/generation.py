@@ -52,10 +52,14 @@ class Shape:
         self._tool_streams: dict[int, Any] = {}  # per choice: a ToolCallStream ("auto") or a ForcedCallStream
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.greq: Optional[GenerationRequest] = None  # `bind`: the request's echo and prompt_logprobs
+        self.lp_tokenizer = tokenizer  # what writes logprob tokens (None: `token_id:<id>`)
 
     def bind(self, greq: GenerationRequest) -> None:
-        """The request this shape answers (its prompts, for `echo` and `prompt_logprobs`)."""
+        """The request this shape answers (its prompts, for `echo`, `prompt_logprobs` and `return_token_ids`;
+        `return_tokens_as_token_ids`: every logprob token is written `token_id:<id>`, as without a tokenizer)."""
         self.greq = greq
+        if greq.text.tokens_as_ids:
+            self.lp_tokenizer = None
 
     def _prompt(self, c: ChoiceState) -> list[int]:
         return self.greq.prompts[c.index // self.greq.n]
@@ -63,7 +67,8 @@ class Shape:
     def _echoed(self, c: ChoiceState, text: str, lp: Optional[dict], tokens: list[int]) -> tuple[str, Optional[dict]]:
         """A completions choice's text and logprobs with its prompt in front (`echo`)."""
         prompt = self._prompt(c)
-        lp = None if c.logprobs is None else echo_logprobs(self.tokenizer, prompt, c.prompt_lp, lp if tokens else None)
+        lp = None if c.logprobs is None else echo_logprobs(self.lp_tokenizer, prompt, c.prompt_lp,
+                                                           lp if tokens else None)
         return echo_text(self.tokenizer, prompt) + text, lp
 
     def opening(self, c: ChoiceState) -> Optional[dict]:
@@ -73,8 +78,8 @@ class Shape:
         if c.logprobs is None:
             return None
         if self.chat:
-            return chat_logprobs(self.tokenizer, tokens, entries)
-        return completion_logprobs(self.tokenizer, tokens, entries, text_start)
+            return chat_logprobs(self.lp_tokenizer, tokens, entries)
+        return completion_logprobs(self.lp_tokenizer, tokens, entries, text_start)
 
     def delta(self, c: ChoiceState, text: str, tokens: list[int]) -> Optional[dict]:
         reason = c.finish_reason if c.done else None
@@ -83,20 +88,29 @@ class Shape:
             r, calls = c.last_reasoning, None
             if self.tool_choice is not None:
                 text, calls, reason = self._tools_delta(c, text, reason)
-            return chat_delta(c.index, text, reason, logprobs=lp, reasoning=r, tool_calls=calls) \
-                if text or r or reason or lp or calls else None
-        prompt_lp = None
+            want_ids = self.greq is not None and self.greq.text.return_token_ids
+            if not (text or r or reason or lp or calls or (want_ids and tokens)):
+                return None
+            out = chat_delta(c.index, text, reason, logprobs=lp, reasoning=r, tool_calls=calls)
+            if want_ids:
+                out["token_ids"] = tokens
+            return out
+        prompt_lp = ids = None
         if self.greq is not None and not c.first_sent and (text or tokens or reason):
             c.first_sent = True  # the first chunk carries the prompt's echo and its prompt_logprobs
             if self.greq.text.echo:
                 text, lp = self._echoed(c, text, lp, tokens)
             if self.greq.text.prompt_logprobs:
-                prompt_lp = vllm_prompt_logprobs(self.tokenizer, self._prompt(c), c.prompt_lp)
+                prompt_lp = vllm_prompt_logprobs(self.lp_tokenizer, self._prompt(c), c.prompt_lp)
+            if self.greq.text.return_token_ids:
+                ids = self._prompt(c)
         if not (text or tokens or reason):
             return None
         ch = choice(c.index, text, tokens, reason, lp)
         if prompt_lp is not None:
             ch["prompt_logprobs"] = prompt_lp
+        if ids is not None:
+            ch["prompt_token_ids"] = ids
         return ch
 
     def _tools_delta(self, c: ChoiceState, text: str,
@@ -136,9 +150,14 @@ class Shape:
         tools = [self._tool_answer(c) for c in choices] if self.tool_choice is not None else None
         if self.chat:
             out = chat_response(rid, model, created, choices, lps, self.think_tags is not None, tools)
-            if self.greq is not None and self.greq.text.prompt_logprobs:
-                out["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, self._prompt(choices[0]),
+            text = None if self.greq is None else self.greq.text
+            if text is not None and text.prompt_logprobs:
+                out["prompt_logprobs"] = vllm_prompt_logprobs(self.lp_tokenizer, self._prompt(choices[0]),
                                                               choices[0].prompt_lp)
+            if text is not None and text.return_token_ids:
+                out["prompt_token_ids"] = self._prompt(choices[0])
+                for c, ch in zip(choices, out["choices"]):
+                    ch["token_ids"] = c.token_ids
             return out
         out = completion_response(rid, model, created, choices, n, lps)
         text = None if self.greq is None else self.greq.text
@@ -146,7 +165,9 @@ class Shape:
             if text is not None and text.echo:
                 ch["text"], ch["logprobs"] = self._echoed(c, ch["text"], ch["logprobs"], c.token_ids)
             if text is not None and text.prompt_logprobs:
-                ch["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, self._prompt(c), c.prompt_lp)
+                ch["prompt_logprobs"] = vllm_prompt_logprobs(self.lp_tokenizer, self._prompt(c), c.prompt_lp)
+            if text is not None and text.return_token_ids:
+                ch["prompt_token_ids"] = self._prompt(c)
         return out
 
 

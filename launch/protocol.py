@@ -96,6 +96,8 @@ class TextOptions:
     echo: bool = False  # completions' `echo`: each choice's text (and logprobs) starts with its prompt's
     echo_only: bool = False  # `echo` with `max_tokens: 0`: the prompt alone (the one token generated is dropped)
     prompt_logprobs: bool = False  # vLLM's `prompt_logprobs`: the response carries them (`launch.prompt_logprobs`)
+    tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprob tokens as "token_id:<id>"
+    return_token_ids: bool = False  # vLLM's `return_token_ids`: the prompt's and each choice's token ids
 
 
 # ---- shared fields
@@ -295,7 +297,9 @@ def parse_common(body: Any, ctx: ParseContext, prompts: list[list[int]], logprob
     if wanted is not None:
         sampling = sampling.replace(prompt_logprobs=wanted)
     text = TextOptions(_flag(body, "include_stop_str_in_output", False),
-                       _flag(body, "skip_special_tokens", True), continuous, echo=echo, prompt_logprobs=v is not None)
+                       _flag(body, "skip_special_tokens", True), continuous, echo=echo, prompt_logprobs=v is not None,
+                       tokens_as_ids=_flag(body, "return_tokens_as_token_ids", False),
+                       return_token_ids=_flag(body, "return_token_ids", False))
     priority = body.get("priority")
     return GenerationRequest(parse_model(body, ctx), prompts, sampling, max_tokens,
                              parse_stop_token_ids(body, ctx, sampling.ignore_eos), parse_stop(body, ctx),

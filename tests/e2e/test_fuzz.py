@@ -102,6 +102,8 @@ def bad_values(tokenizer: bool) -> dict[str, list]:
         "allowed_token_ids": [[], [VOCAB], [-1], "1", [1.0], 5, [True], {"1": 1}, *[[h] for h in HUGE]],
         "echo": ["yes", 1, [True]],
         "prompt_logprobs": [21, -1, True, "1", 1.5, *HUGE],
+        "return_tokens_as_token_ids": ["yes", 1],
+        "return_token_ids": [0, "true"],
         "suffix": ["x"],
     }
     if tokenizer:

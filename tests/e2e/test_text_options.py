@@ -210,3 +210,39 @@ def test_allowed_token_ids_restrict_every_drawn_token(served):
                                           max_tokens=12, temperature=1.0,
                                           extra_body={"ignore_eos": True, "allowed_token_ids": [77]})
     assert chat.choices[0].message.content == served[1].decode([77] * 12) and chat.usage.completion_tokens == 12
+
+
+def test_return_tokens_as_token_ids_and_return_token_ids(served):
+    """vLLM's `return_tokens_as_token_ids` writes every logprob token as `token_id:<id>`; `return_token_ids` returns
+    the prompt's ids (completions: per choice, streamed in the first chunk; chat: the response's) and each chat
+    choice's ids (streamed: each delta's)."""
+    client, tok = openai_client(served[0]), served[1]
+    kw = dict(model="tiny-chat", prompt="The quick brown fox", max_tokens=6, temperature=0, logprobs=2)
+    out = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True,
+                                                      "return_token_ids": True})
+    ch = out.choices[0]
+    assert ch.logprobs.tokens == [f"token_id:{t}" for t in ch.token_ids]
+    assert all(k.startswith("token_id:") for top in ch.logprobs.top_logprobs for k in top)
+    assert ch.model_extra["prompt_token_ids"] == tok.encode("The quick brown fox")
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs.tokens == [tok.decode([t]) for t in ch.token_ids]
+    assert "prompt_token_ids" not in plain.choices[0].model_extra
+    chunks = [c for c in client.completions.create(stream=True, **kw, extra_body={"ignore_eos": True,
+                                                                                  "return_token_ids": True})
+              if c.choices]
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == tok.encode("The quick brown fox")
+    assert not any("prompt_token_ids" in c.choices[0].model_extra for c in chunks[1:])
+    msgs = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=1,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                      "return_tokens_as_token_ids": True})
+    ids = chat.choices[0].model_extra["token_ids"]
+    assert len(ids) == chat.usage.completion_tokens == 6
+    assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
+    assert [e.token for e in chat.choices[0].logprobs.content] == [f"token_id:{t}" for t in ids]
+    streamed = [t for c in client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=6,
+                                                          temperature=0, stream=True,
+                                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+                if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert streamed == ids
