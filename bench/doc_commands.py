@@ -176,6 +176,10 @@ def rows(ckpt: Path, token_file: Path) -> list[tuple[str, callable]]:
         ("serve --model <checkpoint dir> --responses-store 16: POST /v1/responses", lambda: serve_once(
             ["--model", str(ckpt), "--device", "cpu", "--no-progress", "--executor", "local", "--responses-store",
              "16"], body={"input": "hi", "max_output_tokens": 4}, path="/v1/responses")),
+        ("serve --model <checkpoint dir> --chat-template FILE: chat completions", lambda: serve_once(
+            ["--model", str(ckpt), "--device", "cpu", "--no-progress", "--executor", "local", "--chat-template",
+             str(template_file(token_file.parent))], body={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 4}, path="/v1/chat/completions")),
         ("serve --max-concurrent-requests 8", s("--executor", "local", "--max-concurrent-requests", "8")),
         ("serve --scheduling-policy priority (a request with priority -1)",
          s("--executor", "local", "--scheduling-policy", "priority",
@@ -203,6 +207,14 @@ def serve_via_cluster() -> tuple[bool, str]:
         return False, "did not start"
     finally:
         stop(proc)
+
+
+def template_file(d: Path) -> Path:
+    """A minimal Jinja chat template in `d` (for `--chat-template`)."""
+    p = d / "chat_template.jinja"
+    p.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+    return p
 
 
 NOT_HERE = [

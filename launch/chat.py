@@ -231,3 +231,36 @@ def chat_delta(index: int, content: Optional[str], finish_reason: Optional[str],
     if tool_calls:
         delta["tool_calls"] = tool_calls
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+class ChatTemplateError(ValueError):
+    """`graphline serve --chat-template` names no usable template."""
+
+
+def set_chat_template(tokenizer: Any, value: str) -> str:
+    """`--chat-template`: `value` is a file holding a Jinja chat template, or the template's text itself (as vLLM
+    takes it); it replaces the tokenizer's own. Rendered once on a probe conversation so a broken template fails at
+    start-up. Returns where it came from ("file PATH" or "inline")."""
+    from pathlib import Path
+
+    import jinja2
+
+    if tokenizer is None:
+        raise ChatTemplateError("--chat-template needs a tokenizer: serve a checkpoint directory that has one")
+    path = Path(value)
+    try:
+        is_file = len(value) < 4096 and path.is_file()
+    except OSError:
+        is_file = False
+    text, where = (path.read_text(encoding="utf-8"), f"file {path}") if is_file else (value, "inline")
+    if "{" not in text:
+        raise ChatTemplateError(f"--chat-template {value[:80]!r} is neither a file nor a Jinja template")
+    old = getattr(tokenizer, "chat_template", None)
+    tokenizer.chat_template = text
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                      tokenize=False)
+    except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        tokenizer.chat_template = old
+        raise ChatTemplateError(f"--chat-template ({where}) does not render a conversation: {str(exc)[:300]}") from None
+    return where

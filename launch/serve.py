@@ -52,6 +52,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--responses-store", type=int, default=0, metavar="N",
                    help="keep the last N /v1/responses answers in memory for previous_response_id and GET / DELETE "
                         "/v1/responses/{id}; default 0: none kept")
+    s.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="a Jinja chat template (a file, or the template text itself) that replaces the checkpoint's "
+                        "for chat completions, /v1/responses and /tokenize; needs a checkpoint with a tokenizer")
     s.add_argument("--metrics-interval-s", type=float, default=5.0,
                    help="refresh of status-derived Ray metrics (ray.util.metrics) when Ray is up")
     p.set_defaults(func=run_serve)
@@ -68,6 +71,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from launch.cors import OriginsError, parse_origins
     from launch.credentials import API_KEY, CredentialError
     from launch.options import LaunchError
+    from launch.chat import ChatTemplateError, set_chat_template
 
     try:  # before anything starts: a bad security configuration fails in milliseconds
         admin_token = resolve_admin_token(args.admin_token, args.admin_token_file)
@@ -85,6 +89,11 @@ def run_serve(args: argparse.Namespace) -> int:
               f"/v1/* answers anyone who reaches the port (pass --api-key-file PATH or set GRAPHLINE_API_KEY)",
               file=sys.stderr, flush=True)
     tokenizer = load_tokenizer(args.model)
+    if args.chat_template is not None:
+        try:  # before any rank starts: a broken template fails in a second
+            print(f"graphline: chat template from {set_chat_template(tokenizer, args.chat_template)}", flush=True)
+        except ChatTemplateError as exc:
+            raise LaunchError(str(exc)) from None
     if args.reasoning_parser is not None:
         try:  # before any rank starts: a checkpoint without think tags fails in a second
             think_tags(tokenizer, args.reasoning_parser)
