@@ -11,6 +11,8 @@ and the most probable alternatives (`launch.logprobs`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import re
 from typing import Any, Optional
@@ -190,7 +192,27 @@ def parse_chat_request(body: Any, ctx: ParseContext) -> GenerationRequest:
             raise RequestError("'tool_choice' \"required\" or a named function cannot be combined with "
                                "'response_format' or 'structured_outputs'", "tool_choice", "invalid_value")
         greq.grammar = forced_tool_grammar(tool_choice, tools, ctx.grammars)
+    prefix = _echo_prefix(body)
+    if prefix:
+        greq.text = dataclasses.replace(greq.text, chat_echo=prefix)
     return greq
+
+
+def _echo_prefix(body: dict) -> str:
+    """vLLM's chat `echo`: the answer starts with the last message's text when that message has the answer's role
+    (the assistant's with `add_generation_prompt`, else the last message's own: a continuation); "" otherwise. The
+    messages were validated by `chat_prompt`."""
+    v = body.get("echo")
+    if v is None or not check_bool("echo", v):
+        return ""
+    last = body["messages"][-1]
+    add_gen = body.get("add_generation_prompt") is not False
+    if add_gen and last.get("role") != "assistant":
+        return ""
+    content = last.get("content")
+    if isinstance(content, list):
+        content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
 
 
 # ---- shapes

@@ -72,7 +72,9 @@ class Shape:
         return echo_text(self.tokenizer, prompt) + text, lp
 
     def opening(self, c: ChoiceState) -> Optional[dict]:
-        return chat_delta(c.index, "", None, first=True) if self.chat else None
+        """A streamed chat choice's first delta: the role (and the echoed last message, chat's `echo`)."""
+        echo = self.greq.text.chat_echo if self.greq is not None else ""
+        return chat_delta(c.index, echo, None, first=True) if self.chat else None
 
     def _logprobs(self, c: ChoiceState, tokens: list[int], entries: list, text_start: int) -> Optional[dict]:
         if c.logprobs is None:
@@ -151,6 +153,9 @@ class Shape:
         if self.chat:
             out = chat_response(rid, model, created, choices, lps, self.think_tags is not None, tools)
             text = None if self.greq is None else self.greq.text
+            if text is not None and text.chat_echo:
+                for ch in out["choices"]:
+                    ch["message"]["content"] = text.chat_echo + (ch["message"]["content"] or "")
             if text is not None and text.prompt_logprobs:
                 out["prompt_logprobs"] = vllm_prompt_logprobs(self.lp_tokenizer, self._prompt(choices[0]),
                                                               choices[0].prompt_lp)

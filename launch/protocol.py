@@ -98,6 +98,7 @@ class TextOptions:
     prompt_logprobs: bool = False  # vLLM's `prompt_logprobs`: the response carries them (`launch.prompt_logprobs`)
     tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprob tokens as "token_id:<id>"
     return_token_ids: bool = False  # vLLM's `return_token_ids`: the prompt's and each choice's token ids
+    chat_echo: str = ""  # vLLM's chat `echo`: the text each chat answer starts with (the last message's)
 
 
 # ---- shared fields
@@ -284,9 +285,7 @@ def parse_common(body: Any, ctx: ParseContext, prompts: list[list[int]], logprob
     is completions' only)."""
     sampling = parse_sampling(body, ctx, logprobs)
     stream, include_usage, continuous = parse_stream(body)
-    echo = _flag(body, "echo", False)
-    if echo and chat:
-        raise ApiError(400, "'echo' = true is not supported on chat completions", "echo", "unsupported")
+    echo = _flag(body, "echo", False) and not chat  # chat's echo: `launch.chat`
     v = body.get("prompt_logprobs")
     wanted = None if v is None else check_int("prompt_logprobs", v, 0, LOGPROBS_MAX)
     if wanted is not None and stream and chat:

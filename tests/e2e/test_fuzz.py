@@ -126,7 +126,7 @@ def bad_chat_values() -> dict[str, list]:
         "max_completion_tokens": [0, -5, "4", *HUGE],
         "add_generation_prompt": ["no", 1],
         "continue_final_message": [True],
-        "echo": [True, "no"],
+        "echo": ["no", 1],
         "prompt_logprobs": [21, -1, "0"],
         "tools": [[{"type": "function"}]],
         "tool_choice": ["required", "always", {"type": "function"}, {"type": "function", "function": {"name": "f"}},

@@ -115,7 +115,7 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(served):
     ("/v1/completions", {"prompt_logprobs": True}, "prompt_logprobs"),
     ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"echo": "yes"}, "echo"),
-    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/chat/completions", {"echo": 1}, "echo"),
     ("/v1/chat/completions", {"prompt_logprobs": 1.5}, "prompt_logprobs"),
 ])
 def test_bad_prompt_logprob_fields_are_400s_naming_them(served, path, fields, param):

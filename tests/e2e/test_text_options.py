@@ -246,3 +246,26 @@ def test_return_tokens_as_token_ids_and_return_token_ids(served):
                                                           extra_body={"ignore_eos": True, "return_token_ids": True})
                 if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
     assert streamed == ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_prepends_the_last_message_of_the_answers_role(served, stream):
+    """vLLM's chat `echo`: a continuation of an assistant message (no generation prompt) starts with that message;
+    with the generation prompt after a user message nothing is prepended."""
+    client = openai_client(served[0])
+
+    def answer(messages, **kw) -> str:
+        kw = dict(model="tiny-chat", messages=messages, max_tokens=6, temperature=0, **kw)
+        if not stream:
+            return client.chat.completions.create(**kw).choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+
+    cont = [{"role": "user", "content": "tell a story"}, {"role": "assistant", "content": "Once upon"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True}
+    plain = answer(cont, extra_body=extra)
+    echoed = answer(cont, extra_body={**extra, "echo": True})
+    assert echoed == "Once upon" + plain
+    user_last = [{"role": "user", "content": "tell a story"}]
+    assert answer(user_last, extra_body={"echo": True, "ignore_eos": True}) == \
+        answer(user_last, extra_body={"ignore_eos": True})

@@ -68,7 +68,7 @@ FAILURES = [
     ("n bool", CMPL, {"prompt": [1], "n": True}, 400, "n", "invalid_type"),
     ("n chat > 16", CHAT, {"messages": MSG, "n": 17}, 400, "n", "invalid_value"),
     ("best_of chat", CHAT, {"messages": MSG, "best_of": 2}, 400, "best_of", "unsupported"),
-    ("echo on chat", CHAT, {"messages": MSG, "echo": True}, 400, "echo", "unsupported"),
+    ("echo on chat not a bool", CHAT, {"messages": MSG, "echo": "yes"}, 400, "echo", "invalid_type"),
     ("echo not a bool", CMPL, {"prompt": [1], "echo": 1}, 400, "echo", "invalid_type"),
     ("prompt_logprobs > 20", CMPL, {"prompt": [1], "prompt_logprobs": 21}, 400, "prompt_logprobs", "invalid_value"),
     ("prompt_logprobs streamed chat", CHAT, {"messages": MSG, "prompt_logprobs": 0, "stream": True}, 400,
