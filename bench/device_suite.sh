@@ -39,6 +39,13 @@ benches)
   timeout 110 python3 bench/serve_bench.py --model qwen3-0.6b --server-arg=--overlap --out "$out/serve_bench_overlap.json" 2>&1 | grep -v "\[server\]" | tee "$out/serve_bench_overlap.log" | tail -6
   ;;
 owed)
+  # thirty-seventh session: lm-eval loglikelihood requests against plain one-token ones; constrained (json_object)
+  # against free serving at Qwen3's vocabulary (random-weight 0.6B shape, synthetic tokenizer); the grammar masks'
+  # host cost on this machine's cores
+  timeout 120 python3 -m bench.loglikelihood_bench --model qwen3-0.6b --concurrency 1,8 --requests-per-client 6 --prompt-len 512 --max-model-len 2048 --out "$out/loglikelihood_bench.json" 2>&1 | grep -v "\[server\]" | tee "$out/loglikelihood_bench.log" | tail -8
+  timeout 60 python3 -m bench.structured_checkpoint --out /tmp/q06 --no-sampling-defaults 2>&1 | tail -1
+  timeout 200 python3 -m launch bench --model /tmp/q06 --response-format json_object --temperature 1.0 --concurrency 1,16 --requests-per-client 3 --prompt-len 128 --max-tokens 96 --out "$out/structured_serve.json" 2>&1 | grep -v "\[server\]" | tee "$out/structured_serve.log" | tail -8
+  timeout 60 python3 -m bench.grammar_mask_bench 2>&1 | quiet | tee "$out/grammar_mask_bench.log" | tail -6
   # issue 20: sampled vs greedy through the coordinator, with top_k 50 and logprobs, armed and not
   timeout 110 python3 -m bench.dist_bench --model qwen3-0.6b --tp 1 --batches 1,8,64 --paths pipe --sampling greedy,t1_p0.9,t1_k50,greedy_lp5,t1_p0.9_lp5 --steps 150 --armed-wait-ms 20,0 --out "$out/dist_bench_sampling.json" 2>&1 | quiet | tee "$out/dist_bench_sampling.log" | grep -E "^1 |sampled /"
   timeout 60 python3 -m bench.sampler_bench --batches 1,8,64 --out "$out/sampler_bench.json" 2>&1 | quiet | tee "$out/sampler_bench.log" | tail -5
