@@ -117,7 +117,12 @@ class Scheduler(StepPlanner, SchedulerFailures):
         w.insert(i, seq)
 
     def _release_held(self, parent: Sequence) -> None:
+        """Queue `parent`'s held samples; those asking for prompt log-probabilities take the parent's (the same
+        prompt), so they reuse its cached blocks instead of computing the prompt again."""
         for seq in reversed(self._held.pop(parent.request_id, ())):
+            have, theirs = seq.prompt_lp, parent.prompt_lp
+            if have is not None and theirs is not None and len(theirs) > len(have):
+                seq.prompt_lp = [*theirs]
             self.waiting.appendleft(seq)
 
     @property

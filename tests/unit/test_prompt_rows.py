@@ -80,3 +80,22 @@ def test_an_ask_that_would_skip_positions_is_an_error():
     assert build_ask([seq], [0], [1])[0].rows.tolist() == [0]  # a one-token chunk asks one position
     seq.prompt_lp.extend([(0.0, 1, [], [])] * 18)
     assert build_ask([seq], [18], [1]) == (None, [])  # the last prompt position predicts the first output
+
+
+def test_a_held_sample_takes_its_parents_entries_and_reuses_its_blocks():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128), 64, 4)
+    prompt = list(range(200, 222))
+    sp = SamplingParams(prompt_logprobs=1, temperature=1.0)
+    parent = Sequence(Request.make(prompt, sp, max_tokens=4))
+    child = Sequence(Request.make(prompt, sp, max_tokens=4))
+    s.add(parent)
+    s.add(child, after=parent)
+    asked = []
+    while not (parent.is_finished and child.is_finished):
+        b = s.schedule()
+        if child in b.seqs and not child.prefilled:
+            owners = [b.seqs[i] for i, _ in b.prompt_owners or ()]
+            asked.append((int(b.batch.num_history[b.seqs.index(child)]), child in owners))
+        s.update(b, _answer(b.batch))
+    assert child.prompt_lp == parent.prompt_lp and len(child.prompt_lp) == len(prompt) - 1
+    assert asked == [(20, False)]  # the parent's 5 full blocks, then its last two tokens: nothing asked
