@@ -88,11 +88,6 @@ class RankStepIO:
         """`logprobs`: (the step's tokens and logprobs packed, int32 `[n, 2 + 2M]`, N of the M to keep): read back
         in one copy instead of `tokens`. `prompt`: the step's prompt log-probabilities (device tensors), copied to
         fresh pinned buffers before the tokens (not recycled: steps that ask for them are rare)."""
-        if prompt is not None and prompt[0].device.type == "cuda":
-            hosts = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in prompt)
-            for h, t in zip(hosts, prompt):
-                h.copy_(t, non_blocking=True)
-            prompt = hosts
         if prompt is not None:
             return self._read_back_prompt(tokens, multi, logprobs, prompt)
         if logprobs is not None:
@@ -120,10 +115,15 @@ class RankStepIO:
 
     def _read_back_prompt(self, tokens: torch.Tensor, multi: bool, logprobs: Optional[tuple[torch.Tensor, int]],
                           prompt: tuple[torch.Tensor, ...]) -> PendingTokens:
-        """`_read_back` of a step with prompt log-probabilities (already on the host, or being copied there)."""
+        """`_read_back` of a step with prompt log-probabilities: each tensor, and then the tokens (or the packed tokens
+        and logprobs), copied to a fresh pinned buffer behind one event (CPU ranks: as they are)."""
         packed, k = logprobs if logprobs is not None else (tokens, None)
         if packed.device.type != "cuda":
             return PendingTokens(packed.contiguous(), None, multi, logprobs=k, prompt=prompt)
+        hosts = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in prompt)
+        for h, t in zip(hosts, prompt):
+            h.copy_(t, non_blocking=True)
+        prompt = hosts
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()

@@ -185,11 +185,12 @@ class StepPlanner:
             need = self.blocks_for(seq.num_tokens) - len(seq.block_table)
             while need > self.blocks.num_free:
                 victim = self._victim()
-                self.running.remove(victim)
+                j = self.running.index(victim)
+                del self.running[j]
                 self._preempt(victim)
                 if victim is seq:
                     break
-                if self.running.index(seq) < i:  # a row before it left: it moved up
+                if j < i:  # a row before it left: it moved up
                     i -= 1
             else:
                 if need:

@@ -19,7 +19,7 @@ from launch.logprobs import chat_logprobs, completion_logprobs
 from launch.outputs import ChoiceState
 from launch.prompt_logprobs import echo_logprobs, echo_text, vllm_prompt_logprobs
 from launch.completions import choice, completion_response
-from launch.protocol import ApiError, GenerationRequest, choices_usage, now_s, stream_chunk
+from launch.protocol import ApiError, GenerationRequest, TextOptions, choices_usage, now_s, stream_chunk
 from launch.reasoning import ThinkTags, splitter_for
 from launch.structured import gate_for_reasoning
 from launch.forced_tools import ForcedCallStream, forced_answer
@@ -51,13 +51,14 @@ class Shape:
         self.tool_choice = tool_choice if chat and tool_choice is not None and tool_choice.mode != "none" else None
         self._tool_streams: dict[int, Any] = {}  # per choice: a ToolCallStream ("auto") or a ForcedCallStream
         self.object = "chat.completion.chunk" if chat else "text_completion"
-        self.greq: Optional[GenerationRequest] = None  # `bind`: the request's echo and prompt_logprobs
+        self.greq: Optional[GenerationRequest] = None  # `bind`: the request's prompts
+        self.text = TextOptions()  # `bind`: the request's (echo, prompt_logprobs, token ids ...)
         self.lp_tokenizer = tokenizer  # what writes logprob tokens (None: `token_id:<id>`)
 
     def bind(self, greq: GenerationRequest) -> None:
         """The request this shape answers (its prompts, for `echo`, `prompt_logprobs` and `return_token_ids`;
         `return_tokens_as_token_ids`: every logprob token is written `token_id:<id>`, as without a tokenizer)."""
-        self.greq = greq
+        self.greq, self.text = greq, greq.text
         if greq.text.tokens_as_ids:
             self.lp_tokenizer = None
 
@@ -73,8 +74,7 @@ class Shape:
 
     def opening(self, c: ChoiceState) -> Optional[dict]:
         """A streamed chat choice's first delta: the role (and the echoed last message, chat's `echo`)."""
-        echo = self.greq.text.chat_echo if self.greq is not None else ""
-        return chat_delta(c.index, echo, None, first=True) if self.chat else None
+        return chat_delta(c.index, self.text.chat_echo, None, first=True) if self.chat else None
 
     def _logprobs(self, c: ChoiceState, tokens: list[int], entries: list, text_start: int) -> Optional[dict]:
         if c.logprobs is None:
@@ -90,7 +90,7 @@ class Shape:
             r, calls = c.last_reasoning, None
             if self.tool_choice is not None:
                 text, calls, reason = self._tools_delta(c, text, reason)
-            want_ids = self.greq is not None and self.greq.text.return_token_ids
+            want_ids = self.text.return_token_ids
             if not (text or r or reason or lp or calls or (want_ids and tokens)):
                 return None
             out = chat_delta(c.index, text, reason, logprobs=lp, reasoning=r, tool_calls=calls)
@@ -98,13 +98,13 @@ class Shape:
                 out["token_ids"] = tokens
             return out
         prompt_lp = ids = None
-        if self.greq is not None and not c.first_sent and (text or tokens or reason):
+        if not c.first_sent and (text or tokens or reason):
             c.first_sent = True  # the first chunk carries the prompt's echo and its prompt_logprobs
-            if self.greq.text.echo:
+            if self.text.echo:
                 text, lp = self._echoed(c, text, lp, tokens)
-            if self.greq.text.prompt_logprobs:
+            if self.text.prompt_logprobs:
                 prompt_lp = vllm_prompt_logprobs(self.lp_tokenizer, self._prompt(c), c.prompt_lp)
-            if self.greq.text.return_token_ids:
+            if self.text.return_token_ids:
                 ids = self._prompt(c)
         if not (text or tokens or reason):
             return None
@@ -152,26 +152,26 @@ class Shape:
         tools = [self._tool_answer(c) for c in choices] if self.tool_choice is not None else None
         if self.chat:
             out = chat_response(rid, model, created, choices, lps, self.think_tags is not None, tools)
-            text = None if self.greq is None else self.greq.text
-            if text is not None and text.chat_echo:
+            text = self.text
+            if text.chat_echo:
                 for ch in out["choices"]:
                     ch["message"]["content"] = text.chat_echo + (ch["message"]["content"] or "")
-            if text is not None and text.prompt_logprobs:
+            if text.prompt_logprobs:
                 out["prompt_logprobs"] = vllm_prompt_logprobs(self.lp_tokenizer, self._prompt(choices[0]),
                                                               choices[0].prompt_lp)
-            if text is not None and text.return_token_ids:
+            if text.return_token_ids:
                 out["prompt_token_ids"] = self._prompt(choices[0])
                 for c, ch in zip(choices, out["choices"]):
                     ch["token_ids"] = c.token_ids
             return out
         out = completion_response(rid, model, created, choices, n, lps)
-        text = None if self.greq is None else self.greq.text
+        text = self.text
         for c, ch in zip(choices, out["choices"]):
-            if text is not None and text.echo:
+            if text.echo:
                 ch["text"], ch["logprobs"] = self._echoed(c, ch["text"], ch["logprobs"], c.token_ids)
-            if text is not None and text.prompt_logprobs:
+            if text.prompt_logprobs:
                 ch["prompt_logprobs"] = vllm_prompt_logprobs(self.lp_tokenizer, self._prompt(c), c.prompt_lp)
-            if text is not None and text.return_token_ids:
+            if text.return_token_ids:
                 ch["prompt_token_ids"] = self._prompt(c)
         return out
 

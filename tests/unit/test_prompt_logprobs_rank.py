@@ -12,23 +12,22 @@ import torch
 from actors.batch import SampledTokens, StepBatch, StepLogprobs
 from actors.prompt_logprobs import PromptLogprobs, PromptLogprobsAsk
 from actors.protocol import StepPlan
-from actors.rank import RankRuntime
+from actors.local import LocalExecutor
 from actors.runtime_config import RuntimeConfig
+from graphrunner.config import GraphRunnerConfig
 from actors.wire import decode_reply, decode_request, encode_request, encode_tokens
 from engine.sampling_rows import build_extras
-from parallel.context import ParallelContext
 
 K = 5
 
 
 @pytest.fixture(scope="module")
 def rank():
-    rt = RankRuntime(RuntimeConfig(model="qwen3-tiny", device="cpu", num_kv_blocks=128, max_model_len=512),
-                     ParallelContext(), torch.device("cpu"))
-    rt.load_model()
-    rt.allocate_kv_cache()
-    rt.build_runner()
-    return rt
+    ex = LocalExecutor(RuntimeConfig(model="qwen3-tiny", device="cpu", num_kv_blocks=128, max_model_len=512,
+                                     graph=GraphRunnerConfig(max_decode_batch=4, pcg_max_tokens=64,
+                                                             pcg_token_stride=32)))
+    ex.start()
+    return ex.runtime
 
 
 def _reference(rt, prompt: list[int], first_block: int) -> list[tuple[float, int, list[int], list[float]]]:
